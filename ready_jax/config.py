@@ -1,0 +1,268 @@
+"""Target configuration: a frozen dataclass read from a Hugging Face ``config.json``.
+
+Two families share one config: Qwen3.5 text models (``qwen3_5`` / ``qwen3_5_text``, dense MLPs) and
+Qwen3-Next (``qwen3_next``, sparse MoE with a sigmoid-gated shared expert, dense via
+``mlp_only_layers``). Reading is strict: a field that would change the math and is not implemented
+(a rope scaling type, sliding windows, another activation, ...) raises, and so does a field this
+module has never heard of, because silently ignoring it could change what the model computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
+
+# Fields that never change what the model computes at inference (bookkeeping, training-only knobs,
+# multimodal / MTP parts this project does not load).
+_IGNORED_FIELDS = frozenset({
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "use_cache", "initializer_range", "output_router_logits", "router_aux_loss_coef", "attention_dropout",
+    "bos_token_id", "pad_token_id", "max_position_embeddings", "model_type", "base_config_key",
+    "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "return_dict",
+    "output_hidden_states", "output_attentions", "id2label", "label2id", "problem_type",
+    "tokenizer_class", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
+    "attn_output_gate", "full_attention_interval", "rope_theta", "partial_rotary_factor", "rope_scaling",
+    "rope_parameters", "use_sliding_window", "sliding_window", "max_window_layers", "hidden_act",
+    "layer_types", "eos_token_id", "tie_word_embeddings",
+})
+# Outer (multimodal wrapper) fields of a Qwen3.5 config.json whose text model lives in text_config.
+_WRAPPER_FIELDS = frozenset({
+    "text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+    "vision_end_token_id", "vision_token_id", "audio_token_id",
+})
+_ROPE_FIELDS = frozenset({"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"})
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Hyper-parameters of a hybrid Gated DeltaNet / gated attention target.
+
+    ``layer_types[l]`` is ``"linear_attention"`` (Gated DeltaNet) or ``"full_attention"`` (gated
+    softmax attention with a KV cache) for decoder layer ``l`` (counted from 0).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32_768
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen3_5_text"
+    # Sparse MoE (Qwen3-Next). num_experts == 0 means every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        problems = []
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            problems.append(f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                            f"{self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if unknown:
+            problems.append(f"unsupported layer types {unknown}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append(f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                            f"linear_num_key_heads {self.linear_num_key_heads}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            problems.append(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim "
+                            f"{self.rotary_dim}, which must be even and in (0, head_dim]")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            problems.append(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts]")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            problems.append("a sparse MoE needs moe_intermediate_size > 0")
+        bad_mlp_only = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad_mlp_only:
+            problems.append(f"mlp_only_layers {bad_mlp_only} are outside 0..{self.num_hidden_layers - 1}")
+        if self.decoder_sparse_step < 1:
+            problems.append("decoder_sparse_step must be >= 1")
+        if problems:
+            raise ValueError("invalid TargetConfig: " + "; ".join(problems))
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise causal conv: cat(q, k, v)."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_kind(self, layer: int) -> tuple[str, bool]:
+        """(token mixer, is_moe) of decoder layer ``layer``: what decides its parameter structure."""
+        return self.layer_types[layer], self.is_moe_layer(layer)
+
+    @property
+    def group_size(self) -> int:
+        """Smallest period p (dividing the depth) of the per-layer kinds.
+
+        The model stacks the ``num_hidden_layers / p`` identical groups of p layers and scans over
+        them, so compile time does not grow with depth. A pattern with no shorter period gives
+        p = depth (nothing to scan over, every layer unrolled).
+        """
+        kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
+        for p in range(1, self.num_hidden_layers + 1):
+            if self.num_hidden_layers % p == 0 and all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+                return p
+        raise AssertionError("unreachable: p = depth always matches")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_hidden_layers // self.group_size
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    # ---- (de)serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
+        d = dict(d)
+        for key in ("layer_types", "eos_token_ids", "mlp_only_layers"):
+            if key in d:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, config: str | os.PathLike | dict[str, Any]) -> TargetConfig:
+        """Build from an HF ``config.json`` (a path to the file or its directory, or the parsed dict)."""
+        if not isinstance(config, dict):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+        return _from_hf_dict(config)
+
+
+def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
+    model_type = raw.get("model_type")
+    if "text_config" in raw:  # Qwen3.5 multimodal wrapper: the language model is text_config.
+        if model_type != "qwen3_5":
+            raise ValueError(f"config with a text_config has model_type {model_type!r}; only 'qwen3_5' "
+                             "wrappers are supported")
+        outer_unknown = sorted(set(raw) - _WRAPPER_FIELDS - _IGNORED_FIELDS)
+        if outer_unknown:
+            raise ValueError(f"unrecognised config field(s) {outer_unknown}: they may change the math")
+        raw = dict(raw["text_config"])
+        raw.setdefault("model_type", "qwen3_5_text")
+        model_type = raw["model_type"]
+    if model_type == "qwen3_5":
+        model_type = "qwen3_5_text"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+
+    fields = {f.name for f in dataclasses.fields(TargetConfig)} - {"layer_types", "eos_token_ids",
+                                                                    "model_type", "mlp_only_layers"}
+    unknown = sorted(set(raw) - fields - _IGNORED_FIELDS - {"mlp_only_layers"})
+    if unknown:
+        raise ValueError(f"unrecognised config field(s) {unknown}: they may change the math and are not "
+                         "implemented")
+    problems = _unsupported_values(raw)
+    if problems:
+        raise ValueError("unsupported config: " + "; ".join(problems))
+
+    rope = dict(raw.get("rope_parameters") or {})
+    for legacy in ("rope_theta", "partial_rotary_factor"):  # older configs keep these at the top level
+        if legacy in raw:
+            rope.setdefault(legacy, raw[legacy])
+
+    num_layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        interval = raw.get("full_attention_interval", 4)
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+    eos = raw.get("eos_token_id")
+    eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list | tuple) else (eos,))
+
+    kwargs = {k: raw[k] for k in fields if k in raw and k not in ("rope_theta", "partial_rotary_factor")}
+    if raw.get("head_dim") is None:
+        kwargs["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+    if model_type == "qwen3_next":
+        kwargs.setdefault("num_experts", 512)  # HF's defaults for the sparse fields
+        kwargs.setdefault("num_experts_per_tok", 10)
+        kwargs.setdefault("moe_intermediate_size", 512)
+        kwargs.setdefault("shared_expert_intermediate_size", 512)
+    return TargetConfig(
+        **kwargs,
+        layer_types=tuple(layer_types),
+        eos_token_ids=eos_ids,
+        model_type=model_type,
+        mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+        rope_theta=float(rope.get("rope_theta", 10_000.0)),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", 0.25)),
+    )
+
+
+def _unsupported_values(raw: dict[str, Any]) -> list[str]:
+    """Fields whose value selects math this project does not implement."""
+    problems = []
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {raw['hidden_act']!r} (only 'silu')")
+    if raw.get("rope_scaling"):
+        problems.append(f"rope_scaling {raw['rope_scaling']!r} (only plain RoPE)")
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.rope_type {rope['rope_type']!r} (only 'default')")
+    extra_rope = sorted(set(rope) - _ROPE_FIELDS)
+    if extra_rope:
+        problems.append(f"rope_parameters fields {extra_rope}")
+    # mRoPE with text-only positions: all three position streams are equal, so any mrope_section gives
+    # plain RoPE. Nothing to check beyond accepting the fields.
+    sliding = raw.get("use_sliding_window")
+    if sliding or (sliding is None and raw.get("sliding_window") is not None):
+        problems.append("sliding-window attention")
+    if raw.get("attn_output_gate", True) is not True:
+        problems.append("attn_output_gate false (the gated attention output is always applied)")
+    if raw.get("mamba_ssm_dtype", "float32") != "float32":
+        problems.append(f"mamba_ssm_dtype {raw['mamba_ssm_dtype']!r} (states are kept in float32)")
+    return problems

@@ -1,0 +1,224 @@
+"""Building blocks of the Qwen3.5 / Qwen3-Next target, exactly as HF transformers computes them.
+
+Norms and gates run in float32 and cast back, like the reference; matmuls run in the parameter dtype.
+Linear kernels are stored ``[in, out]`` (HF stores ``[out, in]``; the converters transpose).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import gated_delta
+from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, select_conv_state
+from .config import TargetConfig
+
+_normal = nnx.initializers.normal(0.02)
+
+
+def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      kernel_init=_normal, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in float32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Gated DeltaNet output norm: ``rmsnorm(o) * w * silu(z)``; w starts at one (not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        out = self.weight[...] * normed
+        return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Partial rotate-half RoPE on the first ``rotary_dim`` channels. x: [B, T, H, D], positions: [B, T].
+
+    Qwen3.5's interleaved mRoPE reduces to this for text: its three position streams are equal.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, T, rotary_dim/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]     # [B, T, 1, rotary_dim]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated_half * sin, rest], axis=-1)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype):
+        self.gate_proj = linear(hidden, intermediate, rngs=rngs, dtype=dtype)
+        self.up_proj = linear(hidden, intermediate, rngs=rngs, dtype=dtype)
+        self.down_proj = linear(intermediate, hidden, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nnx.Module):
+    """Qwen3-Next MoE: softmax router, top-k (optionally renormalised), SwiGLU experts, plus a shared
+    expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    Tokens are sorted by expert and run through ``jax.lax.ragged_dot``, so each token pays for its k
+    experts only, not for all of them.
+    """
+
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype):
+        e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.router = linear(d, e, rngs=rngs, dtype=dtype)
+        self.expert_gate = nnx.Param(_normal(rngs.params(), (e, d, i), dtype))  # [E, D, I]
+        self.expert_up = nnx.Param(_normal(rngs.params(), (e, d, i), dtype))    # [E, D, I]
+        self.expert_down = nnx.Param(_normal(rngs.params(), (e, i, d), dtype))  # [E, I, D]
+        self.shared_expert = MLP(d, config.shared_expert_intermediate_size, rngs=rngs, dtype=dtype)
+        self.shared_expert_gate = linear(d, 1, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                          # [N, D]
+        probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)  # [N, E]
+        top_p, top_e = jax.lax.top_k(probs, self.top_k)                       # [N, k]
+        if self.norm_topk_prob:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        num_experts = self.expert_gate.shape[0]
+        flat_e = top_e.reshape(-1)                                            # [N*k]
+        order = jnp.argsort(flat_e, stable=True)
+        token = order // self.top_k                                           # token of each sorted slot
+        group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+        xs = x[token]                                                          # [N*k, D] sorted by expert
+        h = (jax.nn.silu(jax.lax.ragged_dot(xs, self.expert_gate[...], group_sizes))
+             * jax.lax.ragged_dot(xs, self.expert_up[...], group_sizes))
+        ys = jax.lax.ragged_dot(h, self.expert_down[...], group_sizes)         # [N*k, D]
+        ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
+        routed = jnp.zeros_like(x).at[token].add(ys)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32)).astype(x.dtype)
+        return (routed + shared * self.shared_expert(x)).reshape(shape)
+
+
+class GatedAttention(nnx.Module):
+    """Softmax attention with a sigmoid output gate, q/k RMSNorm, partial RoPE and a KV cache."""
+
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype):
+        d, h, hkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = linear(d, h * hd * 2, rngs=rngs, dtype=dtype, bias=bias)  # per head: [query | gate]
+        self.k_proj = linear(d, hkv * hd, rngs=rngs, dtype=dtype, bias=bias)
+        self.v_proj = linear(d, hkv * hd, rngs=rngs, dtype=dtype, bias=bias)
+        self.o_proj = linear(h * hd, d, rngs=rngs, dtype=dtype, bias=bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
+        self.rotary_dim, self.rope_theta = config.rotary_dim, config.rope_theta
+
+    def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array) -> tuple[jax.Array, AttentionCache]:
+        """x: [B, T, D]; the block sits at positions ``starts[b] + t``. Returns output and the cache
+        with the block's K/V written at those slots (one group's slice: k, v are [B, S, H_kv, D])."""
+        b, t, _ = x.shape
+        hd = self.head_dim
+        query_gate = self.q_proj(x).reshape(b, t, self.num_heads, 2 * hd)
+        query, gate = query_gate[..., :hd], query_gate[..., hd:].reshape(b, t, self.num_heads * hd)
+        key = self.k_proj(x).reshape(b, t, self.num_kv_heads, hd)
+        value = self.v_proj(x).reshape(b, t, self.num_kv_heads, hd)
+        positions = starts[:, None] + jnp.arange(t)[None, :]                   # [B, T]
+        query = apply_rope(self.q_norm(query), positions, self.rotary_dim, self.rope_theta)
+        key = apply_rope(self.k_norm(key), positions, self.rotary_dim, self.rope_theta)
+
+        write = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new, s, axis=0))
+        k_all = write(cache.k, key.astype(cache.k.dtype), starts)              # [B, S, H_kv, D]
+        v_all = write(cache.v, value.astype(cache.v.dtype), starts)
+
+        rep = self.num_heads // self.num_kv_heads
+        q = query.reshape(b, t, self.num_kv_heads, rep, hd)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k_all).astype(jnp.float32) * hd**-0.5
+        slots = jnp.arange(k_all.shape[1])
+        visible = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_all).reshape(b, t, self.num_heads * hd)
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(out), AttentionCache(k=k_all, v=v_all)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet token mixer: projections, depthwise causal conv (SiLU), the delta rule, gated norm."""
+
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype):
+        c = config
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.kernel_size = c.linear_conv_kernel_dim
+        self.in_proj_qkv = linear(c.hidden_size, c.conv_dim, rngs=rngs, dtype=dtype)
+        self.in_proj_z = linear(c.hidden_size, c.linear_value_dim, rngs=rngs, dtype=dtype)
+        self.in_proj_b = linear(c.hidden_size, c.linear_num_value_heads, rngs=rngs, dtype=dtype)
+        self.in_proj_a = linear(c.hidden_size, c.linear_num_value_heads, rngs=rngs, dtype=dtype)
+        bound = 1.0 / self.kernel_size**0.5  # PyTorch's default conv init for one input channel
+        self.conv_weight = nnx.Param(jax.random.uniform(rngs.params(), (self.kernel_size, c.conv_dim), dtype,
+                                                        -bound, bound))  # [K, C]
+        self.dt_bias = nnx.Param(jnp.ones((c.linear_num_value_heads,), dtype))
+        a_init = jax.random.uniform(rngs.params(), (c.linear_num_value_heads,), jnp.float32, 0.01, 16.0)
+        self.A_log = nnx.Param(jnp.log(a_init).astype(dtype))
+        self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)
+        self.out_proj = linear(c.linear_value_dim, c.hidden_size, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
+                 form: str) -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
+        """x: [B, T, D] new tokens after the committed ones (one group's cache slice).
+
+        ``form="chunked"`` or ``"recurrent"``: advance by ``num_new[b]`` tokens (the rest of the row is
+        right padding, given g = beta = 0 so it leaves the state unchanged) and return the new cache.
+        ``form="candidates"``: run the block with the recurrent form and return the state after every
+        position, from which ``cache.commit`` selects.
+        """
+        b, t, _ = x.shape
+        k_minus_1 = self.kernel_size - 1
+        window = jnp.concatenate([cache.conv, self.in_proj_qkv(x).astype(cache.conv.dtype)], axis=1)
+        w = self.conv_weight[...]
+        conv = sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size))
+        mixed = jax.nn.silu(conv).astype(x.dtype)                              # [B, T, C]
+        key_dim = self.num_k_heads * self.head_k_dim
+        q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
+
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))          # [B, T, H_v]
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+
+        if form == "candidates":
+            o, states = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True)
+            states = jnp.concatenate([cache.state[:, None], states], axis=1)   # [B, T+1, H_v, d_k, d_v]
+            new_cache = DeltaNetCandidate(states=states, conv_window=window)
+        else:
+            if num_new is not None:
+                valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
+                g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+            op = gated_delta.gated_delta_chunked if form == "chunked" else gated_delta.gated_delta_recurrent
+            o, state = op(q, k, v, g, beta, cache.state)
+            n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
+            new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
+
+        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        out = self.norm(o, z).reshape(b, t, self.num_v_heads * self.head_v_dim)
+        return self.out_proj(out), new_cache

@@ -1,0 +1,287 @@
+"""The hybrid target model (Qwen3.5 / Qwen3-Next) in Flax NNX, and its jittable step functions.
+
+Depth is organised as ``G`` stacked copies of a group of ``p`` layers (``TargetConfig.group_size``;
+``p = 4`` for the usual three Gated DeltaNet layers + one attention layer). Parameters of the group
+carry a leading ``G`` axis and the forward pass is a ``lax.scan`` over groups, so compile time does
+not grow with depth.
+
+Hidden features: ``hidden_layers=(l, ...)`` asks for the residual stream *output of decoder layer
+l* (0-based, after its MLP residual add, before the final norm). In HF terms that is
+``output_hidden_states[l + 1]``; ``hidden_states[0]`` (the embeddings) has no index here.
+
+Step functions are pure: ``(params, cache, tokens) -> (logits, hidden, new cache or candidate)``. The
+:class:`Target` wrapper splits the NNX graph once and jits each step with the cache donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import cache as cache_lib
+from .cache import AttentionCache, Candidate, TargetCache
+from .config import FULL_ATTENTION, TargetConfig
+from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: token mixer (Gated DeltaNet or gated attention), then MLP or MoE."""
+
+    def __init__(self, config: TargetConfig, layer: int, *, rngs: nnx.Rngs, dtype):
+        self.is_attention = config.layer_types[layer] == FULL_ATTENTION
+        if self.is_attention:
+            self.self_attn = GatedAttention(config, rngs=rngs, dtype=dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(config, rngs=rngs, dtype=dtype)
+        if config.is_moe_layer(layer):
+            self.mlp = SparseMoE(config, rngs=rngs, dtype=dtype)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, h, layer_cache, starts, num_new, *, form):
+        x = self.input_layernorm(h)
+        if self.is_attention:
+            mixed, layer_cache = self.self_attn(x, layer_cache, starts)
+        else:
+            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form)
+        h = h + mixed
+        return h + self.mlp(self.post_attention_layernorm(h)), layer_cache
+
+
+class LayerGroup(nnx.Module):
+    """``p`` consecutive decoder layers: the unit that repeats through the depth."""
+
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype):
+        self.layers = nnx.List([DecoderLayer(config, j, rngs=rngs, dtype=dtype)
+                                for j in range(config.group_size)])
+
+
+class TargetModel(nnx.Module):
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        # G independent groups, stacked on a leading axis (what nnx.vmap would build).
+        group_def = nnx.graphdef(nnx.eval_shape(lambda: LayerGroup(config, rngs=nnx.Rngs(0), dtype=dtype)))
+        keys = jax.random.split(rngs.params(), config.num_groups)
+        stacked = jax.vmap(lambda key: nnx.state(LayerGroup(config, rngs=nnx.Rngs(key), dtype=dtype)))(keys)
+        self.groups = nnx.merge(group_def, stacked)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
+                                      param_dtype=dtype, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.embedding.dtype
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final norm and LM head (tied to the embedding when the config says so). [.., D] -> [.., V]"""
+        h = self.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(h)
+        return self.lm_head(h)
+
+    def run_layers(self, h, layers_cache, starts, num_new, *, form: str, hidden_layers: Sequence[int]):
+        """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D])."""
+        cfg = self.config
+        p, num_hidden = cfg.group_size, len(hidden_layers)
+        # Slot of each layer in the hidden-feature buffer; layers nobody asked for write to a spare slot.
+        slot_of_layer = np.full((cfg.num_hidden_layers,), num_hidden, np.int32)
+        for slot, layer in enumerate(hidden_layers):
+            slot_of_layer[layer] = slot
+        slots = jnp.asarray(slot_of_layer.reshape(cfg.num_groups, p))
+        group_def, group_state = nnx.split(self.groups)
+
+        def body(carry, xs):
+            h, hidden = carry
+            state, group_cache, group_slots = xs
+            group = nnx.merge(group_def, state)
+            new_cache = []
+            for j, layer in enumerate(group.layers):
+                with jax.named_scope(f"layer_{j}"):
+                    h, entry = layer(h, group_cache[j], starts, num_new, form=form)
+                new_cache.append(entry)
+                hidden = jax.lax.dynamic_update_index_in_dim(hidden, h, group_slots[j], axis=0)
+            return (h, hidden), tuple(new_cache)
+
+        hidden0 = jnp.zeros((num_hidden + 1, *h.shape), h.dtype)
+        (h, hidden), new_layers = jax.lax.scan(body, (h, hidden0), (group_state, layers_cache, slots))
+        return h, new_layers, hidden[:num_hidden]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    logits: jax.Array  # [B, T, V] float32
+    hidden: jax.Array  # [len(hidden_layers), B, T, D]
+    cache: TargetCache | Candidate
+
+
+def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[int, ...]:
+    layers = tuple(int(i) for i in hidden_layers)
+    bad = [i for i in layers if not 0 <= i < config.num_hidden_layers]
+    if bad:
+        raise ValueError(f"hidden_layers {bad} outside 0..{config.num_hidden_layers - 1}")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"hidden_layers {layers} has repeats")
+    return layers
+
+
+def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
+           form: str = "chunked", hidden_layers: Sequence[int] = ()) -> StepOutput:
+    """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
+
+    Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
+    T). ``form`` picks the Gated DeltaNet algorithm: ``"chunked"`` (prefill) or ``"recurrent"``
+    (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless.
+    """
+    model = nnx.merge(graphdef, params)
+    with jax.named_scope("embed"):
+        h = model.embed_tokens(tokens)
+    h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
+                                         hidden_layers=hidden_layers)
+    with jax.named_scope("lm_head"):
+        logits = model.logits(h).astype(jnp.float32)
+    n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
+    return StepOutput(logits, hidden, TargetCache(layers=layers, lengths=cache.lengths + n))
+
+
+def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
+           hidden_layers: Sequence[int] = ()) -> StepOutput:
+    """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate` with per-position states.
+
+    ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence.
+    """
+    model = nnx.merge(graphdef, params)
+    h = model.embed_tokens(block)
+    h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form="candidates",
+                                         hidden_layers=hidden_layers)
+    logits = model.logits(h).astype(jnp.float32)
+    return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
+
+
+class Target:
+    """A converted or randomly initialised target with jitted, cache-donating step functions.
+
+    ``params`` is the NNX state (a pytree of arrays); ``graphdef`` the static structure. Both are
+    split once here; the jitted steps merge them inside the trace, so no Python walks the module
+    graph per token.
+    """
+
+    def __init__(self, model: TargetModel):
+        self.config: TargetConfig = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.dtype = model.dtype
+
+    @classmethod
+    def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32) -> Target:
+        return cls(TargetModel(config, rngs=nnx.Rngs(seed), dtype=dtype))
+
+    @classmethod
+    def from_hf(cls, path, dtype=jnp.float32) -> Target:
+        """Load an HF checkpoint directory (config.json + safetensors or ``pytorch_model*.bin``)."""
+        from convert.hf_target import load_hf_target
+        return load_hf_target(path, dtype=dtype)
+
+    @classmethod
+    def load(cls, path) -> Target:
+        """Load the project's own checkpoint format (see :meth:`save`)."""
+        from .checkpoint import load_target
+        return load_target(path)
+
+    def save(self, path) -> None:
+        from .checkpoint import save_target
+        save_target(self, path)
+
+    @property
+    def model(self) -> TargetModel:
+        return nnx.merge(self.graphdef, self.params)
+
+    def init_cache(self, batch_size: int, capacity: int) -> TargetCache:
+        return cache_lib.init_cache(self.config, batch_size, capacity, self.dtype)
+
+    # ---- jitted steps (cache donated) ----------------------------------------------------------------
+    @functools.cached_property
+    def _extend(self):
+        return jax.jit(functools.partial(extend, self.graphdef), static_argnames=("form", "hidden_layers"),
+                       donate_argnames=("cache",))
+
+    @functools.cached_property
+    def _verify(self):
+        def run(params, kv_layers, other_layers, lengths, block, hidden_layers):
+            cache = TargetCache(layers=_merge_layers(kv_layers, other_layers), lengths=lengths)
+            return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers)
+
+        # Only the KV buffers keep their shape through verify; donating the recurrent states too would
+        # give XLA buffers it cannot reuse (the candidate holds per-position states instead).
+        return jax.jit(run, static_argnames=("hidden_layers",), donate_argnums=(1,))
+
+    def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
+        """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all)."""
+        tokens = self._check_tokens(tokens, cache)
+        if num_new is not None:
+            num_new = jnp.asarray(num_new, jnp.int32)
+        return self._extend(self.params, cache, tokens, num_new, form="chunked",
+                            hidden_layers=_check_layers(self.config, hidden_layers))
+
+    def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
+        """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]."""
+        tokens = self._check_tokens(jnp.asarray(tokens).reshape(-1, 1), cache)
+        return self._extend(self.params, cache, tokens, None, form="recurrent",
+                            hidden_layers=_check_layers(self.config, hidden_layers))
+
+    def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
+        block = self._check_tokens(block, cache)
+        kv_layers, other_layers = _split_layers(cache.layers)
+        return self._verify(self.params, kv_layers, other_layers, cache.lengths, block,
+                            hidden_layers=_check_layers(self.config, hidden_layers))
+
+    @staticmethod
+    def commit(candidate: Candidate, n_accepted) -> TargetCache:
+        kv_layers, other_layers = _split_layers(candidate.layers)
+        return _commit_jit(kv_layers, other_layers, candidate.lengths, jnp.asarray(n_accepted, jnp.int32))
+
+    def forward(self, input_ids) -> jax.Array:
+        """Full-sequence logits [B, T, V] from an empty cache (no padding)."""
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
+        return self.prefill(cache, input_ids).logits
+
+    def _check_tokens(self, tokens, cache: TargetCache) -> jax.Array:
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[0] != cache.batch_size:
+            raise ValueError(f"tokens must be [B={cache.batch_size}, T], got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+        # The KV buffers would silently clamp an out-of-range write, so check on the host first.
+        longest = int(jnp.max(cache.lengths)) + tokens.shape[1]
+        if longest > cache.capacity:
+            raise ValueError(f"{tokens.shape[1]} new tokens after {longest - tokens.shape[1]} committed exceed "
+                             f"the cache capacity of {cache.capacity} tokens")
+        return tokens.astype(jnp.int32)
+
+
+def _split_layers(layers):
+    """(KV entries, other entries), each a tuple with None where the other kind sits."""
+    kv = tuple(e if isinstance(e, AttentionCache) else None for e in layers)
+    return kv, tuple(None if isinstance(e, AttentionCache) else e for e in layers)
+
+
+def _merge_layers(kv_layers, other_layers):
+    return tuple(o if k is None else k for k, o in zip(kv_layers, other_layers, strict=True))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _commit_jit(kv_layers, other_layers, lengths, n_accepted):
+    return cache_lib.commit(Candidate(_merge_layers(kv_layers, other_layers), lengths), n_accepted)

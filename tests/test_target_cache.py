@@ -1,0 +1,142 @@
+"""The functional cache: incremental steps equal the full forward, verify + commit is a pure selection."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ATTN, GDN, tiny_config
+
+import ready_jax as rj
+from ready_jax.cache import mask_uncommitted
+
+ATOL = 2e-5
+
+
+def _tokens(seed, shape, vocab=97):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=shape), jnp.int32)
+
+
+def _assert_caches_equal(a: rj.TargetCache, b: rj.TargetCache, atol=ATOL):
+    """Committed content only: KV slots at or beyond a sequence's length are free and may differ."""
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    for x, y in zip(jax.tree.leaves(mask_uncommitted(a)), jax.tree.leaves(mask_uncommitted(b)), strict=True):
+        np.testing.assert_allclose(x, y, atol=atol)
+
+
+def _prefill(target, tokens, capacity=64, hidden_layers=()):
+    cache = target.init_cache(tokens.shape[0], capacity)
+    return target.prefill(cache, tokens, hidden_layers=hidden_layers)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_target", "tiny_moe_target"])
+def test_prefill_then_decode_equals_full_forward(fixture, request):
+    target = request.getfixturevalue(fixture)
+    ids = _tokens(0, (2, 12))
+    full = target.forward(ids)
+    out = _prefill(target, ids[:, :5])
+    np.testing.assert_allclose(out.logits, full[:, :5], atol=ATOL)
+    cache = out.cache
+    for t in range(5, 12):
+        step = target.decode(cache, ids[:, t])
+        np.testing.assert_allclose(step.logits[:, 0], full[:, t], atol=ATOL)
+        cache = step.cache
+    np.testing.assert_array_equal(cache.lengths, [12, 12])
+    _assert_caches_equal(cache, _prefill(target, ids).cache)
+
+
+def test_chunked_prefill_in_pieces_equals_one_prefill(tiny_target):
+    ids = _tokens(1, (2, 40))
+    whole = _prefill(tiny_target, ids)
+    first = _prefill(tiny_target, ids[:, :17])
+    second = tiny_target.prefill(first.cache, ids[:, 17:])
+    np.testing.assert_allclose(second.logits, whole.logits[:, 17:], atol=ATOL)
+    _assert_caches_equal(second.cache, whole.cache)
+
+
+@pytest.mark.parametrize("block", [1, 4, 7])
+def test_verify_then_commit_equals_prefill_of_accepted(tiny_target, block):
+    """For every n in 0..block (different n per sequence), commit(verify(block), n) == prefill(prefix + n)."""
+    batch, prefix = 3, 9
+    ids = _tokens(2, (batch, prefix + block))
+    base = _prefill(tiny_target, ids[:, :prefix])
+    hidden_layers = (1, 3, 6)
+    for n_first in range(block + 1):
+        n = jnp.asarray([n_first, (n_first + 1) % (block + 1), block - n_first], jnp.int32)
+        out = tiny_target.verify(jax.tree.map(jnp.copy, base.cache), ids[:, prefix:], hidden_layers=hidden_layers)
+        committed = rj.Target.commit(out.cache, n)
+        full = _prefill(tiny_target, ids, hidden_layers=hidden_layers)
+        np.testing.assert_allclose(out.logits, full.logits[:, prefix:], atol=ATOL)
+        np.testing.assert_allclose(out.hidden, full.hidden[:, :, prefix:], atol=ATOL)
+        # Reference: each sequence prefilled with exactly its prefix + n tokens (ragged prefill).
+        ref = tiny_target.prefill(tiny_target.init_cache(batch, 64), ids, num_new=prefix + n).cache
+        _assert_caches_equal(committed, ref)
+
+
+def test_ragged_prefill_equals_separate_prefills(tiny_target):
+    """Right-padded rows with their own lengths give each sequence's own cache and logits."""
+    lengths = [5, 11, 1]
+    ids = _tokens(3, (3, 11))
+    out = tiny_target.prefill(tiny_target.init_cache(3, 32), ids, num_new=lengths)
+    for b, n in enumerate(lengths):
+        ref = _prefill(tiny_target, ids[b:b + 1, :n], capacity=32)
+        np.testing.assert_allclose(out.logits[b, :n], ref.logits[0], atol=ATOL)
+        one = jax.tree.map(lambda x, b=b: x[:, b:b + 1] if x.ndim > 1 else x[b:b + 1], out.cache)
+        _assert_caches_equal(one, ref.cache)
+    # ... and decoding continues from each sequence's own position.
+    nxt = _tokens(4, (3,))
+    step = tiny_target.decode(out.cache, nxt)
+    for b, n in enumerate(lengths):
+        ref = _prefill(tiny_target, jnp.concatenate([ids[b:b + 1, :n], nxt[b:b + 1, None]], axis=1), capacity=32)
+        np.testing.assert_allclose(step.logits[b, 0], ref.logits[0, -1], atol=ATOL)
+
+
+def test_hidden_layers_are_decoder_layer_outputs(tiny_target):
+    """hidden_layers=(l,) is the residual stream after decoder layer l; the last one, normed, gives logits."""
+    ids = _tokens(5, (2, 6))
+    last = tiny_target.config.num_hidden_layers - 1
+    out = _prefill(tiny_target, ids, hidden_layers=(0, last))
+    model = tiny_target.model
+    np.testing.assert_allclose(model.logits(out.hidden[1]), out.logits, atol=ATOL)
+    # Layer 0's output, recomputed from the embeddings through the first decoder layer alone.
+    first_layer = jax.tree.map(lambda x: x[0], model.groups.layers[0])
+    empty = jax.tree.map(lambda x: x[0], tiny_target.init_cache(2, 8).layers[0])
+    h0, _ = first_layer(model.embed_tokens(ids), empty, jnp.zeros((2,), jnp.int32), None, form="chunked")
+    np.testing.assert_allclose(out.hidden[0], h0, atol=ATOL)
+
+
+def test_irregular_layer_pattern_unrolls(tiny_target):
+    """A pattern with no period still works (group = whole depth) and equals step-by-step decoding."""
+    cfg = tiny_config(num_hidden_layers=5, layer_types=(GDN, ATTN, GDN, GDN, ATTN))
+    assert cfg.group_size == 5 and cfg.num_groups == 1
+    target = rj.Target.init(cfg, seed=3)
+    ids = _tokens(6, (1, 8))
+    full = target.forward(ids)
+    cache = _prefill(target, ids[:, :4]).cache
+    for t in range(4, 8):
+        step = target.decode(cache, ids[:, t])
+        np.testing.assert_allclose(step.logits[:, 0], full[:, t], atol=ATOL)
+        cache = step.cache
+
+
+def test_group_size_detection():
+    assert tiny_config().group_size == 4 and tiny_config().num_groups == 2
+    assert tiny_config(num_hidden_layers=8, layer_types=(GDN, ATTN) * 4).group_size == 2
+    moe = tiny_config(model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                      shared_expert_intermediate_size=8, mlp_only_layers=(0,))
+    assert moe.group_size == 8  # layer 0 is dense, the rest MoE: no shorter period
+
+
+def test_bad_input_errors(tiny_target):
+    cache = tiny_target.init_cache(2, 8)
+    with pytest.raises(ValueError, match="capacity"):
+        tiny_target.prefill(cache, _tokens(7, (2, 9)))
+    with pytest.raises(ValueError, match=r"\[B=2, T\]"):
+        tiny_target.prefill(cache, _tokens(7, (3, 4)))
+    with pytest.raises(ValueError, match="hidden_layers"):
+        tiny_target.prefill(cache, _tokens(7, (2, 4)), hidden_layers=(8,))
+    with pytest.raises(ValueError, match="input_ids"):
+        tiny_target.forward(jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        tiny_config(num_attention_heads=3)
+    with pytest.raises(ValueError, match="layer_types"):
+        tiny_config(layer_types=(GDN,) * 3)
