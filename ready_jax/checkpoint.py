@@ -59,10 +59,9 @@ def state_from_flat(params: nnx.State, flat: dict[str, np.ndarray], *, what: str
 
 def save_target(target, path) -> None:
     os.makedirs(path, exist_ok=True)
-    flat = {k: np.asarray(v.astype(jnp.float32)) if v.dtype == jnp.bfloat16 else np.asarray(v)
-            for k, v in flat_state(target.params).items()}
+    # bf16 arrays convert to ml_dtypes.bfloat16 numpy arrays, which safetensors stores natively.
+    flat = {k: np.asarray(v) for k, v in flat_state(target.params).items()}
     meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "dtype": jnp.dtype(target.dtype).name}
-    # bf16 is written as float32 because numpy has no bfloat16; the dtype is restored on load.
     save_file(flat, os.path.join(path, "model.safetensors"), metadata=meta)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": meta["dtype"],

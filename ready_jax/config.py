@@ -36,6 +36,9 @@ _WRAPPER_FIELDS = frozenset({
     "text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
     "vision_end_token_id", "vision_token_id", "audio_token_id",
 })
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim")
 _ROPE_FIELDS = frozenset({"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"})
 
 
@@ -193,7 +196,12 @@ def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
         outer_unknown = sorted(set(raw) - _WRAPPER_FIELDS - _IGNORED_FIELDS)
         if outer_unknown:
             raise ValueError(f"unrecognised config field(s) {outer_unknown}: they may change the math")
-        raw = dict(raw["text_config"])
+        outer, raw = raw, dict(raw["text_config"])
+        # HF's Qwen3_5ForConditionalGeneration ties by the outer flag, Qwen3_5ForCausalLM by the inner one.
+        tie_outer, tie_inner = outer.get("tie_word_embeddings"), raw.get("tie_word_embeddings")
+        if tie_outer is not None and tie_inner is not None and tie_outer != tie_inner:
+            raise ValueError(f"tie_word_embeddings is {tie_outer} in config.json but {tie_inner} in its text_config")
+        raw.setdefault("tie_word_embeddings", bool(tie_outer))
         raw.setdefault("model_type", "qwen3_5_text")
         model_type = raw["model_type"]
     if model_type == "qwen3_5":
@@ -207,6 +215,9 @@ def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
     if unknown:
         raise ValueError(f"unrecognised config field(s) {unknown}: they may change the math and are not "
                          "implemented")
+    missing = [f for f in _REQUIRED_FIELDS if raw.get(f) is None]
+    if missing:
+        raise ValueError(f"config is missing required field(s) {missing}")
     problems = _unsupported_values(raw)
     if problems:
         raise ValueError("unsupported config: " + "; ".join(problems))

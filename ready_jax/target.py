@@ -184,7 +184,12 @@ class Target:
 
     @classmethod
     def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32) -> Target:
-        return cls(TargetModel(config, rngs=nnx.Rngs(seed), dtype=dtype))
+        """Random weights. Initialised inside one jit: eagerly, every parameter shape would compile
+        its own random-number program."""
+        build = lambda key: TargetModel(config, rngs=nnx.Rngs(key), dtype=dtype)  # noqa: E731
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(jax.random.key(0))))
+        params = jax.jit(lambda key: nnx.state(build(key)))(jax.random.key(seed))
+        return cls(nnx.merge(graphdef, params))
 
     @classmethod
     def from_hf(cls, path, dtype=jnp.float32) -> Target:
