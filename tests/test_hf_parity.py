@@ -147,6 +147,22 @@ def test_logits_match_transformers(name, hf_models, converted, record_property):
     assert rel_err <= REL_TOL, f"{name}: logits differ from transformers (rel err {rel_err:.2e})"
 
 
+@pytest.mark.parametrize("name", ["qwen3_5-kv1-int4-untied-bias", "qwen3_next-moe8top2-norm-kv1-int4"])
+def test_hidden_layer_index_is_hf_hidden_states_plus_one(name, hf_models, converted):
+    """``hidden_layers=(l,)`` is HF's ``output_hidden_states[l + 1]`` (the output of decoder layer l)."""
+    model, _ = hf_models[name]
+    target = converted[name]
+    ids = _input_ids(1)
+    with torch.no_grad():
+        ref = model(torch.as_tensor(ids), output_hidden_states=True).hidden_states
+    layers = tuple(range(target.config.num_hidden_layers - 1))  # HF's last entry is after the final norm
+    out = target.prefill(target.init_cache(BATCH, SEQ), jnp.asarray(ids), hidden_layers=layers)
+    for slot, layer in enumerate(layers):
+        want = ref[layer + 1].float().numpy()
+        err = np.max(np.abs(np.asarray(out.hidden[slot]) - want)) / np.max(np.abs(want))
+        assert err <= REL_TOL, f"layer {layer}: rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_export_state_is_the_saved_state(name, hf_models, converted):
     """HF -> ours -> HF reproduces save_pretrained's tensors exactly, key for key."""
