@@ -51,6 +51,23 @@ class DeltaNetCandidate:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class DeltaNetReplay:
+    """The ``replay`` alternative to :class:`DeltaNetCandidate`: the state before the block plus the
+    block's delta-rule inputs; commit recomputes the state of the kept tokens instead of selecting it.
+
+    Holds ``[T, H, d]`` vectors per block instead of ``T + 1`` full ``d_k x d_v`` states.
+    """
+
+    state: jax.Array        # [G, B, H_v, d_k, d_v] float32, before the block
+    k: jax.Array            # [G, B, T, H_k, d_k] keys as they enter the delta rule (before L2 norm)
+    v: jax.Array            # [G, B, T, H_v, d_v]
+    g: jax.Array            # [G, B, T, H_v] float32 log-decay
+    beta: jax.Array         # [G, B, T, H_v] float32
+    conv_window: jax.Array  # [G, B, K-1+T, C]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class TargetCache:
     """Everything the target needs to continue: per-layer entries plus committed lengths."""
 
@@ -75,7 +92,7 @@ class TargetCache:
 class Candidate:
     """The cache after a verify block, before choosing how many block tokens to keep."""
 
-    layers: tuple[DeltaNetCandidate | AttentionCache, ...]
+    layers: tuple[DeltaNetCandidate | DeltaNetReplay | AttentionCache, ...]
     lengths: jax.Array  # [B] committed lengths *before* the block
 
 
@@ -115,10 +132,27 @@ def commit(candidate: Candidate, n_accepted: jax.Array) -> TargetCache:
         if isinstance(entry, AttentionCache):
             layers.append(entry)
             continue
-        k_minus_1 = entry.conv_window.shape[2] - (entry.states.shape[2] - 1)
-        state = jnp.take_along_axis(entry.states, n[None, :, None, None, None, None], axis=2)[:, :, 0]
+        if isinstance(entry, DeltaNetReplay):
+            block = entry.k.shape[2]
+            state = _replay_state(entry, n)
+        else:
+            block = entry.states.shape[2] - 1
+            state = jnp.take_along_axis(entry.states, n[None, :, None, None, None, None], axis=2)[:, :, 0]
+        k_minus_1 = entry.conv_window.shape[2] - block
         layers.append(DeltaNetCache(state=state, conv=select_conv_state(entry.conv_window, n, k_minus_1)))
     return TargetCache(layers=tuple(layers), lengths=candidate.lengths + n)
+
+
+def _replay_state(entry: DeltaNetReplay, n: jax.Array) -> jax.Array:
+    """Re-run the delta rule over the block with tokens >= n[b] given g = beta = 0 (which leave the
+    state exactly unchanged), so the result is the state after the first n[b] tokens."""
+    from .gated_delta import gated_delta_recurrent
+
+    keep = (jnp.arange(entry.k.shape[2])[None, :] < n[:, None])[None, :, :, None]   # [1, B, T, 1]
+    g, beta = jnp.where(keep, entry.g, 0.0), jnp.where(keep, entry.beta, 0.0)
+    # The read-out o is not needed (XLA drops it); k stands in for q.
+    run = lambda k, v, g, beta, s: gated_delta_recurrent(k, k, v, g, beta, s)[1]  # noqa: E731
+    return jax.vmap(run)(entry.k, entry.v, g, beta, entry.state)
 
 
 def mask_uncommitted(cache: TargetCache) -> TargetCache:

@@ -207,6 +207,7 @@ def gated_delta_chunked(
     q, k, v32, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
     batch, seq_len, num_heads, _ = q.shape
     v_dim = v32.shape[-1]
+    chunk_size = min(chunk_size, seq_len)  # a short sequence is one chunk of its own length, unpadded
     pad = -seq_len % chunk_size
     num_chunks = (seq_len + pad) // chunk_size
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import gated_delta
-from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, select_conv_state
+from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
 
 _normal = nnx.initializers.normal(0.02)
@@ -189,7 +189,8 @@ class GatedDeltaNet(nnx.Module):
         ``form="chunked"`` or ``"recurrent"``: advance by ``num_new[b]`` tokens (the rest of the row is
         right padding, given g = beta = 0 so it leaves the state unchanged) and return the new cache.
         ``form="candidates"``: run the block with the recurrent form and return the state after every
-        position, from which ``cache.commit`` selects.
+        position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
+        block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
@@ -210,6 +211,9 @@ class GatedDeltaNet(nnx.Module):
             o, states = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True)
             states = jnp.concatenate([cache.state[:, None], states], axis=1)   # [B, T+1, H_v, d_k, d_v]
             new_cache = DeltaNetCandidate(states=states, conv_window=window)
+        elif form == "replay":
+            o, _ = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state)
+            new_cache = DeltaNetReplay(state=cache.state, k=k, v=v, g=g, beta=beta, conv_window=window)
         else:
             if num_new is not None:
                 valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]

@@ -155,15 +155,24 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     return StepOutput(logits, hidden, TargetCache(layers=layers, lengths=cache.lengths + n))
 
 
-def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
-           hidden_layers: Sequence[int] = ()) -> StepOutput:
-    """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate` with per-position states.
+ROLLBACKS = ("checkpoint", "replay")
 
-    ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence.
+
+def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
+           hidden_layers: Sequence[int] = (), rollback: str = "checkpoint") -> StepOutput:
+    """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
+
+    ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
+    ``rollback="checkpoint"`` the candidate holds the recurrent state after every block position and
+    commit selects one; with ``"replay"`` it holds the state before the block and the block's
+    delta-rule inputs, and commit recomputes the kept tokens' updates. Both give the same cache.
     """
+    if rollback not in ROLLBACKS:
+        raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
     model = nnx.merge(graphdef, params)
     h = model.embed_tokens(block)
-    h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form="candidates",
+    form = "candidates" if rollback == "checkpoint" else "replay"
+    h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
                                          hidden_layers=hidden_layers)
     logits = model.logits(h).astype(jnp.float32)
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
@@ -222,13 +231,13 @@ class Target:
 
     @functools.cached_property
     def _verify(self):
-        def run(params, kv_layers, other_layers, lengths, block, hidden_layers):
+        def run(params, kv_layers, other_layers, lengths, block, hidden_layers, rollback):
             cache = TargetCache(layers=_merge_layers(kv_layers, other_layers), lengths=lengths)
-            return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers)
+            return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback)
 
         # Only the KV buffers keep their shape through verify; donating the recurrent states too would
         # give XLA buffers it cannot reuse (the candidate holds per-position states instead).
-        return jax.jit(run, static_argnames=("hidden_layers",), donate_argnums=(1,))
+        return jax.jit(run, static_argnames=("hidden_layers", "rollback"), donate_argnums=(1,))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
         """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all)."""
@@ -244,11 +253,12 @@ class Target:
         return self._extend(self.params, cache, tokens, None, form="recurrent",
                             hidden_layers=_check_layers(self.config, hidden_layers))
 
-    def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
+    def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),
+               rollback: str = "checkpoint") -> StepOutput:
         block = self._check_tokens(block, cache)
         kv_layers, other_layers = _split_layers(cache.layers)
         return self._verify(self.params, kv_layers, other_layers, cache.lengths, block,
-                            hidden_layers=_check_layers(self.config, hidden_layers))
+                            hidden_layers=_check_layers(self.config, hidden_layers), rollback=rollback)
 
     @staticmethod
     def commit(candidate: Candidate, n_accepted) -> TargetCache:

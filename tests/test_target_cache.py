@@ -53,8 +53,9 @@ def test_chunked_prefill_in_pieces_equals_one_prefill(tiny_target):
     _assert_caches_equal(second.cache, whole.cache)
 
 
-@pytest.mark.parametrize("block", [1, 4, 7])
-def test_verify_then_commit_equals_prefill_of_accepted(tiny_target, block):
+@pytest.mark.parametrize("block, rollback", [(1, "checkpoint"), (4, "checkpoint"), (7, "checkpoint"), (4, "replay"),
+                                             (7, "replay")])
+def test_verify_then_commit_equals_prefill_of_accepted(tiny_target, block, rollback):
     """For every n in 0..block (different n per sequence), commit(verify(block), n) == prefill(prefix + n)."""
     batch, prefix = 3, 9
     ids = _tokens(2, (batch, prefix + block))
@@ -62,7 +63,8 @@ def test_verify_then_commit_equals_prefill_of_accepted(tiny_target, block):
     hidden_layers = (1, 3, 6)
     for n_first in range(block + 1):
         n = jnp.asarray([n_first, (n_first + 1) % (block + 1), block - n_first], jnp.int32)
-        out = tiny_target.verify(jax.tree.map(jnp.copy, base.cache), ids[:, prefix:], hidden_layers=hidden_layers)
+        out = tiny_target.verify(jax.tree.map(jnp.copy, base.cache), ids[:, prefix:], hidden_layers=hidden_layers,
+                                 rollback=rollback)
         committed = rj.Target.commit(out.cache, n)
         full = _prefill(tiny_target, ids, hidden_layers=hidden_layers)
         np.testing.assert_allclose(out.logits, full.logits[:, prefix:], atol=ATOL)

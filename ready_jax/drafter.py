@@ -1,0 +1,645 @@
+"""The DSpark drafter (deepseek-ai/DeepSpec, ``deepspec/modeling/dspark/qwen3``) with the ReaDy reader.
+
+What it computes, for one block (everything below was read off DeepSpec's modeling and eval code):
+
+- **Context**: the target's hidden states of ``target_layer_ids`` for every committed token,
+  concatenated in that order, ``fc`` (no bias), ``hidden_norm`` (RMSNorm). The same feature feeds
+  every draft layer, which projects it with its *own* ``k_proj`` / ``v_proj``; keys get that layer's
+  ``k_norm`` and RoPE at the token's absolute position; values get nothing else. The context is not
+  passed through the layer's ``input_layernorm``. These K/V are cached (:class:`ContextCache`) for
+  committed tokens only.
+- **Block**: ``block_size`` positions ``[anchor, MASK x (block_size - 1)]`` at absolute positions
+  ``anchor_pos + k``, embedded with the target's (frozen, shared) embedding. The anchor is the last
+  committed token, produced by the target itself (its bonus token), so the target has not run it yet.
+- **Visibility** (DeepSpec's ``create_dspark_attention_mask``): a block query sees every block
+  position (bidirectional) and the context positions ``< anchor_pos``; the anchor's own context
+  feature does not exist yet. Here the anchor position is ``context.lengths`` and the visible
+  context is exactly the committed slots, ``slot < context.lengths``.
+- **Layers**: Qwen3 decoder layers (pre-norm, q/k RMSNorm per head, full RoPE, SwiGLU MLP, no
+  biases). Norms are Qwen3's ``x / rms(x) * w`` with w starting at one (unlike the target's
+  zero-centred norms). The ReaDy reader, when configured, sits after the attention residual and
+  before the MLP of the ``inject_layers``.
+- **Head**: the drafter's own final ``norm``, then the target's LM head (the raw matmul, *not* the
+  target's final norm): ``U = lm_head(norm(h))``.
+- **Block convention**: block position k (0-based) predicts the token at ``anchor_pos + k + 1``, so a
+  block yields ``gamma = block_size`` drafts ``d_1..d_gamma`` and the target verifies
+  ``[anchor, d_1..d_gamma]`` (DeepSpec's ``label_indices = anchor + 1..block_size`` and
+  ``verify_input_ids``).
+- **Markov head** (DeepSpec's ``VanillaMarkov``): logits at step k are ``U_k + W2(W1[x_{k-1}])``,
+  sampled left to right with ``x_0`` = the anchor. ``markov_rank = 0`` means no head.
+- **Confidence head** (``AcceptRatePredictor``): ``c_k = sigmoid(proj([norm(h_k) ; W1[x_{k-1}]]))``
+  (without ``W1[x_{k-1}]`` when ``confidence_with_markov`` is off); ``proj`` has a bias.
+
+Step functions are pure and jittable (``graphdef`` static, everything else a pytree); the
+:class:`Drafter` wrapper splits the NNX graph once and jits them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from .cache import Candidate, TargetCache
+from .checkpoint import flat_state, state_from_flat
+from .config import TargetConfig
+from .layers import MLP, apply_rope, linear
+from .reader import (
+    KV,
+    STATE,
+    KVReader,
+    Qwen3RMSNorm,
+    ReaderConfig,
+    StateReader,
+    committed_states,
+    source_kv,
+)
+
+FORMAT = "ready-jax-drafter"
+FORMAT_VERSION = 1
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (DeepSpec's threshold)
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "vocab_size", "num_target_layers")
+
+
+# ---- configuration ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Hyper-parameters of a DSpark / ReaDy drafter.
+
+    ``target_layer_ids`` count the target's decoder layers from 0: id ``l`` is the residual-stream
+    output of decoder layer ``l`` (after its MLP residual, before the final norm), i.e. HF
+    ``output_hidden_states[l + 1]`` and ``ready_jax.target`` ``hidden_layers=(l,)``. This is exactly
+    DeepSpec's convention (``extract_context_feature`` takes ``hidden_states[l + 1]``), so DeepSpec
+    configs carry over unchanged. DeepSpec's ``-1`` (the embedding output, ``hidden_states[0]``) is not
+    supported: the target's step functions do not return it. The ids must be strictly increasing.
+    None picks DeepSpec's default spread: ``num_layers`` ids from 1 to ``L - 3`` (1, 9, 17, 25, 33
+    for a 36-layer target).
+
+    Size fields left None are taken from the target in :meth:`resolve` (``hidden_size`` and
+    ``vocab_size`` *must* equal the target's: the embedding and LM head are the target's). A resolved
+    config is self-contained: a saved drafter loads without its target. ``mask_token_id`` defaults
+    to ``vocab_size - 1``; DeepSpec uses a reserved token of the tokenizer (151669 for Qwen3).
+    ``markov_rank = 0`` drops the Markov head; ``confidence_with_markov`` feeds ``W1[x_{k-1}]`` to the
+    confidence head as well (DeepSpec's ``confidence_head_with_markov``).
+    """
+
+    block_size: int = 7
+    num_layers: int = 5
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    reader: ReaderConfig | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+
+    def __post_init__(self):
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if isinstance(self.reader, dict):
+            object.__setattr__(self, "reader", ReaderConfig.from_dict(self.reader))
+        problems = []
+        if self.block_size < 1:
+            problems.append(f"block_size {self.block_size} must be >= 1")
+        if self.num_layers < 1:
+            problems.append(f"num_layers {self.num_layers} must be >= 1")
+        if self.markov_rank < 0:
+            problems.append(f"markov_rank {self.markov_rank} must be >= 0")
+        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
+            problems.append("confidence_with_markov needs a Markov head (markov_rank > 0)")
+        problems += [f"{name} {getattr(self, name)} must be >= 1" for name in _SIZE_FIELDS
+                     if getattr(self, name) is not None and getattr(self, name) < 1]
+        ids = self.target_layer_ids
+        if ids is not None:
+            if not ids or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+                problems.append(f"target_layer_ids {ids} must be non-empty and strictly increasing")
+            if -1 in ids:
+                problems.append("target_layer_ids -1 (DeepSpec's embedding-output feature) is not supported: "
+                                "the target returns decoder-layer outputs only")
+            top = self.num_target_layers
+            bad = [i for i in ids if i < -1 or (top is not None and i >= top)]
+            if bad:
+                problems.append(f"target_layer_ids {bad} are outside the target's decoder layers"
+                                + (f" 0..{top - 1}" if top is not None else ""))
+        if self.num_attention_heads and self.num_key_value_heads and \
+                self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim is not None and self.head_dim % 2:
+            problems.append(f"head_dim {self.head_dim} must be even (RoPE)")
+        if self.mask_token_id is not None and self.vocab_size is not None and \
+                not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                            f"0..{self.vocab_size - 1}")
+        if problems:
+            raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
+
+    def resolve(self, target: TargetConfig) -> DrafterConfig:
+        """Fill unset sizes from ``target`` and check the drafter fits it; raise one ValueError otherwise.
+
+        Idempotent: resolving a resolved config checks it against the target.
+        """
+        from_target = dict(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
+                           num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+                           intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+                           rope_theta=target.rope_theta, vocab_size=target.vocab_size,
+                           num_target_layers=target.num_hidden_layers)
+        problems = []
+        shared = {"hidden_size": "the drafter shares the target's embedding and LM head",
+                  "vocab_size": "the drafter shares the target's embedding and LM head",
+                  "num_target_layers": "target_layer_ids index the target's layers"}
+        for name, why in shared.items():
+            mine = getattr(self, name)
+            if mine is not None and mine != from_target[name]:
+                problems.append(f"drafter {name} {mine} does not match the target's {from_target[name]} "
+                                f"({why})")
+        reader = None
+        if self.reader is not None:
+            try:
+                reader = self.reader.resolve(target, self.num_layers)
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise ValueError("DrafterConfig does not fit the target: " + "; ".join(problems))
+        filled = {k: v if getattr(self, k) is None else getattr(self, k) for k, v in from_target.items()}
+        ids = self.target_layer_ids or default_target_layer_ids(target.num_hidden_layers, self.num_layers)
+        mask = self.mask_token_id if self.mask_token_id is not None else target.vocab_size - 1
+        return dataclasses.replace(self, **filled, target_layer_ids=ids, mask_token_id=mask, reader=reader)
+
+    @property
+    def resolved(self) -> bool:
+        fields = [getattr(self, f) for f in (*_SIZE_FIELDS, "rms_norm_eps", "rope_theta", "target_layer_ids",
+                                             "mask_token_id")]
+        return None not in fields and (self.reader is None or self.reader.resolved)
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per block: one per block position (DeepSpec's convention)."""
+        return self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        return cls(**d)
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """DeepSpec / DFlash's spread: ``count`` layers evenly from 1 to ``L - 3`` (rounded, deduplicated)."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    start = min(1, num_target_layers - 1)
+    end = max(start, num_target_layers - 3)
+    return tuple(sorted({round(start + i * (end - start) / (count - 1)) for i in range(count)}))
+
+
+# ---- pytrees that cross the step boundary ---------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContextCache:
+    """Context K/V of every draft layer for the committed tokens. Slot s holds position s.
+
+    ``lengths[b]`` committed tokens are visible; that is also the position of sequence b's next anchor.
+    """
+
+    k: jax.Array        # [L_draft, B, S_max, H_kv, hd] after k_norm and RoPE
+    v: jax.Array        # [L_draft, B, S_max, H_kv, hd]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedWeights:
+    """The target's token embedding and LM head, used frozen by the drafter."""
+
+    embedding: jax.Array        # [V, D]
+    lm_head: jax.Array | None   # [D, V]; None when tied to the embedding
+
+    @classmethod
+    def from_target(cls, target) -> SharedWeights:
+        model = target.model
+        head = None if target.config.tie_word_embeddings else model.lm_head.kernel[...]
+        return cls(embedding=model.embed_tokens.embedding[...], lm_head=head)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """The raw LM-head matmul (no final norm): [B, T, D] -> [B, T, V]."""
+        if self.lm_head is None:
+            return jnp.einsum("btd,vd->btv", h, self.embedding.astype(h.dtype))
+        return jnp.einsum("btd,dv->btv", h, self.lm_head.astype(h.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftOutput:
+    """One drafted block of ``gamma = block_size`` tokens per sequence."""
+
+    tokens: jax.Array              # [B, gamma] int32: d_1..d_gamma
+    probs: jax.Array               # [B, gamma, V] f32: proposal q_k actually sampled from (one-hot if greedy)
+    logits: jax.Array              # [B, gamma, V] f32: U_k + W2(W1[x_{k-1}]), before temperature
+    confidence: jax.Array | None   # [B, gamma] f32: c_k, or None without a confidence head
+
+
+# ---- modules ----------------------------------------------------------------------------------------------
+def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: jax.Array,
+                    blk_k: jax.Array, blk_v: jax.Array) -> jax.Array:
+    """Block queries over [committed context ; whole block] with one softmax (GQA).
+
+    q: [B, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd] (slots >= ctx_len masked); blk_k / blk_v:
+    [B, G, H_kv, hd], all visible (bidirectional). -> [B, G, H, hd]
+    """
+    b, g, h, hd = q.shape
+    h_kv, slots = blk_k.shape[2], ctx_k.shape[1]
+    q = q.reshape(b, g, h_kv, h // h_kv, hd)
+    s_ctx = jnp.einsum("bgkrd,bskd->bkrgs", q, ctx_k).astype(jnp.float32)
+    s_blk = jnp.einsum("bgkrd,bjkd->bkrgj", q, blk_k).astype(jnp.float32)
+    visible = jnp.arange(slots)[None, :] < ctx_len[:, None]                    # [B, S]
+    s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1).astype(q.dtype)
+    out = (jnp.einsum("bkrgs,bskd->bgkrd", probs[..., :slots], ctx_v)
+           + jnp.einsum("bkrgj,bjkd->bgkrd", probs[..., slots:], blk_v))
+    return out.reshape(b, g, h, hd)
+
+
+class DraftAttention(nnx.Module):
+    """Qwen3 attention whose keys / values are [context features ; block hidden]."""
+
+    def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, dtype):
+        d, hd = config.hidden_size, config.head_dim
+        h, h_kv = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = linear(d, h * hd, rngs=rngs, dtype=dtype)
+        self.k_proj = linear(d, h_kv * hd, rngs=rngs, dtype=dtype)
+        self.v_proj = linear(d, h_kv * hd, rngs=rngs, dtype=dtype)
+        self.o_proj = linear(h * hd, d, rngs=rngs, dtype=dtype)
+        self.q_norm = Qwen3RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = Qwen3RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = h, h_kv, hd, config.rope_theta
+
+    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[B, T, d] at positions [B, T] -> keys (k_norm + RoPE), values: [B, T, H_kv, hd] each."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, positions, self.head_dim, self.rope_theta), v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                 ctx_len: jax.Array) -> jax.Array:
+        b, g, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, g, self.num_heads, self.head_dim))
+        q = apply_rope(q, positions, self.head_dim, self.rope_theta)
+        blk_k, blk_v = self.keys_values(x, positions)
+        out = block_attention(q, ctx_k.astype(x.dtype), ctx_v.astype(x.dtype), ctx_len, blk_k, blk_v)
+        return self.o_proj(out.reshape(b, g, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nnx.Module):
+    """Pre-norm Qwen3 decoder layer; the optional ReaDy reader sits between attention and MLP."""
+
+    def __init__(self, config: DrafterConfig, layer: int, *, rngs: nnx.Rngs, dtype):
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = Qwen3RMSNorm(d, eps, dtype=dtype)
+        self.self_attn = DraftAttention(config, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = Qwen3RMSNorm(d, eps, dtype=dtype)
+        self.mlp = MLP(d, config.intermediate_size, rngs=rngs, dtype=dtype)
+        self.reader = _reader_for(config, layer, rngs=rngs, dtype=dtype)
+
+    def __call__(self, h, positions, ctx_k, ctx_v, ctx_len, reader_state=None):
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, ctx_len)
+        if self.reader is not None:
+            h = self.reader(h, reader_state)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _reader_for(config: DrafterConfig, layer: int, *, rngs: nnx.Rngs, dtype) -> StateReader | KVReader | None:
+    rc = config.reader
+    if rc is None or layer not in rc.inject_layers:
+        return None
+    reader_cls = StateReader if rc.kind == STATE else KVReader
+    return reader_cls(rc, config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
+
+
+class MarkovHead(nnx.Module):
+    """DeepSpec's ``VanillaMarkov``: a rank-r bigram bias ``W2(W1[x_prev])`` on the block logits."""
+
+    def __init__(self, vocab_size: int, rank: int, *, rngs: nnx.Rngs, dtype):
+        self.markov_w1 = nnx.Embed(vocab_size, rank, dtype=dtype, param_dtype=dtype,
+                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.markov_w2 = linear(rank, vocab_size, rngs=rngs, dtype=dtype)
+
+    def bias(self, prev_tokens: jax.Array) -> jax.Array:
+        """[...] token ids -> [..., V] float32."""
+        return self.markov_w2(self.markov_w1(prev_tokens)).astype(jnp.float32)
+
+
+class ConfidenceHead(nnx.Module):
+    """DeepSpec's ``AcceptRatePredictor``: one linear unit (with bias) on [h_k ; W1[x_{k-1}]]."""
+
+    def __init__(self, in_features: int, *, rngs: nnx.Rngs, dtype):
+        self.proj = linear(in_features, 1, rngs=rngs, dtype=dtype, bias=True)
+
+    def __call__(self, features: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(self.proj(features)[..., 0].astype(jnp.float32))
+
+
+class DrafterModel(nnx.Module):
+    """The drafter's own parameters; embedding and LM head come from the target (:class:`SharedWeights`)."""
+
+    def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        if not config.resolved:
+            raise ValueError("resolve the DrafterConfig against the target first (DrafterConfig.resolve or "
+                             "Drafter.init)")
+        self.config = config
+        d = config.hidden_size
+        self.fc = linear(len(config.target_layer_ids) * d, d, rngs=rngs, dtype=dtype)
+        self.hidden_norm = Qwen3RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([DraftLayer(config, i, rngs=rngs, dtype=dtype)
+                                for i in range(config.num_layers)])
+        self.norm = Qwen3RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.markov_head = (MarkovHead(config.vocab_size, config.markov_rank, rngs=rngs, dtype=dtype)
+                            if config.markov_rank else None)
+        width = d + (config.markov_rank if config.confidence_with_markov else 0)
+        self.confidence_head = (ConfidenceHead(width, rngs=rngs, dtype=dtype) if config.confidence_head
+                                else None)
+
+    @property
+    def dtype(self):
+        return self.fc.kernel.dtype
+
+    def backbone(self, h: jax.Array, context: ContextCache,
+                 reader_states: Sequence | None = None) -> jax.Array:
+        """Draft layers and final norm over block embeddings h [B, G, d] at positions ``context.lengths + k``.
+
+        ``reader_states``: :func:`prepare_reader`'s output, required exactly when there is a reader.
+        """
+        rc = self.config.reader
+        if (rc is None) != (reader_states is None):
+            raise ValueError("reader_states must be given exactly when the drafter has a reader "
+                             f"(reader: {rc is not None}, reader_states given: {reader_states is not None})")
+        if rc is not None and len(reader_states) != len(rc.inject_layers):
+            raise ValueError(f"expected {len(rc.inject_layers)} reader states (inject layers "
+                             f"{rc.inject_layers}), got {len(reader_states)}")
+        positions = context.lengths[:, None] + jnp.arange(h.shape[1])[None, :]   # [B, G]
+        state_of_layer = dict(zip(rc.inject_layers, reader_states, strict=True)) if rc else {}
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"draft_layer_{i}"):
+                h = layer(h, positions, context.k[i], context.v[i], context.lengths, state_of_layer.get(i))
+        return self.norm(h)
+
+    def context_features(self, hidden: jax.Array) -> jax.Array:
+        """Target hidden states [n_ids, B, T, D] in ``target_layer_ids`` order -> [B, T, d].
+
+        ``hidden_norm(fc(cat))``, concatenated layer by layer like DeepSpec's ``torch.cat(..., dim=-1)``.
+        """
+        n_ids, b, t, d = hidden.shape
+        if n_ids != len(self.config.target_layer_ids):
+            raise ValueError(f"expected hidden states of {len(self.config.target_layer_ids)} target layers "
+                             f"{self.config.target_layer_ids}, got {n_ids}")
+        cat = jnp.moveaxis(hidden, 0, 2).reshape(b, t, n_ids * d)
+        return self.hidden_norm(self.fc(cat.astype(self.dtype)))
+
+
+# ---- pure step functions ----------------------------------------------------------------------------------
+def init_context(config: DrafterConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> ContextCache:
+    shape = (config.num_layers, batch_size, capacity, config.num_key_value_heads, config.head_dim)
+    return ContextCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def write_context(graphdef, params, context: ContextCache, hidden: jax.Array) -> ContextCache:
+    """Project T new tokens' target features [n_ids, B, T, D] into every layer's context K/V.
+
+    They land at slots ``lengths[b] + t`` but stay invisible until :func:`commit_context`: like the
+    target's verify candidate, nothing is committed yet. Slots past the capacity are dropped.
+    """
+    model = nnx.merge(graphdef, params)
+    with jax.named_scope("context_projection"):
+        feats = model.context_features(hidden)                                # [B, T, d]
+        b, t, _ = feats.shape
+        positions = context.lengths[:, None] + jnp.arange(t)[None, :]         # [B, T]
+        kv = [layer.self_attn.keys_values(feats, positions) for layer in model.layers]
+        k = jnp.stack([k for k, _ in kv]).astype(context.k.dtype)            # [L, B, T, H_kv, hd]
+        v = jnp.stack([v for _, v in kv]).astype(context.v.dtype)
+        rows = jnp.arange(b)[:, None]
+        return ContextCache(k=context.k.at[:, rows, positions].set(k, mode="drop"),
+                            v=context.v.at[:, rows, positions].set(v, mode="drop"), lengths=context.lengths)
+
+
+def commit_context(context: ContextCache, n: jax.Array) -> ContextCache:
+    """Make the next ``n[b]`` written tokens of sequence b visible: a length update."""
+    return dataclasses.replace(context, lengths=context.lengths + jnp.asarray(n, jnp.int32))
+
+
+def append_context(graphdef, params, context: ContextCache, hidden: jax.Array,
+                   num_new: jax.Array | None = None) -> ContextCache:
+    """Write features [n_ids, B, T, D] and commit the first ``num_new[b]`` (None: all T) of each row.
+
+    After prefill: the prompt's features, ``num_new`` = prompt lengths. After verify of
+    ``[anchor, d_1..d_gamma]``: the verify features and ``num_new`` = accepted drafts + 1.
+    """
+    written = write_context(graphdef, params, context, hidden)
+    n = jnp.full_like(context.lengths, hidden.shape[2]) if num_new is None else num_new
+    return commit_context(written, n)
+
+
+def prepare_reader(graphdef, params, source: TargetCache | Candidate,
+                   n_committed: jax.Array | None = None) -> tuple:
+    """Per-round reader input from the target's cache, one entry per inject layer (ascending).
+
+    ``source`` is a committed ``TargetCache``, or a verify ``Candidate`` plus ``n_committed`` [B] (the
+    block tokens being committed), which reads the same states without waiting for the commit.
+    State reader: ``C [B, M, r, r]`` per inject layer; KV baseline: a ``KVReadState``.
+    """
+    model = nnx.merge(graphdef, params)
+    rc = model.config.reader
+    if rc is None:
+        raise ValueError("this drafter has no reader")
+    readers = [model.layers[i].reader for i in rc.inject_layers]
+    with jax.named_scope("reader_prepare"):
+        if rc.kind == KV:
+            if isinstance(source, Candidate) and n_committed is None:
+                raise ValueError("reading from a verify Candidate needs n_committed (tokens kept per sequence)")
+            keys, values = source_kv(source, rc.source_layers)
+            lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
+            return tuple(r.prepare(keys, values, lengths) for r in readers)
+        # Select the committed states once; each inject layer compresses them with its own bases.
+        picked = committed_states(source, rc.source_layers, n_committed)
+        return tuple(r.prepare(picked) for r in readers)
+
+
+def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead | None, key: jax.Array | None,
+                 temperature: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Left-to-right sampling through the Markov head. base_logits [B, G, V] f32, anchor [B].
+
+    Step k uses ``jax.random.split(key, G)[k]``. Returns tokens [B, G], logits [B, G, V] (with the
+    Markov bias, before temperature) and the distribution each token was drawn from [B, G, V].
+    """
+    greedy = temperature < GREEDY_BELOW
+    g, vocab = base_logits.shape[1], base_logits.shape[2]
+    if not greedy and key is None:
+        raise ValueError(f"temperature {temperature} needs a PRNG key")
+    keys = jax.random.split(key, g) if not greedy else jnp.zeros((g,), jnp.uint32)
+
+    def step(prev, xs):
+        base, step_key = xs
+        logits = base if markov is None else base + markov.bias(prev)
+        if greedy:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            probs = jax.nn.one_hot(token, vocab, dtype=jnp.float32)
+        else:
+            scaled = logits / temperature
+            token = jax.random.categorical(step_key, scaled, axis=-1).astype(jnp.int32)
+            probs = jax.nn.softmax(scaled, axis=-1)
+        return token, (token, logits, probs)
+
+    xs = (jnp.moveaxis(base_logits, 1, 0), keys)
+    _, (tokens, logits, probs) = jax.lax.scan(step, anchor.astype(jnp.int32), xs)
+    return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(logits, 0, 1), jnp.moveaxis(probs, 0, 1)
+
+
+def draft_block(graphdef, params, shared: SharedWeights, context: ContextCache, anchor: jax.Array,
+                reader_states: Sequence | None = None, key: jax.Array | None = None, *,
+                temperature: float = 0.0) -> DraftOutput:
+    """Draft ``gamma = block_size`` tokens after ``anchor`` [B] at positions ``context.lengths``.
+
+    ``reader_states``: :func:`prepare_reader`'s output (required iff the drafter has a reader).
+    ``temperature`` is static; below ``GREEDY_BELOW`` the block is greedy and ``key`` is unused.
+    """
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    b, g = anchor.shape[0], cfg.block_size
+    anchor = anchor.astype(jnp.int32)
+    with jax.named_scope("draft_embed"):
+        block = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+        h = shared.embedding[block].astype(model.dtype)                       # [B, G, d]
+    h = model.backbone(h, context, reader_states)
+    with jax.named_scope("draft_lm_head"):
+        base_logits = shared.logits(h).astype(jnp.float32)                   # [B, G, V]
+    with jax.named_scope("markov_sampling"):
+        tokens, logits, probs = sample_block(base_logits, anchor, model.markov_head, key, temperature)
+    confidence = None
+    if model.confidence_head is not None:
+        with jax.named_scope("confidence_head"):
+            features = h
+            if cfg.confidence_with_markov:
+                prev = jnp.concatenate([anchor[:, None], tokens[:, :-1]], axis=1)
+                features = jnp.concatenate([h, model.markov_head.markov_w1(prev).astype(h.dtype)], axis=-1)
+            confidence = model.confidence_head(features)
+    return DraftOutput(tokens=tokens, probs=probs, logits=logits, confidence=confidence)
+
+
+# ---- the user-facing wrapper ----------------------------------------------------------------------------
+class Drafter:
+    """A DSpark / ReaDy drafter with jitted step functions; the NNX graph is split once here."""
+
+    def __init__(self, model: DrafterModel):
+        self.config: DrafterConfig = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.dtype = model.dtype
+
+    @classmethod
+    def init(cls, target_config: TargetConfig, config: DrafterConfig | None = None, seed: int = 0,
+             dtype=jnp.float32) -> Drafter:
+        """Random drafter for ``target_config`` (unset sizes come from it; the reader's W_o is zero)."""
+        config = (config or DrafterConfig()).resolve(target_config)
+        return cls(DrafterModel(config, rngs=nnx.Rngs(seed), dtype=dtype))
+
+    @classmethod
+    def from_state(cls, config: DrafterConfig, flat: dict[str, np.ndarray], dtype=jnp.float32, *,
+                   what: str = "drafter weights") -> Drafter:
+        """Build from ``{dotted NNX path: array}``; every parameter must be present with its shape."""
+        model = nnx.eval_shape(lambda: DrafterModel(config, rngs=nnx.Rngs(0), dtype=dtype))
+        graphdef, params = nnx.split(model)
+        state_from_flat(params, flat, what=what)
+        return cls(nnx.merge(graphdef, params))
+
+    def flat_params(self) -> dict[str, jax.Array]:
+        return flat_state(self.params)
+
+    def check_target(self, target_config: TargetConfig) -> None:
+        """Raise ValueError if this drafter does not fit ``target_config`` (sizes, layers, reader sources)."""
+        self.config.resolve(target_config)
+
+    # ---- checkpoint ------------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """``config.json`` + ``model.safetensors`` (bf16 stored as f32, dtype restored on load)."""
+        os.makedirs(path, exist_ok=True)
+        flat = {k: np.asarray(v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v)
+                for k, v in self.flat_params().items()}
+        dtype = jnp.dtype(self.dtype).name
+        save_file(flat, os.path.join(path, "model.safetensors"), metadata={"format": FORMAT, "dtype": dtype})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype,
+                       "drafter": self.config.to_dict()}, f, indent=2)
+
+    @classmethod
+    def load(cls, path, dtype=None) -> Drafter:
+        config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+        for p in (config_path, weights_path):
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"not a ready-jax drafter checkpoint: {p} is missing")
+        with open(config_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{config_path} is not a {FORMAT} checkpoint (format={meta.get('format')!r}); "
+                             "convert DeepSpec checkpoints with `python -m convert.deepspec`")
+        config = DrafterConfig.from_dict(meta["drafter"])
+        try:
+            flat = load_file(weights_path)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read {weights_path}: {e}") from e
+        return cls.from_state(config, flat, dtype or _DTYPES[meta["dtype"]], what=f"checkpoint {path}")
+
+    # ---- jitted steps (module-level jits keyed on the static graphdef: equal drafters share compiles) ----
+    def init_context(self, batch_size: int, capacity: int) -> ContextCache:
+        return init_context(self.config, batch_size, capacity, self.dtype)
+
+    def append_context(self, context: ContextCache, hidden, num_new=None) -> ContextCache:
+        """Commit target features ``hidden`` [n_ids, B, T, D] (``StepOutput.hidden`` for the ids)."""
+        hidden = jnp.asarray(hidden)
+        n = np.full((context.batch_size,), hidden.shape[2]) if num_new is None else np.asarray(num_new)
+        # Writes past the capacity would be dropped silently inside the step, so check on the host.
+        longest = int(np.max(np.asarray(context.lengths) + n))
+        if longest > context.capacity:
+            raise ValueError(f"{longest} context tokens exceed the context cache capacity {context.capacity}")
+        num_new = None if num_new is None else jnp.asarray(n, jnp.int32)
+        return _append_jit(self.graphdef, self.params, context, hidden, num_new)
+
+    def draft(self, context: ContextCache, anchor, shared: SharedWeights, *, reader_states=None, key=None,
+              temperature: float = 0.0) -> DraftOutput:
+        return _draft_jit(self.graphdef, self.params, shared, context, jnp.asarray(anchor, jnp.int32),
+                          reader_states, key, temperature=float(temperature))
+
+    def prepare_reader(self, source: TargetCache | Candidate, n_committed=None) -> tuple:
+        n = None if n_committed is None else jnp.asarray(n_committed, jnp.int32)
+        return _prepare_jit(self.graphdef, self.params, source, n)
+
+
+_append_jit = jax.jit(append_context, static_argnums=0, donate_argnames=("context",))
+_draft_jit = jax.jit(draft_block, static_argnums=0, static_argnames=("temperature",))
+_prepare_jit = jax.jit(prepare_reader, static_argnums=0)

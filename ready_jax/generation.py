@@ -1,0 +1,349 @@
+"""``generate``: one jitted program from prompts to tokens, autoregressive or speculative.
+
+The program is prefill -> ``lax.while_loop`` over rounds -> tokens, with no host round trip per
+round. A speculative round drafts a block from the last committed token (the anchor), verifies
+``[anchor, d_1..d_gamma]`` with the target in one pass, accepts a prefix (greedy or lossless
+sampling, ``speculative.py``), commits the target cache, the drafter's context cache and the reader
+states (all pure selections: rejected drafts' states are simply never selected), and appends the
+accepted drafts plus the target's own bonus token. ``drafter=None`` runs the autoregressive
+baseline through the same program (one decode step per round), so speedups compare like with like.
+
+Sequences in a batch have their own prompt lengths, committed lengths and acceptance; a finished
+sequence (EOS or ``max_new_tokens``) keeps running in the batch but commits and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cache as cache_lib
+from . import drafter as drafter_lib
+from . import speculative
+from . import target as target_lib
+from .cache import TargetCache
+from .config import TargetConfig
+from .drafter import Drafter, DrafterConfig, SharedWeights
+from .target import Target
+
+PAD = -1  # fills GenerateOutput.tokens after a sequence ended
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """Tokens and acceptance statistics of one ``generate`` call."""
+
+    tokens: np.ndarray          # [B, max_new_tokens] int32; PAD (-1) after a sequence ended
+    num_generated: np.ndarray   # [B] valid tokens per sequence
+    accept_lengths: np.ndarray  # [rounds, B] tokens committed per round (accepted drafts + 1); 0 once done
+    block_size: int             # drafts per round (0 for the autoregressive baseline)
+    compile_seconds: float      # tracing + XLA compilation (0 when the program was already compiled)
+    run_seconds: float          # device time of the compiled program, prompts to tokens
+    cache: TargetCache          # the target's committed cache at the end (prompt + generated tokens)
+
+    @property
+    def rounds(self) -> int:
+        return int(self.accept_lengths.shape[0])
+
+    @property
+    def _active(self) -> np.ndarray:
+        return self.accept_lengths > 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification round, counting the target's own (AR: 1.0)."""
+        return float(self.accept_lengths[self._active].mean())
+
+    @property
+    def acceptance_histogram(self) -> np.ndarray:
+        """Counts of rounds by accepted drafts: index k = rounds that accepted k drafts (0..gamma)."""
+        return np.bincount(self.accept_lengths[self._active] - 1, minlength=self.block_size + 1)
+
+    @property
+    def per_position_acceptance(self) -> np.ndarray:
+        """[gamma]: fraction of rounds in which draft k+1 was accepted."""
+        accepted = self.accept_lengths[self._active] - 1
+        return np.array([(accepted > k).mean() for k in range(self.block_size)])
+
+    @property
+    def full_accept_rate(self) -> float:
+        """Fraction of rounds in which every draft survived."""
+        return float((self.accept_lengths[self._active] - 1 == self.block_size).mean())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return float(self.num_generated.sum() / self.run_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedDrafter:
+    """A drafter of known quality: proposes a given continuation (for example the target's own greedy
+    output), each draft replaced by another random token with probability ``error_rate``.
+
+    For tests (long and full-block accepts) and for timing the loop apart from drafter quality. Its
+    proposals are deterministic given the round, so the proposal distribution is one-hot.
+    """
+
+    reference: np.ndarray   # [B, N] the continuation to propose; token i is generated token i
+    block_size: int = 7
+    error_rate: float = 0.0
+    seed: int = 0
+
+    @property
+    def config(self) -> tuple:
+        return ("scripted", self.block_size, float(self.error_rate), self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """Everything static about one compiled program (hashable: it keys the compilation cache)."""
+
+    target_config: TargetConfig
+    drafter_config: DrafterConfig | tuple | None   # a ScriptedDrafter's config is a tuple
+    max_new_tokens: int
+    capacity: int
+    temperature: float
+    eos_ids: tuple[int, ...]
+    rollback: str
+
+    @property
+    def learned(self) -> bool:
+        return isinstance(self.drafter_config, DrafterConfig)
+
+    @property
+    def gamma(self) -> int:
+        if self.drafter_config is None:
+            return 0
+        return self.drafter_config.block_size if self.learned else self.drafter_config[1]
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.drafter_config.target_layer_ids if self.learned else ()
+
+    @property
+    def has_reader(self) -> bool:
+        return self.learned and self.drafter_config.reader is not None
+
+
+def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key, s: _Settings):
+    """Prefill, the first token, and the loop's initial carry."""
+    batch = prompts.shape[0]
+    dtype = target_params["embed_tokens"]["embedding"].dtype
+    cache = cache_lib.init_cache(s.target_config, batch, s.capacity, dtype)
+    out = target_lib.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
+                            hidden_layers=s.hidden_layers)
+    key, first_key = jax.random.split(key)
+    last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
+    anchor = speculative.sample_token(last, s.temperature, first_key)
+    generated = jnp.ones((batch,), jnp.int32)
+    carry = {
+        "cache": out.cache, "anchor": anchor, "generated": generated, "key": key, "round": jnp.int32(0),
+        "buffer": jnp.full((batch, s.max_new_tokens + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
+        "done": _is_eos(anchor, s.eos_ids) | (generated >= s.max_new_tokens),
+        "accepted": jnp.zeros((s.max_new_tokens, batch), jnp.int32),   # per round: tokens committed, 0 = idle
+    }
+    if s.learned:
+        context = drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype)
+        carry["context"] = drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden,
+                                                      prompt_lengths)
+    if s.has_reader:
+        carry["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache)
+    return carry
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _round(carry, target_def, target_params, drafter_def, drafter_params, shared, s: _Settings):
+    """One round: (draft ->) verify -> accept -> commit -> append."""
+    key, draft_key, accept_key = jax.random.split(carry["key"], 3)
+    done, anchor = carry["done"], carry["anchor"]
+    new = dict(carry, key=key, round=carry["round"] + 1)
+    if s.drafter_config is None:
+        with jax.named_scope("decode"):
+            # A finished sequence stays in the batch but commits nothing (num_new = 0).
+            step = target_lib.extend(target_def, target_params, carry["cache"], anchor[:, None],
+                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent")
+        n_accepted = jnp.zeros_like(anchor)
+        bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
+        emitted = bonus[:, None]
+        keep, new["done"] = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry["generated"],
+                                                        s.max_new_tokens, done)
+        new["cache"] = step.cache
+    else:
+        with jax.named_scope("draft"):
+            if s.learned:
+                draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, carry["context"], anchor,
+                                                carry.get("reader"), draft_key, temperature=s.temperature)
+                draft_tokens, draft_probs = draft.tokens, draft.probs
+            else:
+                draft_tokens = _scripted_drafts(drafter_params, carry["generated"], s, draft_key)
+                draft_probs = jax.nn.one_hot(draft_tokens, s.target_config.vocab_size, dtype=jnp.float32)
+        block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
+        with jax.named_scope("verify"):
+            ver = target_lib.verify(target_def, target_params, carry["cache"], block, hidden_layers=s.hidden_layers,
+                                    rollback=s.rollback)
+        with jax.named_scope("accept"):
+            if s.temperature == 0.0:
+                n_accepted, bonus = speculative.greedy_accept(draft_tokens, ver.logits)
+            else:
+                n_accepted, bonus = speculative.sampling_accept(draft_tokens, draft_probs, ver.logits,
+                                                                s.temperature, accept_key)
+        emitted = speculative.emitted_tokens(draft_tokens, n_accepted, bonus)
+        # Commit the anchor and the drafts before the last kept token (which becomes the next anchor):
+        # n + 1 block tokens normally, fewer when an EOS or max_new_tokens cuts the round short, none
+        # once done. The committed cache then always holds the prompt plus all kept tokens but the last.
+        keep, new["done"] = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry["generated"],
+                                                        s.max_new_tokens, done)
+        with jax.named_scope("commit"):
+            new["cache"] = cache_lib.commit(ver.cache, keep)
+            if s.learned:
+                new["context"] = drafter_lib.append_context(drafter_def, drafter_params, carry["context"],
+                                                            ver.hidden, keep)
+        if s.has_reader:
+            with jax.named_scope("reader_prepare"):
+                # Read from the candidate (before commit) when it holds per-position states.
+                source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (new["cache"], None)
+                new["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n)
+    new["buffer"] = speculative.write_tokens(carry["buffer"], carry["generated"], emitted)
+    new["generated"] = carry["generated"] + keep
+    new["anchor"] = bonus
+    new["accepted"] = carry["accepted"].at[carry["round"]].set(jnp.where(done, 0, n_accepted + 1))
+    return new
+
+
+def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: _Settings, key: jax.Array) -> jax.Array:
+    """Drafts ``reference[b, generated[b] + k]`` for k < gamma, each corrupted with probability error_rate."""
+    _, _, error_rate, _ = s.drafter_config
+    index = generated[:, None] + jnp.arange(s.gamma)[None, :]                         # [B, gamma]
+    right = jnp.take_along_axis(reference, jnp.minimum(index, reference.shape[1] - 1), axis=1)
+    wrong_key, where_key = jax.random.split(key)
+    vocab = s.target_config.vocab_size
+    wrong = (right + jax.random.randint(wrong_key, right.shape, 1, vocab)) % vocab   # never equals `right`
+    return jnp.where(jax.random.uniform(where_key, right.shape) < error_rate, wrong, right).astype(jnp.int32)
+
+
+def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key, *, target_def, drafter_def,
+             settings: _Settings):
+    """The whole generation as one XLA program: prefill, then rounds until every sequence is done."""
+    with jax.named_scope("prefill"):
+        carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
+                         settings)
+    carry = jax.lax.while_loop(
+        lambda c: ~jnp.all(c["done"]),
+        lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, settings), carry)
+    return carry["buffer"], carry["generated"], carry["accepted"], carry["round"], carry["cache"]
+
+
+_program_jit = jax.jit(_program, static_argnames=("target_def", "drafter_def", "settings"))
+_compiled: dict = {}
+
+
+def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
+             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
+             capacity: int | None = None, rollback: str = "checkpoint") -> GenerateOutput:
+    """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
+
+    prompt_ids: a [B, T] int array, or a list of 1-D int arrays of different lengths (ragged batch).
+    Greedy (``temperature=0``) output is identical with and without a drafter; with temperature > 0
+    speculative sampling is lossless (same distribution as the target's own sampling). Generation
+    stops per sequence after an EOS (``eos_token_ids``, default: the target config's) or
+    ``max_new_tokens``. ``capacity`` (default: just enough) sizes the caches. ``rollback`` picks how
+    rejected drafts are undone (``target.verify``): both are exact.
+    """
+    prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if rollback not in target_lib.ROLLBACKS:
+        raise ValueError(f"rollback must be one of {target_lib.ROLLBACKS}, got {rollback!r}")
+    drafter_config, drafter_params, drafter_def = None, None, None
+    if isinstance(drafter, Drafter):
+        drafter.check_target(target.config)
+        drafter_config, drafter_params, drafter_def = drafter.config, drafter.params, drafter.graphdef
+    elif isinstance(drafter, ScriptedDrafter):
+        reference = np.asarray(drafter.reference)
+        if reference.ndim != 2 or reference.shape[0] != len(lengths):
+            raise ValueError(f"ScriptedDrafter.reference must be [B={len(lengths)}, N], got {reference.shape}")
+        drafter_config, drafter_params = drafter.config, jnp.asarray(reference, jnp.int32)
+    elif drafter is not None:
+        raise TypeError(f"drafter must be a Drafter, a ScriptedDrafter or None, got {type(drafter).__name__}")
+    gamma = 0 if drafter is None else drafter.block_size if isinstance(drafter, ScriptedDrafter) \
+        else drafter_config.block_size
+    needed = int(lengths.max()) + max_new_tokens + gamma
+    capacity = needed if capacity is None else capacity
+    if needed > capacity:
+        raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
+                         f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
+    eos = tuple(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    settings = _Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback)
+    shared = SharedWeights.from_target(target) if isinstance(drafter, Drafter) else None
+    key = jax.random.key(seed)
+    if isinstance(drafter, ScriptedDrafter):
+        key = jax.random.fold_in(key, drafter.seed)
+    args = (target.params, drafter_params, shared, jnp.asarray(prompts), jnp.asarray(lengths), key)
+    program = compiled_program(target, drafter_def, settings, args)
+    start = time.perf_counter()
+    buffer, generated, accepted, rounds, final_cache = jax.block_until_ready(program.executable(*args))
+    run_seconds = time.perf_counter() - start
+
+    generated = np.asarray(generated)
+    tokens = np.asarray(buffer)[:, :max_new_tokens].copy()
+    tokens[np.arange(max_new_tokens)[None, :] >= generated[:, None]] = PAD
+    return GenerateOutput(tokens=tokens, num_generated=generated, accept_lengths=np.asarray(accepted)[:int(rounds)],
+                          block_size=gamma, compile_seconds=program.compile_seconds, run_seconds=run_seconds,
+                          cache=final_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    executable: object
+    compile_seconds: float  # of the call that compiled it; 0 for later calls
+
+
+def compiled_program(target: Target, drafter_def, settings: _Settings, args) -> _Compiled:
+    """The compiled generation program for these static settings and argument shapes (compiled once)."""
+    shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))
+    cache_key = (target.graphdef, drafter_def, settings, shapes)
+    if cache_key in _compiled:
+        return _Compiled(_compiled[cache_key], 0.0)
+    start = time.perf_counter()
+    _compiled[cache_key] = _program_jit.lower(*args, target_def=target.graphdef, drafter_def=drafter_def,
+                                              settings=settings).compile()
+    return _Compiled(_compiled[cache_key], time.perf_counter() - start)
+
+
+def _pad_prompts(prompt_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T] array or list of 1-D arrays -> right-padded [B, T_max] int32 and lengths [B]."""
+    if isinstance(prompt_ids, list | tuple):
+        rows = [np.asarray(p) for p in prompt_ids]
+        if not rows:
+            raise ValueError("no prompts given")
+        if any(r.ndim != 1 for r in rows):
+            raise ValueError("a list of prompts must hold 1-D token arrays")
+    else:
+        array = np.asarray(prompt_ids)
+        if array.ndim != 2:
+            raise ValueError(f"prompt_ids must be [B, T] or a list of 1-D arrays, got shape {array.shape}")
+        rows = list(array)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if lengths.min() == 0:
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs at least one token")
+    for i, r in enumerate(rows):
+        if not np.issubdtype(r.dtype, np.integer):
+            raise ValueError(f"prompt {i} has dtype {r.dtype}; token ids must be integers")
+        if r.min() < 0 or r.max() >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{vocab_size - 1}")
+    prompts = np.zeros((len(rows), lengths.max()), np.int32)
+    for i, r in enumerate(rows):
+        prompts[i, :len(r)] = r
+    return prompts, lengths
