@@ -120,8 +120,16 @@ def select_conv_state(window: jax.Array, n: jax.Array, k_minus_1: int) -> jax.Ar
 
     window: [G, B, K-1+T, C], n: [B] -> [G, B, K-1, C].
     """
-    offsets = n[:, None] + jnp.arange(k_minus_1)[None, :]            # [B, K-1]
-    return jnp.take_along_axis(window, offsets[None, :, :, None], axis=2)
+    return _per_sequence(lambda w, start: jax.lax.dynamic_slice_in_dim(w, start, k_minus_1, axis=1), window, n)
+
+
+def _per_sequence(fn, x: jax.Array, n: jax.Array) -> jax.Array:
+    """Apply ``fn(x[:, b], n[b])`` for every sequence b of a [G, B, ...] array (batch on axis 1).
+
+    A per-sequence dynamic slice; XLA's general gather (``take_along_axis``) is several times slower
+    for these whole-state selections on CPU.
+    """
+    return jax.vmap(fn, in_axes=(1, 0), out_axes=1)(x, n)
 
 
 def commit(candidate: Candidate, n_accepted: jax.Array) -> TargetCache:
@@ -137,7 +145,8 @@ def commit(candidate: Candidate, n_accepted: jax.Array) -> TargetCache:
             state = _replay_state(entry, n)
         else:
             block = entry.states.shape[2] - 1
-            state = jnp.take_along_axis(entry.states, n[None, :, None, None, None, None], axis=2)[:, :, 0]
+            state = _per_sequence(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
+                                  entry.states, n)
         k_minus_1 = entry.conv_window.shape[2] - block
         layers.append(DeltaNetCache(state=state, conv=select_conv_state(entry.conv_window, n, k_minus_1)))
     return TargetCache(layers=tuple(layers), lengths=candidate.lengths + n)

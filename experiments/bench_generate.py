@@ -1,0 +1,235 @@
+"""End-to-end generation speed: autoregressive vs speculative, through the same jitted program.
+
+In one run, on random weights built in-process (nothing is downloaded):
+
+* AR tokens/s (``generate`` with no drafter) and its compile time;
+* speculative tokens/s with a random DSpark drafter, a random ReaDy drafter (acceptance near zero:
+  the loop's overhead) and ``ScriptedDrafter``s that propose the AR continuation with a set fraction
+  of errors (known acceptance: the loop's speed apart from drafter quality), each as a ratio to AR;
+* a per-round time breakdown (draft, verify, commit, reader prepare) from the same pieces jitted
+  alone, and the two rollback strategies (checkpoint vs replay): time per round and compiled memory;
+* on a GPU, AR decode against the HBM roofline (parameter + state + KV bytes read per token).
+
+Presets: ``cpu`` (a mid-size target that runs in minutes on 2 cores) and ``qwen3.5-27b`` (the real
+geometry, bf16, for a GPU). CPU timings compare variants with each other; only GPU times are absolute.
+
+    python -m experiments.bench_generate [--preset cpu] [--out results/bench_generate_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import ready_jax as rj
+from ready_jax import cache as cache_lib
+from ready_jax import drafter as drafter_lib
+
+GDN, ATTN = "linear_attention", "full_attention"
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
+
+PRESETS = {
+    "cpu": dict(target=dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                            linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64),
+                drafter_layers=2, dtype="float32", batch=1, prompt=128, new_tokens=64),
+    # Qwen3.5-27B's geometry: 64 layers (3 GDN : 1 attention), hidden 5120, 48 value / 16 key GDN heads.
+    "qwen3.5-27b": dict(target=dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                                    num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                                    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                                    linear_key_head_dim=128, linear_value_head_dim=128),
+                        drafter_layers=5, dtype="bfloat16", batch=1, prompt=512, new_tokens=128),
+}
+
+
+def target_config(preset: dict) -> rj.TargetConfig:
+    t = preset["target"]
+    return rj.TargetConfig(**t, layer_types=(GDN, GDN, GDN, ATTN) * (t["num_hidden_layers"] // 4),
+                           max_position_embeddings=262_144)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # warm-up (and compile)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, **kwargs) -> dict:
+    """Compile once, then the median of ``repeats`` runs of the whole program."""
+    first = rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs)
+    runs = [rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs) for _ in range(repeats)]
+    out = runs[len(runs) // 2]
+    run_s = float(np.median([r.run_seconds for r in runs]))
+    return {"tokens_per_s": float(out.num_generated.sum() / run_s), "run_s": run_s,
+            "compile_s": first.compile_seconds, "tau": out.tau, "rounds": out.rounds,
+            "full_accept_rate": out.full_accept_rate if out.block_size else None,
+            "acceptance_histogram": out.acceptance_histogram.tolist(), "tokens": out.tokens}
+
+
+def round_breakdown(target, drafter, prompts, repeats: int) -> dict:
+    """Median time of each piece of one speculative round, each jitted alone at the loop's shapes."""
+    batch, length = prompts.shape
+    gamma = drafter.config.block_size
+    ids = drafter.config.target_layer_ids
+    capacity = length + 2 * (gamma + 1)
+    shared = drafter_lib.SharedWeights.from_target(target)
+    pre = target.prefill(target.init_cache(batch, capacity), jnp.asarray(prompts), hidden_layers=ids)
+    context = drafter.append_context(drafter.init_context(batch, capacity), pre.hidden)
+    anchor = jnp.argmax(pre.logits[:, -1], axis=-1)
+    reader = drafter.prepare_reader(pre.cache) if drafter.config.reader else None
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (the steps donate their cache)
+
+    draft = drafter.draft(context, anchor, shared, reader_states=reader)
+    block = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
+    n = jnp.full((batch,), (gamma + 1) // 2, jnp.int32)
+    result = {"draft_s": median_seconds(lambda: drafter.draft(context, anchor, shared, reader_states=reader),
+                                        repeats)}
+    for rollback in ("checkpoint", "replay"):
+        ver = target.verify(copy(pre.cache), block, hidden_layers=ids, rollback=rollback)
+        result[f"verify_{rollback}_s"] = median_seconds(
+            lambda rollback=rollback: target.verify(copy(pre.cache), block, hidden_layers=ids, rollback=rollback),
+            repeats)
+        result[f"commit_{rollback}_s"] = median_seconds(lambda ver=ver: rj.Target.commit(copy(ver.cache), n),
+                                                        repeats)
+        result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, pre.cache, block, ids, rollback)
+    ver = target.verify(copy(pre.cache), block, hidden_layers=ids)
+    result["context_append_s"] = median_seconds(lambda: drafter.append_context(copy(context), ver.hidden, n),
+                                                repeats)
+    if drafter.config.reader:
+        result["reader_prepare_s"] = median_seconds(lambda: drafter.prepare_reader(ver.cache, n), repeats)
+    return result
+
+
+def verify_commit_memory(target, cache, block, ids, rollback) -> dict:
+    """XLA's compiled memory figures (bytes) of verify followed by commit, for one rollback strategy."""
+    from ready_jax import target as target_lib
+
+    def step(params, cache, block, n):
+        out = target_lib.verify(target.graphdef, params, cache, block, hidden_layers=ids, rollback=rollback)
+        return out.logits, cache_lib.commit(out.cache, n)
+
+    n = jnp.ones((block.shape[0],), jnp.int32)
+    stats = jax.jit(step).lower(target.params, cache, block, n).compile().memory_analysis()
+    return {"temp_bytes": int(stats.temp_size_in_bytes), "output_bytes": int(stats.output_size_in_bytes),
+            "argument_bytes": int(stats.argument_size_in_bytes)}
+
+
+def roofline_tokens_per_s(config: rj.TargetConfig, dtype, batch: int, mean_length: float, bandwidth: float) -> float:
+    """Upper bound on AR decode tokens/s: every step reads all parameters once, reads and writes every
+    GDN state and conv state, and reads the KV cache up to the current length."""
+    c = config
+    itemsize = jnp.dtype(dtype).itemsize
+    gdn_layers, attn_layers = len(c.linear_layers), len(c.attention_layers)
+    state = gdn_layers * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 * 2
+    kv = attn_layers * 2 * mean_length * c.num_key_value_heads * c.head_dim * itemsize
+    return batch * bandwidth / (_parameter_bytes(c, itemsize) + batch * (state + kv))
+
+
+def _parameter_bytes(c: rj.TargetConfig, itemsize: int) -> float:
+    model = nnx.eval_shape(lambda: rj.TargetModel(c, rngs=nnx.Rngs(0)))
+    return float(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))) * itemsize
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--prompt", type=int, help="prompt length")
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--block", type=int, default=7, help="drafts per round (gamma)")
+    parser.add_argument("--error-rates", default="0.0,0.25,0.5",
+                        help="scripted drafters: fraction of wrong drafts")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    batch = args.batch or preset["batch"]
+    prompt_len = args.prompt or preset["prompt"]
+    new_tokens = args.new_tokens or preset["new_tokens"]
+    dtype = jnp.dtype(preset["dtype"])
+
+    config = target_config(preset)
+    start = time.perf_counter()
+    target = rj.Target.init(config, seed=args.seed, dtype=dtype)
+    jax.block_until_ready(target.params)
+    init_s = time.perf_counter() - start
+    device = jax.devices()[0]
+    print(f"target: {args.preset}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"{_parameter_bytes(config, dtype.itemsize) / dtype.itemsize / 1e6:.0f} M parameters ({dtype.name}); "
+          f"device {device.device_kind}; batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
+          f"block {args.block}")
+    prompts = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(batch, prompt_len))
+
+    base = dict(block_size=args.block, num_layers=preset["drafter_layers"], markov_rank=256)
+    dspark = rj.Drafter.init(config, rj.DrafterConfig(**base), seed=1, dtype=dtype)
+    ready = rj.Drafter.init(config, rj.DrafterConfig(**base, reader=rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
+
+    results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats)}
+    reference = results["ar"].pop("tokens")
+    variants = {"dspark_random": dspark, "ready_random": ready}
+    for rate in (float(r) for r in args.error_rates.split(",")):
+        variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block, rate,
+                                                                   seed=args.seed)
+    for name, drafter in variants.items():
+        results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats)
+        same = bool(np.array_equal(results[name].pop("tokens"), reference))
+        results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+        results[name]["identical_to_ar"] = same
+    for rollback in ("replay",):
+        name = f"scripted_error_0.25_{rollback}"
+        results[name] = run_generate(target, prompts, new_tokens, variants["scripted_error_0.25"],
+                                     repeats=args.repeats, rollback=rollback)
+        results[name].pop("tokens")
+        results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+    breakdown = round_breakdown(target, ready, prompts, args.repeats)
+
+    print(f"{'variant':28s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")
+    for name, r in results.items():
+        print(f"{name:28s} {r['tokens_per_s']:10.1f} {r.get('speedup_vs_ar', 1.0):7.2f} {r['tau']:6.2f} "
+              f"{r['compile_s']:10.2f}" + ("" if r.get("identical_to_ar", True) else "  OUTPUT DIFFERS FROM AR"))
+    print("per-round pieces (ReaDy drafter, median ms): " + ", ".join(
+        f"{k[:-2]} {v * 1e3:.2f}" for k, v in breakdown.items() if k.endswith("_s")))
+    for rollback in ("checkpoint", "replay"):
+        mem = breakdown[f"verify_commit_{rollback}_memory"]
+        print(f"verify+commit with {rollback} rollback: temp {mem['temp_bytes'] / 2**20:.1f} MiB, "
+              f"output {mem['output_bytes'] / 2**20:.1f} MiB")
+
+    summary = {"preset": args.preset, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
+               "block": args.block, "dtype": dtype.name, "device": device.device_kind, "jax": jax.__version__,
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "init_s": init_s,
+               "target_config": dataclasses.asdict(config), "results": results, "round_breakdown": breakdown,
+               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()}
+    if device.platform == "gpu":
+        kind = next((k for k in HBM_BYTES_PER_S if k in device.device_kind), None)
+        if kind:
+            bound = roofline_tokens_per_s(config, dtype, batch, prompt_len + new_tokens / 2, HBM_BYTES_PER_S[kind])
+            summary["ar_roofline_tokens_per_s"] = bound
+            print(f"AR decode roofline on {kind}: {bound:.1f} tok/s; measured "
+                  f"{results['ar']['tokens_per_s']:.1f} ({results['ar']['tokens_per_s'] / bound:.0%} of the bound)")
+    else:
+        print("(CPU: compare the ratios; absolute times say nothing about a GPU)")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
