@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
-import subprocess
 import time
 
 import jax
@@ -32,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
+from experiments.common import write_json
 from ready_jax import cache as cache_lib
 from ready_jax import drafter as drafter_lib
 
@@ -210,11 +207,8 @@ def main(argv=None) -> None:
               f"output {mem['output_bytes'] / 2**20:.1f} MiB")
 
     summary = {"preset": args.preset, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-               "block": args.block, "dtype": dtype.name, "device": device.device_kind, "jax": jax.__version__,
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "init_s": init_s,
-               "target_config": dataclasses.asdict(config), "results": results, "round_breakdown": breakdown,
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()}
+               "block": args.block, "dtype": dtype.name, "init_s": init_s,
+               "target_config": dataclasses.asdict(config), "results": results, "round_breakdown": breakdown}
     if device.platform == "gpu":
         kind = next((k for k in HBM_BYTES_PER_S if k in device.device_kind), None)
         if kind:
@@ -224,11 +218,7 @@ def main(argv=None) -> None:
                   f"{results['ar']['tokens_per_s']:.1f} ({results['ar']['tokens_per_s'] / bound:.0%} of the bound)")
     else:
         print("(CPU: compare the ratios; absolute times say nothing about a GPU)")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {args.out}")
+    write_json(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,6 @@ figures compare the two frameworks on this machine only; they say nothing about 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import tempfile
 import time
 
@@ -27,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
+from experiments.common import write_json
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -144,10 +141,7 @@ def main(argv=None) -> None:
 
     prompt_tokens = args.batch * args.prompt
     result = {
-        "config": vars(args), "parameters": params, "jax": jax.__version__, "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "config": vars(args), "parameters": params, "torch": torch.__version__,
         "max_abs_logit_error": logit_err, "greedy_tokens_identical": same_tokens,
         "prefill_tokens_per_s": {"jax": prompt_tokens / ours["prefill_s"], "torch": prompt_tokens / hf["prefill_s"],
                                  "torch_no_onednn": prompt_tokens / hf_plain["prefill_s"]},
@@ -167,11 +161,7 @@ def main(argv=None) -> None:
               f"{rates['torch_no_onednn']:,.1f} tok/s "
               f"(jax/torch {result[f'{stage}_ratio_jax_over_torch_no_onednn']:.2f}x) "
               f"| jax compile {result['compile_s'][stage]:.2f} s")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

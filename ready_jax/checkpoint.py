@@ -57,36 +57,49 @@ def state_from_flat(params: nnx.State, flat: dict[str, np.ndarray], *, what: str
     return params
 
 
-def save_target(target, path) -> None:
+def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.State, dtype) -> None:
+    """``config.json`` ({format, format_version, dtype, <section>: config}) + ``model.safetensors``."""
     os.makedirs(path, exist_ok=True)
     # bf16 arrays convert to ml_dtypes.bfloat16 numpy arrays, which safetensors stores natively.
-    flat = {k: np.asarray(v) for k, v in flat_state(target.params).items()}
-    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "dtype": jnp.dtype(target.dtype).name}
-    save_file(flat, os.path.join(path, "model.safetensors"), metadata=meta)
+    flat = {k: np.asarray(v) for k, v in flat_state(params).items()}
+    dtype_name = jnp.dtype(dtype).name
+    save_file(flat, os.path.join(path, "model.safetensors"), metadata={"format": fmt, "dtype": dtype_name})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": meta["dtype"],
-                   "target": target.config.to_dict()}, f, indent=2)
+        json.dump({"format": fmt, "format_version": FORMAT_VERSION, "dtype": dtype_name, section: config}, f,
+                  indent=2)
+
+
+def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict[str, np.ndarray], object]:
+    """(the ``section`` config dict, {path: array}, dtype) of a checkpoint written by :func:`write_checkpoint`.
+
+    Missing files, another format (``hint`` says what to run instead) and unreadable weights are clear errors.
+    """
+    config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    for p in (config_path, weights_path):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"not a {fmt} checkpoint: {p} is missing")
+    with open(config_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != fmt:
+        raise ValueError(f"{config_path} is not a {fmt} checkpoint (format={meta.get('format')!r}); {hint}")
+    try:
+        flat = load_file(weights_path)
+    except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
+        raise ValueError(f"cannot read {weights_path}: {e}") from e
+    return meta[section], flat, _DTYPES[meta["dtype"]]
+
+
+def save_target(target, path) -> None:
+    write_checkpoint(path, FORMAT, "target", target.config.to_dict(), target.params, target.dtype)
 
 
 def load_target(path, dtype=None):
     from .target import Target, TargetModel
 
-    config_path = os.path.join(path, "config.json")
-    weights_path = os.path.join(path, "model.safetensors")
-    for p in (config_path, weights_path):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"not a ready-jax target checkpoint: {p} is missing")
-    with open(config_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{config_path} is not a {FORMAT} checkpoint (format={meta.get('format')!r}); "
-                         "convert HF checkpoints with `python -m convert.hf_target` or Target.from_hf")
-    config = TargetConfig.from_dict(meta["target"])
-    dtype = dtype or _DTYPES[meta["dtype"]]
-    try:
-        flat = load_file(weights_path)
-    except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-        raise ValueError(f"cannot read {weights_path}: {e}") from e
+    config, flat, saved_dtype = read_checkpoint(
+        path, FORMAT, "target", "convert HF checkpoints with `python -m convert.hf_target` or Target.from_hf")
+    config = TargetConfig.from_dict(config)
+    dtype = dtype or saved_dtype
     model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, params = nnx.split(model)
     state_from_flat(params, flat, what=f"checkpoint {path}")

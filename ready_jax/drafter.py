@@ -37,8 +37,6 @@ Step functions are pure and jittable (``graphdef`` static, everything else a pyt
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,10 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from .cache import Candidate, TargetCache
-from .checkpoint import flat_state, state_from_flat
+from .checkpoint import flat_state, read_checkpoint, state_from_flat, write_checkpoint
 from .config import TargetConfig
 from .layers import MLP, apply_rope, linear
 from .reader import (
@@ -64,9 +61,7 @@ from .reader import (
 )
 
 FORMAT = "ready-jax-drafter"
-FORMAT_VERSION = 1
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (DeepSpec's threshold)
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "vocab_size", "num_target_layers")
 
@@ -587,33 +582,14 @@ class Drafter:
 
     # ---- checkpoint ------------------------------------------------------------------------------------
     def save(self, path) -> None:
-        """``config.json`` + ``model.safetensors`` (bf16 stored as f32, dtype restored on load)."""
-        os.makedirs(path, exist_ok=True)
-        flat = {k: np.asarray(v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v)
-                for k, v in self.flat_params().items()}
-        dtype = jnp.dtype(self.dtype).name
-        save_file(flat, os.path.join(path, "model.safetensors"), metadata={"format": FORMAT, "dtype": dtype})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype,
-                       "drafter": self.config.to_dict()}, f, indent=2)
+        """``config.json`` + ``model.safetensors`` (see ``ready_jax.checkpoint``)."""
+        write_checkpoint(path, FORMAT, "drafter", self.config.to_dict(), self.params, self.dtype)
 
     @classmethod
     def load(cls, path, dtype=None) -> Drafter:
-        config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-        for p in (config_path, weights_path):
-            if not os.path.exists(p):
-                raise FileNotFoundError(f"not a ready-jax drafter checkpoint: {p} is missing")
-        with open(config_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{config_path} is not a {FORMAT} checkpoint (format={meta.get('format')!r}); "
-                             "convert DeepSpec checkpoints with `python -m convert.deepspec`")
-        config = DrafterConfig.from_dict(meta["drafter"])
-        try:
-            flat = load_file(weights_path)
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"cannot read {weights_path}: {e}") from e
-        return cls.from_state(config, flat, dtype or _DTYPES[meta["dtype"]], what=f"checkpoint {path}")
+        config, flat, saved_dtype = read_checkpoint(
+            path, FORMAT, "drafter", "convert DeepSpec checkpoints with `python -m convert.deepspec`")
+        return cls.from_state(DrafterConfig.from_dict(config), flat, dtype or saved_dtype, what=f"checkpoint {path}")
 
     # ---- jitted steps (module-level jits keyed on the static graphdef: equal drafters share compiles) ----
     def init_context(self, batch_size: int, capacity: int) -> ContextCache:

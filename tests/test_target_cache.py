@@ -142,3 +142,27 @@ def test_bad_input_errors(tiny_target):
         tiny_config(num_attention_heads=3)
     with pytest.raises(ValueError, match="layer_types"):
         tiny_config(layer_types=(GDN,) * 3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_save_load_round_trip(tmp_path, dtype):
+    target = rj.Target.init(tiny_config(), seed=4, dtype=dtype)
+    target.save(tmp_path / "t")
+    loaded = rj.Target.load(tmp_path / "t")
+    assert loaded.dtype == dtype and loaded.config == target.config
+    ids = _tokens(8, (1, 5))
+    np.testing.assert_array_equal(loaded.forward(ids), target.forward(ids))
+
+
+def test_load_rejects_corrupt_and_foreign_checkpoints(tmp_path):
+    target = rj.Target.init(tiny_config(), seed=4)
+    target.save(tmp_path / "t")
+    weights = tmp_path / "t" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot read"):
+        rj.Target.load(tmp_path / "t")
+    (tmp_path / "t" / "config.json").write_text('{"format": "something-else"}')
+    with pytest.raises(ValueError, match="not a ready-jax-target checkpoint"):
+        rj.Target.load(tmp_path / "t")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        rj.Target.load(tmp_path / "nowhere")
