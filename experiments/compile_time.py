@@ -1,0 +1,74 @@
+"""Compile time of the target's step functions at a real geometry, without allocating its weights.
+
+The depth is scanned over stacked layer groups, so compile time should not grow with depth. This
+lowers and compiles decode, verify and prefill for abstract parameters and caches of a preset (the
+Qwen3.5-27B geometry by default: 64 layers) and, for comparison, the same width at a quarter of
+the depth, on whatever backend jax uses here.
+
+    python -m experiments.compile_time [--preset qwen3.5-27b] [--out results/compile_time_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import ready_jax as rj
+from experiments.bench_generate import PRESETS, target_config
+from experiments.common import write_json
+from ready_jax import cache as cache_lib
+from ready_jax import target as target_lib
+
+
+def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block: int, prompt: int, dtype) -> dict:
+    model = nnx.eval_shape(lambda: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, params = nnx.split(model)
+    cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, capacity, dtype))
+    steps = {
+        "decode": (functools.partial(target_lib.extend, graphdef, form="recurrent"), 1),
+        f"verify_{block}": (functools.partial(target_lib.verify, graphdef), block),
+        f"prefill_{prompt}": (functools.partial(target_lib.extend, graphdef, form="chunked"), prompt),
+    }
+    out = {}
+    for name, (fn, length) in steps.items():
+        tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+        start = time.perf_counter()
+        lowered = jax.jit(fn).lower(params, cache, tokens)
+        lowered_at = time.perf_counter()
+        lowered.compile()
+        out[name] = {"trace_lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-27b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--capacity", type=int, default=4096)
+    parser.add_argument("--block", type=int, default=8, help="verify block length (gamma + 1)")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    full = target_config(preset)
+    quarter = dataclasses.replace(full, num_hidden_layers=full.num_hidden_layers // 4,
+                                  layer_types=full.layer_types[:full.num_hidden_layers // 4])
+    dtype = jnp.dtype(preset["dtype"])
+    results = {}
+    for config in (quarter, full):
+        times = compile_seconds(config, args.batch, args.capacity, args.block, args.prompt, dtype)
+        results[f"{config.num_hidden_layers}_layers"] = times
+        print(f"{config.num_hidden_layers:3d} layers: " + ", ".join(
+            f"{name} {t['trace_lower_s'] + t['compile_s']:.1f} s" for name, t in times.items()))
+    write_json(args.out, {"preset": args.preset, "batch": args.batch, "capacity": args.capacity,
+                          "backend": jax.default_backend(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
