@@ -95,8 +95,16 @@ class ScriptedDrafter:
     seed: int = 0
 
     @property
-    def config(self) -> tuple:
-        return ("scripted", self.block_size, float(self.error_rate), self.seed)
+    def config(self) -> ScriptedConfig:
+        return ScriptedConfig(self.block_size, float(self.error_rate))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedConfig:
+    """The static part of a :class:`ScriptedDrafter` (its reference tokens are a program input)."""
+
+    block_size: int
+    error_rate: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +112,7 @@ class _Settings:
     """Everything static about one compiled program (hashable: it keys the compilation cache)."""
 
     target_config: TargetConfig
-    drafter_config: DrafterConfig | tuple | None   # a ScriptedDrafter's config is a tuple
+    drafter_config: DrafterConfig | ScriptedConfig | None
     max_new_tokens: int
     capacity: int
     temperature: float
@@ -117,9 +125,7 @@ class _Settings:
 
     @property
     def gamma(self) -> int:
-        if self.drafter_config is None:
-            return 0
-        return self.drafter_config.block_size if self.learned else self.drafter_config[1]
+        return 0 if self.drafter_config is None else self.drafter_config.block_size
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -222,7 +228,7 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
 
 def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: _Settings, key: jax.Array) -> jax.Array:
     """Drafts ``reference[b, generated[b] + k]`` for k < gamma, each corrupted with probability error_rate."""
-    _, _, error_rate, _ = s.drafter_config
+    error_rate = s.drafter_config.error_rate
     index = generated[:, None] + jnp.arange(s.gamma)[None, :]                         # [B, gamma]
     right = jnp.take_along_axis(reference, jnp.minimum(index, reference.shape[1] - 1), axis=1)
     wrong_key, where_key = jax.random.split(key)
@@ -277,8 +283,7 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
         drafter_config, drafter_params = drafter.config, jnp.asarray(reference, jnp.int32)
     elif drafter is not None:
         raise TypeError(f"drafter must be a Drafter, a ScriptedDrafter or None, got {type(drafter).__name__}")
-    gamma = 0 if drafter is None else drafter.block_size if isinstance(drafter, ScriptedDrafter) \
-        else drafter_config.block_size
+    gamma = 0 if drafter is None else drafter_config.block_size
     needed = int(lengths.max()) + max_new_tokens + gamma
     capacity = needed if capacity is None else capacity
     if needed > capacity:
