@@ -56,29 +56,30 @@ def _drafters(target):
 
 
 def test_greedy_speculative_equals_autoregressive(target):
-    """Token-for-token equality over 60 prompts: batch 1 and 4, blocks 1, 4 and 7, random DSpark and
-    ReaDy drafters, and scripted drafters that are often (or always) right, so long and full-block
+    """Token-for-token equality over 50 distinct prompts: batch 1 and 4, blocks 1, 4 and 7, random DSpark
+    and ReaDy drafters, and scripted drafters that are often (or always) right, so long and full-block
     accepts happen; the final committed cache equals plain decoding's too."""
     drafters = _drafters(target)
-    runs = [(name, d, 4) for name, d in drafters.items()]
+    runs = list(drafters.items())
     prompts_seen = 0
     saw_full_block = False
-    for seed in range(3):
+    for seed in range(10):
         for batch in (4, 1):
             prompts = _prompt_set(100 * seed + batch, batch)
             ar = rj.generate(target, prompts, MAX_NEW, capacity=CAPACITY)
             reference = np.where(ar.tokens < 0, 0, ar.tokens)
-            scripted = [("scripted-exact-b7", rj.ScriptedDrafter(reference, block_size=7, error_rate=0.0), batch),
-                        ("scripted-b4", rj.ScriptedDrafter(reference, block_size=4, error_rate=0.3, seed=seed),
-                         batch)]
-            for name, drafter, _ in runs + scripted:
+            scripted = [("scripted-exact-b7", rj.ScriptedDrafter(reference, block_size=7, error_rate=0.0)),
+                        ("scripted-b4", rj.ScriptedDrafter(reference, block_size=4, error_rate=0.3, seed=seed))]
+            # Batch 1 runs the cheapest pair only: every extra (drafter, shape) is another compiled program.
+            chosen = runs + scripted if batch == 4 else [runs[2], scripted[0]]
+            for name, drafter in chosen:
                 spec = rj.generate(target, prompts, MAX_NEW, drafter=drafter, capacity=CAPACITY)
                 np.testing.assert_array_equal(spec.tokens, ar.tokens, err_msg=f"{name}, batch {batch}, seed {seed}")
                 for x, y in zip(jax.tree.leaves(mask_uncommitted(spec.cache)),
                                 jax.tree.leaves(mask_uncommitted(ar.cache)), strict=True):
                     np.testing.assert_allclose(x, y, atol=5e-5, err_msg=name)
                 saw_full_block |= bool((spec.accept_lengths == spec.block_size + 1).any())
-                prompts_seen += batch
+            prompts_seen += batch
     assert prompts_seen >= 50
     assert saw_full_block
 
