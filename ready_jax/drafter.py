@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.state_gather import gather_sources, state_gather
+
 from .cache import Candidate, TargetCache
 from .checkpoint import flat_state, read_checkpoint, state_from_flat, write_checkpoint
 from .config import TargetConfig
@@ -324,10 +326,10 @@ class DraftLayer(nnx.Module):
         self.mlp = MLP(d, config.intermediate_size, rngs=rngs, dtype=dtype)
         self.reader = _reader_for(config, layer, rngs=rngs, dtype=dtype)
 
-    def __call__(self, h, positions, ctx_k, ctx_v, ctx_len, reader_state=None):
+    def __call__(self, h, positions, ctx_k, ctx_v, ctx_len, reader_state=None, impl: str = "xla"):
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, ctx_len)
         if self.reader is not None:
-            h = self.reader(h, reader_state)
+            h = self.reader(h, reader_state, impl=impl)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -386,11 +388,12 @@ class DrafterModel(nnx.Module):
     def dtype(self):
         return self.fc.kernel.dtype
 
-    def backbone(self, h: jax.Array, context: ContextCache,
-                 reader_states: Sequence | None = None) -> jax.Array:
+    def backbone(self, h: jax.Array, context: ContextCache, reader_states: Sequence | None = None,
+                 impl: str = "xla") -> jax.Array:
         """Draft layers and final norm over block embeddings h [B, G, d] at positions ``context.lengths + k``.
 
         ``reader_states``: :func:`prepare_reader`'s output, required exactly when there is a reader.
+        ``impl``: ``"xla"`` or ``"pallas"`` (the fused ``state_reader`` kernel) for the state read.
         """
         rc = self.config.reader
         if (rc is None) != (reader_states is None):
@@ -403,7 +406,7 @@ class DrafterModel(nnx.Module):
         state_of_layer = dict(zip(rc.inject_layers, reader_states, strict=True)) if rc else {}
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"draft_layer_{i}"):
-                h = layer(h, positions, context.k[i], context.v[i], context.lengths, state_of_layer.get(i))
+                h = layer(h, positions, context.k[i], context.v[i], context.lengths, state_of_layer.get(i), impl)
         return self.norm(h)
 
     def context_features(self, hidden: jax.Array) -> jax.Array:
@@ -463,12 +466,13 @@ def append_context(graphdef, params, context: ContextCache, hidden: jax.Array,
 
 
 def prepare_reader(graphdef, params, source: TargetCache | Candidate,
-                   n_committed: jax.Array | None = None) -> tuple:
+                   n_committed: jax.Array | None = None, impl: str = "xla") -> tuple:
     """Per-round reader input from the target's cache, one entry per inject layer (ascending).
 
     ``source`` is a committed ``TargetCache``, or a verify ``Candidate`` plus ``n_committed`` [B] (the
     block tokens being committed), which reads the same states without waiting for the commit.
-    State reader: ``C [B, M, r, r]`` per inject layer; KV baseline: a ``KVReadState``.
+    State reader: ``C [B, M, r, r]`` per inject layer; KV baseline: a ``KVReadState``. ``impl="pallas"``
+    gathers and compresses with the fused ``state_gather`` kernel, straight from the cache buffers.
     """
     model = nnx.merge(graphdef, params)
     rc = model.config.reader
@@ -482,6 +486,10 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
             keys, values = source_kv(source, rc.source_layers)
             lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
             return tuple(r.prepare(keys, values, lengths) for r in readers)
+        if impl == "pallas":
+            arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
+            return tuple(state_gather(arrays, n, r.key_basis[...], r.value_basis[...], layers=layers,
+                                      impl="pallas") for r in readers)
         # Select the committed states once; each inject layer compresses them with its own bases.
         picked = committed_states(source, rc.source_layers, n_committed)
         return tuple(r.prepare(picked) for r in readers)
@@ -519,11 +527,12 @@ def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead |
 
 def draft_block(graphdef, params, shared: SharedWeights, context: ContextCache, anchor: jax.Array,
                 reader_states: Sequence | None = None, key: jax.Array | None = None, *,
-                temperature: float = 0.0) -> DraftOutput:
+                temperature: float = 0.0, impl: str = "xla") -> DraftOutput:
     """Draft ``gamma = block_size`` tokens after ``anchor`` [B] at positions ``context.lengths``.
 
     ``reader_states``: :func:`prepare_reader`'s output (required iff the drafter has a reader).
     ``temperature`` is static; below ``GREEDY_BELOW`` the block is greedy and ``key`` is unused.
+    ``impl`` (static) picks the state read: ``"xla"`` or the fused ``"pallas"`` kernel.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.config
@@ -532,7 +541,7 @@ def draft_block(graphdef, params, shared: SharedWeights, context: ContextCache, 
     with jax.named_scope("draft_embed"):
         block = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), cfg.mask_token_id, jnp.int32)], axis=1)
         h = shared.embedding[block].astype(model.dtype)                       # [B, G, d]
-    h = model.backbone(h, context, reader_states)
+    h = model.backbone(h, context, reader_states, impl)
     with jax.named_scope("draft_lm_head"):
         base_logits = shared.logits(h).astype(jnp.float32)                   # [B, G, V]
     with jax.named_scope("markov_sampling"):
@@ -607,15 +616,15 @@ class Drafter:
         return _append_jit(self.graphdef, self.params, context, hidden, num_new)
 
     def draft(self, context: ContextCache, anchor, shared: SharedWeights, *, reader_states=None, key=None,
-              temperature: float = 0.0) -> DraftOutput:
+              temperature: float = 0.0, impl: str = "xla") -> DraftOutput:
         return _draft_jit(self.graphdef, self.params, shared, context, jnp.asarray(anchor, jnp.int32),
-                          reader_states, key, temperature=float(temperature))
+                          reader_states, key, temperature=float(temperature), impl=impl)
 
-    def prepare_reader(self, source: TargetCache | Candidate, n_committed=None) -> tuple:
+    def prepare_reader(self, source: TargetCache | Candidate, n_committed=None, impl: str = "xla") -> tuple:
         n = None if n_committed is None else jnp.asarray(n_committed, jnp.int32)
-        return _prepare_jit(self.graphdef, self.params, source, n)
+        return _prepare_jit(self.graphdef, self.params, source, n, impl)
 
 
 _append_jit = jax.jit(append_context, static_argnums=0, donate_argnames=("context",))
-_draft_jit = jax.jit(draft_block, static_argnums=0, static_argnames=("temperature",))
-_prepare_jit = jax.jit(prepare_reader, static_argnums=0)
+_draft_jit = jax.jit(draft_block, static_argnums=0, static_argnames=("temperature", "impl"))
+_prepare_jit = jax.jit(prepare_reader, static_argnums=(0, 4))

@@ -32,6 +32,7 @@ from .drafter import Drafter, DrafterConfig, SharedWeights
 from .target import Target
 
 PAD = -1  # fills GenerateOutput.tokens after a sequence ended
+IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,7 @@ class _Settings:
     temperature: float
     eos_ids: tuple[int, ...]
     rollback: str
+    impl: str
 
     @property
     def learned(self) -> bool:
@@ -158,7 +160,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
         carry["context"] = drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden,
                                                       prompt_lengths)
     if s.has_reader:
-        carry["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache)
+        carry["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, impl=s.impl)
     return carry
 
 
@@ -177,7 +179,7 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
         with jax.named_scope("decode"):
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
             step = target_lib.extend(target_def, target_params, carry["cache"], anchor[:, None],
-                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent")
+                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl)
         n_accepted = jnp.zeros_like(anchor)
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
@@ -188,7 +190,8 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
         with jax.named_scope("draft"):
             if s.learned:
                 draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, carry["context"], anchor,
-                                                carry.get("reader"), draft_key, temperature=s.temperature)
+                                                carry.get("reader"), draft_key, temperature=s.temperature,
+                                                impl=s.impl)
                 draft_tokens, draft_probs = draft.tokens, draft.probs
             else:
                 draft_tokens = _scripted_drafts(drafter_params, carry["generated"], s, draft_key)
@@ -196,7 +199,7 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
             ver = target_lib.verify(target_def, target_params, carry["cache"], block, hidden_layers=s.hidden_layers,
-                                    rollback=s.rollback)
+                                    rollback=s.rollback, impl=s.impl)
         with jax.named_scope("accept"):
             if s.temperature == 0.0:
                 n_accepted, bonus = speculative.greedy_accept(draft_tokens, ver.logits)
@@ -218,7 +221,7 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
             with jax.named_scope("reader_prepare"):
                 # Read from the candidate (before commit) when it holds per-position states.
                 source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (new["cache"], None)
-                new["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n)
+                new["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, impl=s.impl)
     new["buffer"] = speculative.write_tokens(carry["buffer"], carry["generated"], emitted)
     new["generated"] = carry["generated"] + keep
     new["anchor"] = bonus
@@ -255,7 +258,7 @@ _compiled: dict = {}
 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
              temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
-             capacity: int | None = None, rollback: str = "checkpoint") -> GenerateOutput:
+             capacity: int | None = None, rollback: str = "checkpoint", impl: str = "xla") -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
 
     prompt_ids: a [B, T] int array, or a list of 1-D int arrays of different lengths (ragged batch).
@@ -263,7 +266,9 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     speculative sampling is lossless (same distribution as the target's own sampling). Generation
     stops per sequence after an EOS (``eos_token_ids``, default: the target config's) or
     ``max_new_tokens``. ``capacity`` (default: just enough) sizes the caches. ``rollback`` picks how
-    rejected drafts are undone (``target.verify``): both are exact.
+    rejected drafts are undone (``target.verify``): both are exact. ``impl="pallas"`` runs the fused
+    Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
+    (interpreted on a CPU: correct but slow); the tokens are the same.
     """
     prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size)
     if max_new_tokens < 1:
@@ -272,6 +277,8 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if rollback not in target_lib.ROLLBACKS:
         raise ValueError(f"rollback must be one of {target_lib.ROLLBACKS}, got {rollback!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     drafter_config, drafter_params, drafter_def = None, None, None
     if isinstance(drafter, Drafter):
         drafter.check_target(target.config)
@@ -290,7 +297,8 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
     eos = tuple(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    settings = _Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback)
+    settings = _Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
+                         impl)
     shared = SharedWeights.from_target(target) if isinstance(drafter, Drafter) else None
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.gdn_recurrent import gdn_recurrent
+
 from . import gated_delta
 from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
@@ -183,7 +185,7 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = linear(c.linear_value_dim, c.hidden_size, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
-                 form: str) -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
+                 form: str, impl: str = "xla") -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
         """x: [B, T, D] new tokens after the committed ones (one group's cache slice).
 
         ``form="chunked"`` or ``"recurrent"``: advance by ``num_new[b]`` tokens (the rest of the row is
@@ -191,6 +193,7 @@ class GatedDeltaNet(nnx.Module):
         ``form="candidates"``: run the block with the recurrent form and return the state after every
         position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
+        ``impl`` runs the recurrent forms with XLA or the fused Pallas kernel (``pallas_kernels.gdn_recurrent``).
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
@@ -208,18 +211,20 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
 
         if form == "candidates":
-            o, states = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True)
-            states = jnp.concatenate([cache.state[:, None], states], axis=1)   # [B, T+1, H_v, d_k, d_v]
+            o, states = gdn_recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
+                                      include_initial_state=True, impl=impl)   # [B, T+1, H_v, d_k, d_v]
             new_cache = DeltaNetCandidate(states=states, conv_window=window)
         elif form == "replay":
-            o, _ = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state)
+            o, _ = gdn_recurrent(q, k, v, g, beta, cache.state, impl=impl)
             new_cache = DeltaNetReplay(state=cache.state, k=k, v=v, g=g, beta=beta, conv_window=window)
         else:
             if num_new is not None:
                 valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
                 g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
-            op = gated_delta.gated_delta_chunked if form == "chunked" else gated_delta.gated_delta_recurrent
-            o, state = op(q, k, v, g, beta, cache.state)
+            if form == "chunked":
+                o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, cache.state)
+            else:
+                o, state = gdn_recurrent(q, k, v, g, beta, cache.state, impl=impl)
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
             new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
 

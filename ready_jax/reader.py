@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.state_reader import state_reader
+
 from .cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 from .layers import linear
@@ -329,10 +331,10 @@ class StateReader(_ReaderParams):
     def prepare(self, states_bmkv: jax.Array) -> jax.Array:
         return prepare(states_bmkv, self.key_basis[...], self.value_basis[...])
 
-    def __call__(self, h: jax.Array, compressed: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array, compressed: jax.Array, impl: str = "xla") -> jax.Array:
         with jax.named_scope("state_reader"):
-            return read(h, compressed, self.q_proj.kernel[...], self.o_proj.kernel[...],
-                        self.norm.weight[...], self.norm.eps)
+            return state_reader(h, compressed, self.q_proj.kernel[...], self.o_proj.kernel[...],
+                                self.norm.weight[...], self.norm.eps, impl=impl)
 
 
 class KVReader(_ReaderParams):
@@ -341,7 +343,8 @@ class KVReader(_ReaderParams):
     def prepare(self, keys: jax.Array, values: jax.Array, lengths: jax.Array) -> KVReadState:
         return prepare_kv(keys, values, lengths, self.key_basis[...], self.value_basis[...])
 
-    def __call__(self, h: jax.Array, kv: KVReadState) -> jax.Array:
+    def __call__(self, h: jax.Array, kv: KVReadState, impl: str = "xla") -> jax.Array:
+        del impl  # the KV-read baseline has no fused kernel
         with jax.named_scope("kv_reader"):
             return read_kv(h, kv, self.q_proj.kernel[...], self.o_proj.kernel[...],
                            self.norm.weight[...], self.norm.eps)

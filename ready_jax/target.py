@@ -46,12 +46,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, h, layer_cache, starts, num_new, *, form):
+    def __call__(self, h, layer_cache, starts, num_new, *, form, impl="xla"):
         x = self.input_layernorm(h)
         if self.is_attention:
             mixed, layer_cache = self.self_attn(x, layer_cache, starts)
         else:
-            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form)
+            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl)
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h)), layer_cache
 
@@ -90,7 +90,8 @@ class TargetModel(nnx.Module):
             return self.embed_tokens.attend(h)
         return self.lm_head(h)
 
-    def run_layers(self, h, layers_cache, starts, num_new, *, form: str, hidden_layers: Sequence[int]):
+    def run_layers(self, h, layers_cache, starts, num_new, *, form: str, hidden_layers: Sequence[int],
+                   impl: str = "xla"):
         """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D])."""
         cfg = self.config
         p, num_hidden = cfg.group_size, len(hidden_layers)
@@ -108,7 +109,7 @@ class TargetModel(nnx.Module):
             new_cache = []
             for j, layer in enumerate(group.layers):
                 with jax.named_scope(f"layer_{j}"):
-                    h, entry = layer(h, group_cache[j], starts, num_new, form=form)
+                    h, entry = layer(h, group_cache[j], starts, num_new, form=form, impl=impl)
                 new_cache.append(entry)
                 hidden = jax.lax.dynamic_update_index_in_dim(hidden, h, group_slots[j], axis=0)
             return (h, hidden), tuple(new_cache)
@@ -137,18 +138,19 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 
 
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
-           form: str = "chunked", hidden_layers: Sequence[int] = ()) -> StepOutput:
+           form: str = "chunked", hidden_layers: Sequence[int] = (), impl: str = "xla") -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
     T). ``form`` picks the Gated DeltaNet algorithm: ``"chunked"`` (prefill) or ``"recurrent"``
-    (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless.
+    (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``impl``:
+    ``"xla"`` or ``"pallas"`` (the fused Gated DeltaNet kernel) for the recurrent form.
     """
     model = nnx.merge(graphdef, params)
     with jax.named_scope("embed"):
         h = model.embed_tokens(tokens)
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
-                                         hidden_layers=hidden_layers)
+                                         hidden_layers=hidden_layers, impl=impl)
     with jax.named_scope("lm_head"):
         logits = model.logits(h).astype(jnp.float32)
     n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
@@ -159,7 +161,7 @@ ROLLBACKS = ("checkpoint", "replay")
 
 
 def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
-           hidden_layers: Sequence[int] = (), rollback: str = "checkpoint") -> StepOutput:
+           hidden_layers: Sequence[int] = (), rollback: str = "checkpoint", impl: str = "xla") -> StepOutput:
     """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
 
     ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
@@ -173,7 +175,7 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
     h = model.embed_tokens(block)
     form = "candidates" if rollback == "checkpoint" else "replay"
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
-                                         hidden_layers=hidden_layers)
+                                         hidden_layers=hidden_layers, impl=impl)
     logits = model.logits(h).astype(jnp.float32)
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
 
@@ -226,18 +228,19 @@ class Target:
     # ---- jitted steps (cache donated) ----------------------------------------------------------------
     @functools.cached_property
     def _extend(self):
-        return jax.jit(functools.partial(extend, self.graphdef), static_argnames=("form", "hidden_layers"),
+        return jax.jit(functools.partial(extend, self.graphdef), static_argnames=("form", "hidden_layers", "impl"),
                        donate_argnames=("cache",))
 
     @functools.cached_property
     def _verify(self):
-        def run(params, kv_layers, other_layers, lengths, block, hidden_layers, rollback):
+        def run(params, kv_layers, other_layers, lengths, block, hidden_layers, rollback, impl):
             cache = TargetCache(layers=_merge_layers(kv_layers, other_layers), lengths=lengths)
-            return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback)
+            return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback,
+                          impl=impl)
 
         # Only the KV buffers keep their shape through verify; donating the recurrent states too would
         # give XLA buffers it cannot reuse (the candidate holds per-position states instead).
-        return jax.jit(run, static_argnames=("hidden_layers", "rollback"), donate_argnums=(1,))
+        return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl"), donate_argnums=(1,))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
         """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all)."""
@@ -247,18 +250,19 @@ class Target:
         return self._extend(self.params, cache, tokens, num_new, form="chunked",
                             hidden_layers=_check_layers(self.config, hidden_layers))
 
-    def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
+    def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = (),
+               impl: str = "xla") -> StepOutput:
         """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]."""
         tokens = self._check_tokens(jnp.asarray(tokens).reshape(-1, 1), cache)
         return self._extend(self.params, cache, tokens, None, form="recurrent",
-                            hidden_layers=_check_layers(self.config, hidden_layers))
+                            hidden_layers=_check_layers(self.config, hidden_layers), impl=impl)
 
     def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),
-               rollback: str = "checkpoint") -> StepOutput:
+               rollback: str = "checkpoint", impl: str = "xla") -> StepOutput:
         block = self._check_tokens(block, cache)
         kv_layers, other_layers = _split_layers(cache.layers)
         return self._verify(self.params, kv_layers, other_layers, cache.lengths, block,
-                            hidden_layers=_check_layers(self.config, hidden_layers), rollback=rollback)
+                            hidden_layers=_check_layers(self.config, hidden_layers), rollback=rollback, impl=impl)
 
     @staticmethod
     def commit(candidate: Candidate, n_accepted) -> TargetCache:

@@ -1,0 +1,232 @@
+"""ReaDy state read as fused Pallas (Triton) kernels, with the XLA reference beside it (DESIGN.md 3.2).
+
+``state_reader(h, C, W_q, W_o, w_norm, eps)`` has exactly the semantics of ``ready_jax.reader.read``:
+``a = h W_q`` viewed ``[M, r]`` per draft position, ``y_m = C_m^T a_m``, and
+``h + W_o(rmsnorm(concat_m y_m))`` (Qwen3 RMSNorm: ``x / rms(x) * w`` in fp32, cast back to h's dtype).
+
+Why kernels: the read runs at every draft step on ``B * gamma`` rows (7 to ~64) and its cost is streaming
+the two projections (``d x M r`` each: 7.9 MB in bf16 for Qwen3.5-27B at r = 8, 126 MB at r = 128). XLA's
+reference is five ops (two GEMMs, a batched matvec, the norm, the residual add), each a launch and a round
+trip of the intermediates through HBM. Here the whole read is two launches: everything between the two GEMMs
+happens in the first one's epilogue and the norm scaling and the residual in the second one's prologue and
+epilogue. (It cannot be one launch: the RMSNorm needs the complete ``M r`` vector of a row before W_o, and
+W_q's and W_o's columns are split over different programs.)
+
+Kernel 1, ``reader_query``: grid ``(B, M / block_m)``, one program per (sequence b, block of ``block_m``
+pairs = ``block_m * r`` columns of W_q).
+
+* ``a = h[b] W_q[:, cols]`` (``[G, block_m r]``): a loop over d in chunks of ``block_d``, ``tt.dot`` with
+  fp32 accumulation (``precision=HIGHEST`` for f32). The G rows are padded to a power of 2 >= 16 (Triton's
+  dot needs M >= 16; G = gamma <= 16 gives 16) by the BlockSpec overhanging h: those rows are masked loads
+  of garbage that only ever reach masked stores, since rows never mix until W_o, which is row-wise too.
+* ``y_m = C[b, m]^T a_m``: r < 16 (r = 8): broadcast-multiply-and-sum over ``[G, block_m, r, r]`` (a dot
+  would contract over r; Triton needs K >= 16). r >= 16: ``block_m = 1`` and one ``tt.dot``.
+* Writes y (rounded to h's dtype, as the reference rounds it before the norm) and this block's partial sum
+  of squares per row ``[B, M / block_m, G_pad]`` for the norm.
+
+Kernel 2, ``reader_out``: grid ``(B, d / block_out)``, one program per (sequence, block of output columns).
+
+* Sums the partial sums of squares -> ``1 / rms`` per row; a loop over the ``M r`` axis in chunks of
+  ``block_n``: normalise, multiply by the norm weight (rounded like the reference), ``tt.dot`` with
+  ``W_o[chunk, cols]``; adds the residual h and writes ``[G, block_out]`` (padded rows masked).
+
+Rounding follows the reference exactly: a in ``result_type(h, W_q)``, y and the normalised vector in h's
+dtype, ``W_o``'s product in ``result_type(h, W_o)``; all accumulation in fp32. So fp32 inputs agree to fp32
+rounding and bf16 inputs to about one bf16 ulp of the intermediates.
+
+Triton needs power-of-2 tiles: r must be a power of 2 (M, d, B and G are free: blocks are the largest powers
+of 2 dividing them, rows are padded). Other ranks raise ``ValueError`` on the Pallas path (use ``impl="xla"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import (
+    MIN_DOT_DIM,
+    is_power_of_2,
+    largest_power_of_2_divisor,
+    matmul,
+    next_power_of_2,
+    resolve_interpret,
+    triton_compiler_params,
+)
+
+IMPLS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderKernelConfig:
+    """Block sizes and Triton launch parameters of the two kernels (static; part of the jit cache key).
+
+    Every block is an upper bound, capped at the largest power of 2 dividing its axis.
+
+    block_m: pairs per program of ``reader_query`` (r >= 16 forces 1). ``block_m * r`` W_q columns per
+        program: 2 x 8 = 16 is the narrowest a Triton dot takes and gives B * 48 programs on Qwen3.5-27B.
+    block_d: hidden-size chunk of ``reader_query``'s loop over d (the K of ``h W_q``).
+    block_n: ``M r`` chunk of ``reader_out``'s loop (the K of ``. W_o``).
+    block_out: output hidden columns per program of ``reader_out`` (5120 / 64 = 80 programs per sequence).
+    num_warps, num_stages: passed to Triton explicitly, for both kernels.
+    """
+
+    block_m: int = 2
+    block_d: int = 256
+    block_n: int = 128
+    block_out: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
+                    for name in ("block_m", "block_d", "block_n", "block_out", "num_warps")
+                    if not is_power_of_2(getattr(self, name))]
+        if self.num_stages < 1:
+            problems.append(f"num_stages must be >= 1; got {self.num_stages}")
+        if problems:
+            raise ValueError("invalid ReaderKernelConfig: " + "; ".join(problems))
+
+
+def state_reader_reference(h, compressed, w_q, w_o, norm_weight, eps: float) -> jax.Array:
+    """``reader.read`` (the XLA path)."""
+    from ready_jax.reader import read  # lazy: ready_jax may import this module (no import cycle)
+
+    return read(h, compressed, w_q, w_o, norm_weight, eps)
+
+
+# ---- kernel 1: a = h W_q, y = C^T a, partial sums of squares -------------------------------------------------
+def _query_kernel(h_ref, wq_ref, c_ref, y_ref, ss_ref, *, block_m: int, block_d: int, d: int, rank: int,
+                  q_dtype, h_dtype):
+    """Program (b, pair block). h_ref [G_pad, d]; wq_ref [d, block_m r]; c_ref [block_m, r, r] fp32;
+    y_ref [G_pad, block_m r] (h's dtype); ss_ref [G_pad] fp32."""
+
+    def step(kc, acc):  # acc [G_pad, block_m r] fp32
+        k0 = pl.multiple_of(kc * block_d, block_d)
+        return acc + matmul(h_ref[:, pl.ds(k0, block_d)].astype(q_dtype),
+                            wq_ref[pl.ds(k0, block_d), :].astype(q_dtype))
+
+    g_pad, cols = y_ref.shape
+    acc = lax.fori_loop(0, d // block_d, step, jnp.zeros((g_pad, cols), jnp.float32))
+    a = acc.astype(q_dtype).astype(jnp.float32)             # the reference's a = h W_q, then .astype(f32)
+    c = c_ref[...].astype(jnp.float32)                       # [block_m, r, r]
+    if rank >= MIN_DOT_DIM:                                  # block_m == 1: y = a C  ([G_pad, r] @ [r, r])
+        y = matmul(a, c.reshape(rank, rank))
+    else:                                                    # y[g, j, s] = sum_r a[g, j, r] C[j, r, s]
+        y = jnp.sum(a.reshape(g_pad, block_m, rank, 1) * c[None], axis=2).reshape(g_pad, cols)
+    y = y.astype(h_dtype)
+    y_ref[...] = y
+    y32 = y.astype(jnp.float32)
+    ss_ref[...] = jnp.sum(y32 * y32, axis=1)
+
+
+# ---- kernel 2: rmsnorm, W_o, residual ----------------------------------------------------------------------
+def _out_kernel(h_ref, y_ref, ss_ref, w_ref, wo_ref, o_ref, *, block_n: int, num_cols: int, num_partials: int,
+                eps: float, h_dtype, o_dtype):
+    """Program (b, column block). h_ref [G_pad, block_out]; y_ref [G_pad, M r]; ss_ref [P, G_pad] fp32;
+    w_ref [M r]; wo_ref [M r, block_out]; o_ref [G_pad, block_out]."""
+    g_pad = y_ref.shape[0]
+    ss = lax.fori_loop(0, num_partials, lambda j, s: s + ss_ref[j, :], jnp.zeros((g_pad,), jnp.float32))
+    inv_rms = lax.rsqrt(ss / num_cols + eps)[:, None]        # [G_pad, 1]: rsqrt(mean(y^2) + eps)
+
+    def step(kc, acc):  # acc [G_pad, block_out] fp32
+        k0 = pl.multiple_of(kc * block_n, block_n)
+        y = y_ref[:, pl.ds(k0, block_n)].astype(jnp.float32)
+        normed = (y * inv_rms).astype(h_dtype)                                  # reader.rms_norm, exactly
+        w = w_ref[pl.ds(k0, block_n)].astype(h_dtype)
+        z = (w.astype(jnp.float32)[None, :] * normed.astype(jnp.float32)).astype(h_dtype)
+        return acc + matmul(z.astype(o_dtype), wo_ref[pl.ds(k0, block_n), :].astype(o_dtype))
+
+    acc = lax.fori_loop(0, num_cols // block_n, step, jnp.zeros(o_ref.shape, jnp.float32))
+    out = acc.astype(o_dtype).astype(jnp.float32)
+    o_ref[...] = (h_ref[...].astype(jnp.float32) + out).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
+def state_reader_pallas(h, compressed, w_q, w_o, norm_weight, eps: float, *, interpret: bool = False,
+                        config: ReaderKernelConfig = ReaderKernelConfig()) -> jax.Array:
+    """The two Pallas kernels (see the module docstring); same arguments and result as the reference."""
+    b, g, d = h.shape
+    _, m, r, _ = compressed.shape
+    n = m * r
+    problems = []
+    if compressed.shape != (b, m, r, r):
+        problems.append(f"compressed {compressed.shape} must be [B, M, r, r] with B = {b}")
+    if w_q.shape != (d, n) or w_o.shape != (n, d) or norm_weight.shape != (n,):
+        problems.append(f"w_q {w_q.shape}, w_o {w_o.shape}, norm_weight {norm_weight.shape} must be "
+                        f"[{d}, {n}], [{n}, {d}], [{n}] (d = {d}, M r = {m} x {r})")
+    if problems:
+        raise ValueError("state_reader: " + "; ".join(problems))
+    if not is_power_of_2(r):
+        raise ValueError(f"state_reader(impl='pallas') needs a power-of-2 rank for Triton tiles; got {r}. "
+                         "Use impl='xla' for this rank.")
+    q_dtype = jnp.result_type(h.dtype, w_q.dtype)
+    o_dtype = jnp.result_type(h.dtype, w_o.dtype)
+    g_pad = max(MIN_DOT_DIM, next_power_of_2(g))
+    block_m = 1 if r >= MIN_DOT_DIM else min(config.block_m, largest_power_of_2_divisor(m))
+    block_d = min(config.block_d, largest_power_of_2_divisor(d))
+    block_n = min(config.block_n, largest_power_of_2_divisor(n))
+    block_out = min(config.block_out, largest_power_of_2_divisor(d))
+    num_blocks = m // block_m
+    params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+
+    y, ss = pl.pallas_call(
+        functools.partial(_query_kernel, block_m=block_m, block_d=block_d, d=d, rank=r, q_dtype=q_dtype,
+                          h_dtype=h.dtype),
+        out_shape=(jax.ShapeDtypeStruct((b, g_pad, n), h.dtype),
+                   jax.ShapeDtypeStruct((b, num_blocks, g_pad), jnp.float32)),
+        grid=(b, num_blocks),
+        in_specs=[pl.BlockSpec((None, g_pad, d), lambda i, j: (i, 0, 0)),        # h[b], rows padded to g_pad
+                  pl.BlockSpec((d, block_m * r), lambda i, j: (0, j)),          # W_q columns of the pair block
+                  pl.BlockSpec((None, block_m, r, r), lambda i, j: (i, j, 0, 0))],
+        out_specs=[pl.BlockSpec((None, g_pad, block_m * r), lambda i, j: (i, 0, j)),
+                   pl.BlockSpec((None, None, g_pad), lambda i, j: (i, j, 0))],
+        interpret=interpret,
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * b * g * (d * n + n * r), transcendentals=0,
+            bytes_accessed=h.nbytes * num_blocks + w_q.nbytes * b + compressed.nbytes + b * g_pad * n * 4),
+        name="reader_query",
+    )(h, w_q, compressed)
+
+    return pl.pallas_call(
+        functools.partial(_out_kernel, block_n=block_n, num_cols=n, num_partials=num_blocks, eps=float(eps),
+                          h_dtype=h.dtype, o_dtype=o_dtype),
+        out_shape=jax.ShapeDtypeStruct((b, g, d), o_dtype),
+        grid=(b, d // block_out),
+        in_specs=[pl.BlockSpec((None, g_pad, block_out), lambda i, j: (i, 0, j)),  # residual h
+                  pl.BlockSpec((None, g_pad, n), lambda i, j: (i, 0, 0)),          # y[b], all M r columns
+                  pl.BlockSpec((None, num_blocks, g_pad), lambda i, j: (i, 0, 0)),
+                  pl.BlockSpec((n,), lambda i, j: (0,)),
+                  pl.BlockSpec((n, block_out), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((None, g_pad, block_out), lambda i, j: (i, 0, j)),  # padded rows: masked stores
+        interpret=interpret,
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * b * g * n * d, transcendentals=b * g,
+            bytes_accessed=w_o.nbytes * b + y.nbytes * (d // block_out) + 2 * h.nbytes),
+        name="reader_out",
+    )(h, y, ss, norm_weight, w_o)
+
+
+def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                 eps: float, *, impl: str = "xla", interpret: bool | None = None,
+                 config: ReaderKernelConfig = ReaderKernelConfig()) -> jax.Array:
+    """``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed ``[M, r]`` (``reader.read``).
+
+    h: ``[B, G, d]``; compressed C: ``[B, M, r, r]`` (``state_gather``'s output); w_q: ``[d, M r]``;
+    w_o: ``[M r, d]``; norm_weight: ``[M r]``; eps: the RMSNorm epsilon (a Python float: static).
+    impl: ``"xla"`` (the default: ``reader.read``) or ``"pallas"``.
+    interpret: run the Pallas kernels in interpret mode; None: exactly when jax's default backend is the CPU.
+    Returns ``[B, G, d]`` in ``result_type(h, w_o)``.
+    """
+    if impl == "xla":
+        return state_reader_reference(h, compressed, w_q, w_o, norm_weight, eps)
+    if impl != "pallas":
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    return state_reader_pallas(h, compressed, w_q, w_o, norm_weight, float(eps),
+                               interpret=resolve_interpret(interpret), config=config)
