@@ -213,7 +213,7 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
         keep, new["done"] = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry["generated"],
                                                         s.max_new_tokens, done)
         with jax.named_scope("commit"):
-            new["cache"] = cache_lib.commit(ver.cache, keep)
+            new["cache"] = cache_lib.commit(ver.cache, keep, s.impl)
             if s.learned:
                 new["context"] = drafter_lib.append_context(drafter_def, drafter_params, carry["context"],
                                                             ver.hidden, keep)
