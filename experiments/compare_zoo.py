@@ -1,0 +1,112 @@
+"""AR vs DSpark vs DSpark-FT vs ReaDy with the shipped tiny zoo, on held-out prompts.
+
+Loads the zoo's target (with its tokenizer and corpus split manifest) and its three drafters, draws
+prompts from the corpus *test* split (code files and pydoc prose topics; documents no model trained
+on), and generates greedily through ``ready_jax.generate`` with each drafter and without one (AR).
+Every speculative output is checked token-for-token against AR. Prints, per method: tau (tokens
+committed per verification round, the target's own included; per prompt kind too), the rate of
+rounds in which all drafts survive, tokens/s of the compiled program (compile time separate) and
+the speedup over AR measured in the same run. Weights are shipped in bf16 and computed in fp32.
+
+    python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--new-tokens 96] [--out results/zoo.json]
+
+On CPU the speedup mostly reflects how many target passes are saved against the drafter's own cost,
+which on a tiny target is not small; tau is the hardware-independent figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+import ready_jax as rj
+from ready_jax import data
+from ready_jax.checkpoint import load_target
+
+DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))
+
+
+def held_out_prompts(zoo: Path, count: int, prompt_tokens: int, seed: int) -> list[dict]:
+    """Prompts from the test split recorded in the zoo's corpus manifest, read from this interpreter's stdlib."""
+    manifest = json.loads((zoo / "target" / "corpus_manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(zoo / "target" / "tokenizer.json"))
+    docs = data.manifest_documents(manifest, "test")
+    if not docs:
+        raise SystemExit("none of the zoo's test documents exist in this interpreter's stdlib")
+    return data.draw_prompts(tokenizer, docs, count, prompt_tokens, seed)
+
+
+def summarize(out: rj.GenerateOutput, kinds: np.ndarray) -> dict:
+    accepted = out.accept_lengths                                          # [rounds, B]; 0 once done
+    per_kind = {k: float(accepted[:, kinds == k][accepted[:, kinds == k] > 0].mean()) for k in np.unique(kinds)}
+    survive = out.full_accept_rate if out.block_size else None  # AR has no drafts
+    return {"tau": out.tau, "tau_by_kind": per_kind, "all_drafts_survive": survive,
+            "rounds": out.rounds, "tokens_per_second": out.tokens_per_second, "run_seconds": out.run_seconds}
+
+
+def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.GenerateOutput, float]:
+    """(the fastest of ``repeats`` compiled runs, compile seconds of the first call)."""
+    first = rj.generate(target, prompts, new_tokens, drafter=drafter)
+    runs = [rj.generate(target, prompts, new_tokens, drafter=drafter) for _ in range(repeats)]
+    return min(runs, key=lambda o: o.run_seconds), first.compile_seconds
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zoo", default="zoo")
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (half code, half prose)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (the fastest is kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    zoo = Path(args.zoo)
+
+    start = time.perf_counter()
+    target = load_target(zoo / "target", dtype=jnp.float32)
+    prompts = held_out_prompts(zoo, args.prompts, args.prompt_tokens, args.seed)
+    ids = np.asarray([p["ids"] for p in prompts], np.int32)               # [B, prompt_tokens]
+    kinds = np.asarray([p["kind"] for p in prompts])
+    print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "
+          f"of {args.prompt_tokens} tokens, {args.new_tokens} new tokens each, greedy")
+
+    ar, ar_compile = timed(target, ids, args.new_tokens, None, args.repeats)
+    results = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0,
+                                      identical_to_ar=True)}
+    for name, folder in DRAFTERS:
+        drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+        out, compile_seconds = timed(target, ids, args.new_tokens, drafter, args.repeats)
+        results[name] = dict(summarize(out, kinds), compile_seconds=compile_seconds,
+                             speedup=ar.run_seconds / out.run_seconds,
+                             identical_to_ar=bool(np.array_equal(out.tokens, ar.tokens)))
+
+    print(f"{'method':<16}{'tau':>6}{'tau code':>10}{'tau prose':>10}{'all survive':>13}{'tok/s':>9}"
+          f"{'speedup':>9}{'compile s':>11}  same as AR")
+    for name, r in results.items():
+        by_kind = r["tau_by_kind"]
+        print(f"{name:<16}{r['tau']:>6.2f}{by_kind.get('code', float('nan')):>10.2f}"
+              f"{by_kind.get('prose', float('nan')):>10.2f}"
+              f"{'-' if r['all_drafts_survive'] is None else format(r['all_drafts_survive'], '.1%'):>13}"
+              f"{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{r['compile_seconds']:>11.1f}  "
+              f"{'yes' if r['identical_to_ar'] else 'NO'}")
+    sample, tokenizer = prompts[0], Tokenizer.from_file(str(zoo / "target" / "tokenizer.json"))
+    print(f"\nprompt [{sample['kind']}: {sample['name']}] ...{sample['text'][-120:]!r}\n"
+          f"AR continuation: {tokenizer.decode(ar.tokens[0][ar.tokens[0] >= 0].tolist())!r}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "prompts": [
+            {k: p[k] for k in ("kind", "name")} for p in prompts], "results": results,
+            "wall_seconds": time.perf_counter() - start}, indent=1))
+    if not all(r["identical_to_ar"] for r in results.values()):
+        raise SystemExit("a speculative output differs from autoregressive greedy decoding")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Train a drafter for a trained target: DSpark from scratch, or DSpark continued with / without state access.
+
+Variants (the paper's comparison):
+
+- ``dspark``: a DSpark drafter trained from random initialisation;
+- ``ready``: starts from a DSpark checkpoint (``--init-from``) with a ReaDy state reader added whose
+  output projection is zero (so it starts as exactly that DSpark drafter), then trains everything;
+- ``dspark-ft``: the control: continues the same DSpark checkpoint for the same steps, without state
+  access, so ReaDy's gain over it is the reader's, not the extra training's.
+
+Training data is self-distilled: the target continues corpus prompts (``ready_jax.generate``); the
+target's features, logits and GDN states are recomputed at every step (see
+``ready_jax.drafter_training``). Rerunning the same command resumes from the workdir's checkpoints.
+
+    python -m experiments.train_drafter --variant dspark --target zoo/target --steps 400 --out zoo/dspark
+    python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 200 --out zoo/ready
+    python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 200 --out zoo/dspark_ft
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import ready_jax as rj
+from ready_jax import data, training
+from ready_jax import drafter_training as dt
+from ready_jax.checkpoint import load_target
+
+
+def build_drafter(args, target: rj.Target) -> rj.Drafter:
+    """The variant's starting drafter (fp32 for training)."""
+    if args.variant == "dspark":
+        overrides = dict(block_size=args.block_size, num_layers=args.num_layers, markov_rank=args.markov_rank)
+        config = dt.default_config(target.config, data.MASK_ID, **overrides)
+        return rj.Drafter.init(target.config, config, seed=args.seed)
+    if args.init_from is None:
+        raise SystemExit(f"--variant {args.variant} needs --init-from (a DSpark drafter directory)")
+    base = rj.Drafter.load(args.init_from, dtype=jnp.float32)
+    if base.config.reader is not None:
+        raise SystemExit(f"--init-from {args.init_from} already has a reader; give a DSpark drafter")
+    if args.variant == "dspark-ft":
+        return base
+    reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers)
+    return dt.with_reader(base, target.config, reader, seed=args.seed)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", required=True, choices=dt.VARIANTS)
+    parser.add_argument("--target", default="zoo/target", help="trained target (project format)")
+    parser.add_argument("--corpus", default="runs/corpus", help="corpus directory (built on first use)")
+    parser.add_argument("--init-from", default=None, help="DSpark drafter to start from (ready, dspark-ft)")
+    parser.add_argument("--workdir", default=None, help="checkpoints and metrics (default runs/drafter_<variant>)")
+    parser.add_argument("--out", default=None, help="write the trained drafter here")
+    parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (x anchors per sequence)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    # drafter shape (dspark) and reader (ready)
+    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--markov-rank", type=int, default=64)
+    parser.add_argument("--source-layers", type=int, nargs="+", default=None,
+                        help="target GDN layers the reader reads (default: nearest L/2-2 and L-2)")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--inject-layers", type=int, nargs="+", default=[-1])
+    # self-distillation and anchors
+    parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--stride", type=int, default=8, help="tokens between anchors")
+    parser.add_argument("--distill-temperature", type=float, default=0.0)
+    parser.add_argument("--distill-cache", default=None, help="where the distilled sequences are kept "
+                        "(default runs/distill_<seed>.npz; variants sharing it train on the same data)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or f"runs/drafter_{args.variant}")
+    produced_by = training.run_provenance(workdir, "experiments.train_drafter", argv)
+
+    target = load_target(args.target, dtype=jnp.float32)  # the shipped (bf16) weights, computed in fp32
+    corpus = data.prepare_corpus(args.corpus)
+    shipped = Path(args.target) / "tokenizer.json"
+    if shipped.exists() and shipped.read_text() != (corpus.path / "tokenizer.json").read_text():
+        raise SystemExit(f"the corpus at {args.corpus} was tokenized differently from the target's {shipped}: "
+                         "prompts would be other tokens; give the corpus directory the target was trained on")
+    distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
+                                      temperature=args.distill_temperature, seed=args.seed)
+    start = time.perf_counter()
+    train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config,
+                                             args.distill_cache or f"runs/distill_{args.seed}.npz")
+    print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
+          f"({time.perf_counter() - start:.0f} s)")
+
+    drafter = build_drafter(args, target)
+    layout = dt.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(drafter.params))
+    print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.num_anchors} anchors per sequence, "
+          f"reader {drafter.config.reader}")
+    optim = training.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
+    loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
+                               checkpoint_every=args.checkpoint_every)
+    meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
+            "optim": dataclasses.asdict(optim), "distill": dataclasses.asdict(distill_config),
+            "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from}
+    start = time.perf_counter()
+    trained = dt.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
+                               batch_size=args.batch_size, seed=args.seed, meta=meta)
+    final = dt.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size)(trained.params)
+    summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
+               "wall_seconds_this_run": time.perf_counter() - start, **final}
+    print(json.dumps(summary))
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.out:
+        rj.Drafter(nnx.merge(trained.graphdef, training.cast(trained.params, jnp.dtype(args.export_dtype)))).save(
+            args.out)
+        training.record_artifacts(args.out, dict(produced_by, summary=summary))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Training pipeline: corpus and tokenizer, target and drafter trainers, exact resume, checkpoint
+integrity, the anchor states the drafter trainer feeds, and the shipped zoo's manifest."""
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+import ready_jax as rj
+from ready_jax import data, training
+from ready_jax import drafter_training as dt
+from ready_jax.reader import committed_states
+
+ZOO = Path(__file__).resolve().parent.parent / "zoo"
+LAYOUT = dt.AnchorLayout(prompt_len=6, seq_len=24, stride=4, block_size=3)
+
+
+# ---- corpus and tokenizer -----------------------------------------------------------------------------------
+def test_split_rule_is_a_fixed_function_of_the_name():
+    assert [data.split_of(n) for n in ("json/decoder.py", "argparse.py", "pydoc_data/topics.py::if")] == \
+        [data.split_of(n) for n in ("json/decoder.py", "argparse.py", "pydoc_data/topics.py::if")]
+    names = [f"module_{i}.py" for i in range(2000)]
+    share = {s: sum(data.split_of(n) == s for n in names) / len(names) for s in data.SPLITS}
+    assert 0.87 < share["train"] < 0.93 and 0.03 < share["validation"] < 0.07 and 0.03 < share["test"] < 0.07
+
+
+def test_corpus_and_tokenizer_are_deterministic():
+    docs = data.collect_documents()
+    assert docs == data.collect_documents()  # same files, same order, same text
+    names = [d.name for d in docs]
+    assert not any(part in data.EXCLUDED_DIRS for n in names for part in n.split("/")[:-1])
+    assert any(d.kind == data.PROSE for d in docs) and any(d.kind == data.CODE for d in docs)
+    splits = data.split_documents(docs)
+    assert data.manifest(splits) == data.manifest(data.split_documents(data.collect_documents()))
+    sample = splits["train"][:12]
+    first, second = data.train_tokenizer(sample, 400), data.train_tokenizer(sample, 400)
+    assert first.to_str() == second.to_str()
+    stream = data.encode_documents(first, sample)
+    assert np.array_equal(stream, data.encode_documents(second, sample))
+    assert (stream == data.EOS_ID).sum() == len(sample) and data.MASK_ID not in stream
+    assert first.decode(first.encode(sample[0].text).ids) == sample[0].text  # byte-level: lossless
+
+
+def test_windows_batches_depend_only_on_seed_and_position():
+    windows = data.Windows(np.arange(101, dtype=np.int32), length=9)   # 11 windows of 10 tokens
+    straight = np.concatenate([windows.batch(3, p, 4) for p in (0, 4, 8, 12)])
+    assert np.array_equal(straight[4:8], windows.batch(3, 4, 4))
+    assert sorted(straight[:11, 0] // 9) == list(range(11))            # one epoch = every window once
+    assert np.array_equal(straight[:, 1:], straight[:, :-1] + 1)
+
+
+# ---- target trainer -----------------------------------------------------------------------------------------
+@functools.cache
+def _target_trainer(steps: int):
+    """Graphdef, host copy of the initial parameters, optimizer and jitted step (compiled once per session)."""
+    config = tiny_config()
+    target = rj.Target.init(config, seed=0)
+    optimizer = training.make_optimizer(training.OptimConfig(lr=1e-2, warmup_steps=2, total_steps=steps))
+    step_fn = training.make_train_step(
+        lambda params, tokens, key: training.target_loss(target.graphdef, config, params, tokens), optimizer)
+    return config, jax.tree.map(np.asarray, target.params), optimizer, step_fn
+
+
+def _target_run(workdir, steps=4, stop_after=None, seed=0):
+    """Train the tiny target in ``workdir`` from fresh state objects (as after a process restart)."""
+    config, host_params, optimizer, step_fn = _target_trainer(steps)
+    params = jax.tree.map(jnp.asarray, host_params)  # new device arrays: nothing carries over in memory
+    stream = np.tile(np.arange(40, dtype=np.int32) % 11, 40)  # a learnable periodic sequence
+    windows = data.Windows(stream, 16)
+    loop = training.LoopConfig(total_steps=steps, log_every=1, checkpoint_every=2, stop_after=stop_after)
+    state = training.train_loop(training.TrainState.create(params, optimizer, seed), step_fn,
+                                lambda s: jnp.asarray(windows.batch(seed, s * 4, 4)), loop, workdir,
+                                meta={"target": config.to_dict()}, log=lambda _: None)
+    return state, [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_target_training_reduces_loss(tmp_path):
+    _, rows = _target_run(tmp_path)
+    losses = [r["loss"] for r in rows]
+    assert losses[-1] < losses[0] - 0.2, losses
+
+
+def test_resume_after_interruption_is_exact(tmp_path):
+    straight, _ = _target_run(tmp_path / "straight")
+    first, _ = _target_run(tmp_path / "resumed", stop_after=2)
+    assert int(first.step) == 2
+    resumed, _ = _target_run(tmp_path / "resumed")
+    assert int(resumed.step) == 4
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_corrupt_checkpoint_is_named_and_skipped(tmp_path):
+    state, _ = _target_run(tmp_path)
+    checkpointer = training.Checkpointer(tmp_path)
+    assert checkpointer.steps() == [2, 4]
+    files = sorted((p for p in checkpointer.step_dir(4).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    truncated, deleted = files[-1], files[-2]
+    intact = truncated.read_bytes()
+    truncated.write_bytes(intact[: len(intact) // 2])
+    with pytest.raises(training.CheckpointError, match=f"{truncated} has {len(intact) // 2} bytes"):
+        checkpointer.restore(4, state)
+    truncated.write_bytes(intact)
+    deleted.unlink()
+    with pytest.raises(training.CheckpointError, match=f"{deleted} is missing"):
+        checkpointer.restore(4, state)
+    messages = []
+    restored, meta = checkpointer.restore_latest(state, messages.append)
+    assert int(restored.step) == 2 and meta["data_position"] == 2
+    assert "step 4" in messages[0] and str(deleted) in messages[0]
+    # Training picks up from step 2 and finishes the run, saving step 4 anew.
+    resumed, _ = _target_run(tmp_path)
+    assert int(resumed.step) == 4 and training.Checkpointer(tmp_path).steps() == [2, 4]
+
+
+# ---- drafter trainer ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafter_setup():
+    """A tiny target, sequences for it (random tokens: the trainer does not care where they come from) and a DSpark."""
+    config = tiny_config()
+    target = rj.Target.init(config, seed=0)
+    seqs = np.random.default_rng(0).integers(3, config.vocab_size, size=(8, LAYOUT.seq_len)).astype(np.int32)
+    dspark = rj.Drafter.init(config, dt.default_config(config, mask_token_id=1, block_size=3, num_layers=1,
+                                                       markov_rank=8), seed=1)
+    return target, seqs, dspark
+
+
+def test_anchor_states_equal_what_generate_reads(drafter_setup):
+    """The states fed at anchor a_j are those of a cache that committed exactly a_j tokens."""
+    target, seqs, dspark = drafter_setup
+    ready = dt.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), seed=2)
+    source = ready.config.reader.source_layers
+    tokens = jnp.asarray(seqs[:2])
+    teacher = jax.jit(dt.teacher_pass, static_argnums=(0, 2, 4, 5, 6))(
+        target.graphdef, target.params, target.config, tokens, LAYOUT, ready.config.target_layer_ids, source)
+    full = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens, hidden_layers=ready.config.target_layer_ids)
+    np.testing.assert_allclose(teacher.logits, full.logits, atol=2e-4)
+    np.testing.assert_allclose(teacher.hidden, full.hidden, atol=2e-4)
+    model = nnx.merge(ready.graphdef, ready.params)
+    for j in (0, LAYOUT.num_anchors - 1):
+        anchor = int(LAYOUT.anchors[j])
+        prefix = target.prefill(target.init_cache(2, anchor), tokens[:, :anchor])
+        expected = committed_states(prefix.cache, source)                           # [B, M, d_k, d_v]
+        np.testing.assert_allclose(teacher.states[:, j], expected, atol=1e-5)
+        # ... and the reader input built from them is what generate's prepare_reader builds.
+        np.testing.assert_allclose(model.layers[-1].reader.prepare(teacher.states[:, j]),
+                                   ready.prepare_reader(prefix.cache)[0], atol=1e-5)
+
+
+def test_teacher_forced_block_matches_draft_block(drafter_setup):
+    """block_logits with the drafter's own greedy drafts as previous tokens is draft_block's computation."""
+    target, seqs, dspark = drafter_setup
+    anchor = int(LAYOUT.anchors[1])
+    tokens = jnp.asarray(seqs[:2])
+    out = target.prefill(target.init_cache(2, anchor), tokens[:, :anchor], hidden_layers=dspark.config.target_layer_ids)
+    context = dspark.append_context(dspark.init_context(2, LAYOUT.seq_len), out.hidden)
+    shared = rj.SharedWeights.from_target(target)
+    draft = dspark.draft(context, tokens[:, anchor], shared)
+    prev = jnp.concatenate([tokens[:, anchor:anchor + 1], draft.tokens[:, :-1]], axis=1)
+    logits, confidence = dt.block_logits(nnx.merge(dspark.graphdef, dspark.params), shared, context, prev, None)
+    np.testing.assert_allclose(logits, draft.logits, atol=1e-4)
+    np.testing.assert_allclose(confidence, draft.confidence, atol=1e-5)
+
+
+def test_ready_starts_as_its_dspark(drafter_setup):
+    """The reader's W_o starts at zero, so a fresh ReaDy drafts exactly what its DSpark drafts."""
+    target, seqs, dspark = drafter_setup
+    ready = dt.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), seed=2)
+    assert not np.any(np.asarray(ready.flat_params()["layers.0.reader.o_proj.kernel"]))
+    tokens = jnp.asarray(seqs[:2, :10])
+    out = target.prefill(target.init_cache(2, 10), tokens, hidden_layers=dspark.config.target_layer_ids)
+    context = dspark.append_context(dspark.init_context(2, 20), out.hidden)
+    shared = rj.SharedWeights.from_target(target)
+    plain = dspark.draft(context, tokens[:, -1], shared)
+    read = ready.draft(context, tokens[:, -1], shared, reader_states=ready.prepare_reader(out.cache))
+    np.testing.assert_array_equal(plain.tokens, read.tokens)
+    np.testing.assert_allclose(plain.logits, read.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["dspark", "ready"])
+def test_drafter_training_reduces_loss(drafter_setup, tmp_path, variant):
+    target, seqs, dspark = drafter_setup
+    drafter = dspark if variant == "dspark" else dt.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), 2)
+    optim = training.OptimConfig(lr=1e-2, warmup_steps=1, total_steps=6)
+    loop = training.LoopConfig(total_steps=6, log_every=1, checkpoint_every=3)
+    trained = dt.train_drafter(drafter, target, seqs[:6], seqs[6:], LAYOUT, optim, loop, tmp_path, batch_size=2,
+                               seed=0, log=lambda _: None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0], losses
+    assert any("val_tv" in r for r in rows)
+    frozen = rj.SharedWeights.from_target(target)  # the shared embedding is not a drafter parameter
+    assert not any(np.shape(v) == frozen.embedding.shape for v in trained.flat_params().values())
+
+
+# ---- the shipped zoo -------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not (ZOO / "MANIFEST.json").exists(), reason="zoo/ is not present")
+def test_zoo_manifest_hashes_match_files():
+    manifest = json.loads((ZOO / "MANIFEST.json").read_text())
+    assert manifest["files"]
+    total = 0
+    for rel, entry in manifest["files"].items():
+        path = ZOO / rel
+        assert path.exists(), f"{path} listed in MANIFEST.json is missing"
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"], f"{path} does not match its sha256"
+        total += path.stat().st_size
+    assert total <= 40 * 2**20
+    listed = set(manifest["files"])
+    on_disk = {p.relative_to(ZOO).as_posix() for p in ZOO.rglob("*") if p.is_file() and p.name != "MANIFEST.json"}
+    assert on_disk == listed, f"unlisted: {sorted(on_disk - listed)}; missing: {sorted(listed - on_disk)}"
+
