@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m experiments.demo
+	$(PY) -m experiments.compare_zoo
 
 test: setup
 	$(PY) -m pytest -q
