@@ -88,28 +88,6 @@ class GDNRecurrentConfig:
             raise ValueError(f"num_stages must be >= 1; got {self.num_stages}")
 
 
-def _check_shapes(q, k, v, g, beta, initial_state) -> None:
-    """The shape checks of ``gated_delta._prepare``, with the same messages."""
-    if q.ndim != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [B, T, H_k, d_k]; got q {q.shape} and k {k.shape}")
-    if v.ndim != 4:
-        raise ValueError(f"v must be [B, T, H_v, d_v]; got {v.shape}")
-    batch, seq_len, num_k_heads, k_dim = q.shape
-    num_v_heads, v_dim = v.shape[2:]
-    if v.shape[:2] != (batch, seq_len):
-        raise ValueError(f"v {v.shape} must have the same batch and sequence length as q/k {q.shape}")
-    if seq_len == 0:
-        raise ValueError("the sequence length T must be at least 1")
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"H_v={num_v_heads} value heads must be a multiple of H_k={num_k_heads} key heads")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (batch, seq_len, num_v_heads):
-            raise ValueError(f"{name} must be [B, T, H_v] = {(batch, seq_len, num_v_heads)}; got {x.shape}")
-    state_shape = (batch, num_v_heads, k_dim, v_dim)
-    if initial_state is not None and initial_state.shape != state_shape:
-        raise ValueError(f"initial_state must be [B, H_v, d_k, d_v] = {state_shape}; got {initial_state.shape}")
-
-
 def gdn_recurrent(
     q: jax.Array,
     k: jax.Array,
@@ -138,10 +116,12 @@ def gdn_recurrent(
     The kernel updates the state in place when output_all_states is False and the caller donates
     initial_state (otherwise XLA copies it first).
     """
+    # Lazy: ready_jax imports this module, so importing ready_jax at module level would be a cycle.
+    from ready_jax.gated_delta import check_shapes, gated_delta_recurrent
+
     if include_initial_state and not output_all_states:
         raise ValueError("include_initial_state=True needs output_all_states=True")
     if impl == "xla":
-        from ready_jax.gated_delta import gated_delta_recurrent  # lazy: ready_jax may import this module (no cycle)
 
         o, states = gated_delta_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states)
         if include_initial_state:
@@ -150,7 +130,7 @@ def gdn_recurrent(
         return o, states
     if impl != "pallas":
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    _check_shapes(q, k, v, g, beta, initial_state)
+    check_shapes(q, k, v, g, beta, initial_state)
     interpret = resolve_interpret(interpret)
     if not interpret:  # Triton computes element offsets in int32
         batch, seq_len, num_v_heads, v_dim = v.shape

@@ -44,19 +44,10 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
 
 
-def _prepare(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    initial_state: jax.Array | None,
-) -> tuple[jax.Array, ...]:
-    """Validate shapes and prepare the inputs the same way for all three forms.
+def check_shapes(q, k, v, g, beta, initial_state) -> None:
+    """Raise ValueError naming the problem unless the inputs have the shapes the module docstring gives.
 
-    q and k are L2-normalised in fp32 (q then scaled by ``d_k ** -0.5``) and repeated from H_k to H_v heads;
-    everything is cast to fp32. Returns q, k ``[B, T, H_v, d_k]``, v ``[B, T, H_v, d_v]``, g, beta
-    ``[B, T, H_v]`` and the state ``[B, H_v, d_k, d_v]`` (zeros when initial_state is None).
+    Shared with the Pallas kernel (``pallas_kernels.gdn_recurrent``) so both reject the same inputs alike.
     """
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H_k, d_k]; got q {q.shape} and k {k.shape}")
@@ -74,12 +65,29 @@ def _prepare(
         if x.shape != (batch, seq_len, num_v_heads):
             raise ValueError(f"{name} must be [B, T, H_v] = {(batch, seq_len, num_v_heads)}; got {x.shape}")
     state_shape = (batch, num_v_heads, k_dim, v_dim)
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(f"initial_state must be [B, H_v, d_k, d_v] = {state_shape}; got {initial_state.shape}")
+
+
+def _prepare(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None,
+) -> tuple[jax.Array, ...]:
+    """Validate shapes and prepare the inputs the same way for all three forms.
+
+    q and k are L2-normalised in fp32 (q then scaled by ``d_k ** -0.5``) and repeated from H_k to H_v heads;
+    everything is cast to fp32. Returns q, k ``[B, T, H_v, d_k]``, v ``[B, T, H_v, d_v]``, g, beta
+    ``[B, T, H_v]`` and the state ``[B, H_v, d_k, d_v]`` (zeros when initial_state is None).
+    """
+    check_shapes(q, k, v, g, beta, initial_state)
+    num_k_heads, k_dim = q.shape[2:]
+    num_v_heads = v.shape[2]
     if initial_state is None:
-        state = jnp.zeros(state_shape, jnp.float32)
-    elif initial_state.shape != state_shape:
-        raise ValueError(
-            f"initial_state must be [B, H_v, d_k, d_v] = {state_shape}; got {initial_state.shape}"
-        )
+        state = jnp.zeros((q.shape[0], num_v_heads, k_dim, v.shape[3]), jnp.float32)
     else:
         state = initial_state.astype(jnp.float32)
 
