@@ -60,6 +60,11 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def stdlib_label(root: str | os.PathLike | None = None) -> str:
+    """Which stdlib a corpus came from, without this machine's paths: ``python3.11 stdlib``."""
+    return str(root) if root is not None else f"python{sys.version_info.major}.{sys.version_info.minor} stdlib"
+
+
 def split_of(name: str) -> str:
     """The split a document belongs to: a fixed function of its name (see the module docstring)."""
     bucket = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 100
@@ -98,7 +103,7 @@ def split_documents(docs: Sequence[Document]) -> dict[str, list[Document]]:
 def manifest(splits: dict[str, list[Document]], root: str | os.PathLike | None = None) -> dict:
     """JSON-able record of the corpus: interpreter, split rule, and every document (bytes) per split."""
     return {
-        "python": sys.version.split()[0], "stdlib": str(root or stdlib_dir()), "split_rule": SPLIT_RULE,
+        "python": sys.version.split()[0], "stdlib": stdlib_label(root), "split_rule": SPLIT_RULE,
         "excluded_dirs": sorted(EXCLUDED_DIRS),
         "splits": {s: [{"name": d.name, "kind": d.kind, "bytes": len(d.text.encode())} for d in docs]
                    for s, docs in splits.items()},
@@ -158,7 +163,7 @@ def prepare_corpus(path: str | os.PathLike, vocab_size: int = 4096, root: str | 
     manifest_path = path / "manifest.json"
     if manifest_path.exists():
         existing = json.loads(manifest_path.read_text())
-        wanted = {"vocab_size": vocab_size, "stdlib": str(root or stdlib_dir())}
+        wanted = {"vocab_size": vocab_size, "stdlib": stdlib_label(root)}
         differs = {k: (existing.get(k), v) for k, v in wanted.items() if existing.get(k) != v}
         if differs:
             raise ValueError(f"{path} holds a corpus built with other settings (built, wanted): {differs}; "
