@@ -160,6 +160,9 @@ def config_from_deepspec(raw: dict[str, Any]) -> DrafterConfig:
 
 def config_to_deepspec(config: DrafterConfig, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` DeepSpec's ``Qwen3DSparkModel.from_pretrained`` needs."""
+    if config.context_window is not None:
+        raise ValueError(f"context_window {config.context_window}: DeepSpec's DSpark has no sliding-window "
+                         "context, so this drafter cannot be exported to it")
     out = {
         "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "dtype": dtype,
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,

@@ -40,7 +40,8 @@ from ready_jax.checkpoint import load_target
 def build_drafter(args, target: rj.Target) -> rj.Drafter:
     """The variant's starting drafter (fp32 for training)."""
     if args.variant == "dspark":
-        overrides = dict(block_size=args.block_size, num_layers=args.num_layers, markov_rank=args.markov_rank)
+        overrides = dict(block_size=args.block_size, num_layers=args.num_layers, markov_rank=args.markov_rank,
+                         context_window=args.context_window)
         config = dt.default_config(target.config, data.MASK_ID, **overrides)
         return rj.Drafter.init(target.config, config, seed=args.seed)
     if args.init_from is None:
@@ -50,7 +51,8 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
         raise SystemExit(f"--init-from {args.init_from} already has a reader; give a DSpark drafter")
     if args.variant == "dspark-ft":
         return base
-    reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers)
+    reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers,
+                             kind=args.reader_kind)
     return dt.with_reader(base, target.config, reader, seed=args.seed)
 
 
@@ -64,7 +66,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the trained drafter here")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="drafter initialisation and batch order")
+    parser.add_argument("--data-seed", type=int, default=0, help="which corpus prompts are self-distilled")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (x anchors per sequence)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
@@ -75,10 +78,14 @@ def main(argv=None) -> None:
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--markov-rank", type=int, default=64)
+    parser.add_argument("--context-window", type=int, default=None,
+                        help="draft attention sees only the last N committed context tokens (default: all)")
     parser.add_argument("--source-layers", type=int, nargs="+", default=None,
                         help="target GDN layers the reader reads (default: nearest L/2-2 and L-2)")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--inject-layers", type=int, nargs="+", default=[-1])
+    parser.add_argument("--reader-kind", default="state", choices=("state", "kv"),
+                        help="read committed GDN states (ReaDy) or the attention layers' KV cache (baseline)")
     # self-distillation and anchors
     parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -86,7 +93,8 @@ def main(argv=None) -> None:
     parser.add_argument("--stride", type=int, default=8, help="tokens between anchors")
     parser.add_argument("--distill-temperature", type=float, default=0.0)
     parser.add_argument("--distill-cache", default=None, help="where the distilled sequences are kept "
-                        "(default runs/distill_<seed>.npz; variants sharing it train on the same data)")
+                        "(default runs/distill_<data-seed>.npz; variants sharing it train on the same data; "
+                        "regenerated when the settings or the target's weights differ)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or f"runs/drafter_{args.variant}")
@@ -99,10 +107,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"the corpus at {args.corpus} was tokenized differently from the target's {shipped}: "
                          "prompts would be other tokens; give the corpus directory the target was trained on")
     distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
-                                      temperature=args.distill_temperature, seed=args.seed)
+                                      temperature=args.distill_temperature, seed=args.data_seed)
     start = time.perf_counter()
     train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config,
-                                             args.distill_cache or f"runs/distill_{args.seed}.npz")
+                                             args.distill_cache or f"runs/distill_{args.data_seed}.npz")
     print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
           f"({time.perf_counter() - start:.0f} s)")
 

@@ -88,6 +88,11 @@ class DrafterConfig:
     to ``vocab_size - 1``; DeepSpec uses a reserved token of the tokenizer (151669 for Qwen3).
     ``markov_rank = 0`` drops the Markov head; ``confidence_with_markov`` feeds ``W1[x_{k-1}]`` to the
     confidence head as well (DeepSpec's ``confidence_head_with_markov``).
+
+    ``context_window = w`` lets block queries see only the last ``w`` committed context tokens (the
+    block itself stays fully visible), the sliding-window context of memory-bounded deployments;
+    None (DeepSpec's default) sees the whole committed context. The cache still holds every slot,
+    so results equal a ring buffer of ``w`` slots.
     """
 
     block_size: int = 7
@@ -97,6 +102,7 @@ class DrafterConfig:
     markov_rank: int = 256
     confidence_head: bool = True
     confidence_with_markov: bool = True
+    context_window: int | None = None
     reader: ReaderConfig | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -120,6 +126,8 @@ class DrafterConfig:
             problems.append(f"num_layers {self.num_layers} must be >= 1")
         if self.markov_rank < 0:
             problems.append(f"markov_rank {self.markov_rank} must be >= 0")
+        if self.context_window is not None and self.context_window < 1:
+            problems.append(f"context_window {self.context_window} must be >= 1 (or None: the whole context)")
         if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
             problems.append("confidence_with_markov needs a Markov head (markov_rank > 0)")
         problems += [f"{name} {getattr(self, name)} must be >= 1" for name in _SIZE_FIELDS
@@ -265,18 +273,22 @@ class DraftOutput:
 
 # ---- modules ----------------------------------------------------------------------------------------------
 def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: jax.Array,
-                    blk_k: jax.Array, blk_v: jax.Array) -> jax.Array:
+                    blk_k: jax.Array, blk_v: jax.Array, window: int | None = None) -> jax.Array:
     """Block queries over [committed context ; whole block] with one softmax (GQA).
 
-    q: [B, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd] (slots >= ctx_len masked); blk_k / blk_v:
-    [B, G, H_kv, hd], all visible (bidirectional). -> [B, G, H, hd]
+    q: [B, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd] (slots >= ctx_len masked, and with ``window``
+    also slots < ctx_len - window); blk_k / blk_v: [B, G, H_kv, hd], all visible (bidirectional).
+    -> [B, G, H, hd]
     """
     b, g, h, hd = q.shape
     h_kv, slots = blk_k.shape[2], ctx_k.shape[1]
     q = q.reshape(b, g, h_kv, h // h_kv, hd)
     s_ctx = jnp.einsum("bgkrd,bskd->bkrgs", q, ctx_k).astype(jnp.float32)
     s_blk = jnp.einsum("bgkrd,bjkd->bkrgj", q, blk_k).astype(jnp.float32)
-    visible = jnp.arange(slots)[None, :] < ctx_len[:, None]                    # [B, S]
+    slot = jnp.arange(slots)[None, :]
+    visible = slot < ctx_len[:, None]                                         # [B, S]
+    if window is not None:
+        visible &= slot >= ctx_len[:, None] - window
     s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1).astype(q.dtype)
     out = (jnp.einsum("bkrgs,bskd->bgkrd", probs[..., :slots], ctx_v)
@@ -297,6 +309,7 @@ class DraftAttention(nnx.Module):
         self.q_norm = Qwen3RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
         self.k_norm = Qwen3RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
         self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = h, h_kv, hd, config.rope_theta
+        self.context_window = config.context_window
 
     def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[B, T, d] at positions [B, T] -> keys (k_norm + RoPE), values: [B, T, H_kv, hd] each."""
@@ -311,7 +324,8 @@ class DraftAttention(nnx.Module):
         q = self.q_norm(self.q_proj(x).reshape(b, g, self.num_heads, self.head_dim))
         q = apply_rope(q, positions, self.head_dim, self.rope_theta)
         blk_k, blk_v = self.keys_values(x, positions)
-        out = block_attention(q, ctx_k.astype(x.dtype), ctx_v.astype(x.dtype), ctx_len, blk_k, blk_v)
+        out = block_attention(q, ctx_k.astype(x.dtype), ctx_v.astype(x.dtype), ctx_len, blk_k, blk_v,
+                              self.context_window)
         return self.o_proj(out.reshape(b, g, self.num_heads * self.head_dim))
 
 

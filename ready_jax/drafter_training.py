@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,10 +48,11 @@ from flax import nnx
 from . import cache as cache_lib
 from . import data, training
 from . import target as target_lib
+from .checkpoint import flat_state
 from .config import TargetConfig
 from .drafter import ContextCache, Drafter, DrafterConfig, DrafterModel, SharedWeights
 from .generation import generate
-from .reader import ReaderConfig, committed_states
+from .reader import KV, STATE, KVReadState, ReaderConfig, committed_states, source_kv
 from .target import Target
 
 CE_WEIGHT, TV_WEIGHT = 0.1, 0.9
@@ -100,23 +102,29 @@ class AnchorLayout:
 class Teacher:
     logits: jax.Array        # [B, T, V] f32: the target's next-token logits at every position
     hidden: jax.Array        # [n_ids, B, T, D]: features of target_layer_ids
-    states: jax.Array | None  # [B, K, M, d_k, d_v] f32: source-layer states after a_j tokens (reader only)
+    states: jax.Array | None = None  # [B, K, M, d_k, d_v] f32: source GDN states after a_j tokens (state reader)
+    source_keys: jax.Array | None = None    # [L_src, B, T, H_kv, hd]: source attention keys (KV reader)
+    source_values: jax.Array | None = None  # [L_src, B, T, H_kv, hd]
 
 
 def teacher_pass(graphdef, params, config: TargetConfig, tokens: jax.Array, layout: AnchorLayout,
-                 hidden_layers: Sequence[int], source_layers: Sequence[int] = ()) -> Teacher:
-    """The frozen target over ``tokens`` [B, T]; with ``source_layers``, also the committed states at the anchors.
+                 hidden_layers: Sequence[int], source_layers: Sequence[int] = (), reader_kind: str = STATE) -> Teacher:
+    """The frozen target over ``tokens`` [B, T]; with ``source_layers``, also what the reader reads at each anchor.
 
-    With source layers the pass runs in segments ending at the anchors (prompt, then ``stride`` tokens
-    at a time, then the tail), reading ``committed_states`` of the cache after each: the same cache
-    ``generate`` holds when the anchor's block is drafted.
+    State reader: the pass runs in segments ending at the anchors (prompt, then ``stride`` tokens at a
+    time, then the tail), reading ``committed_states`` of the cache after each: the same cache
+    ``generate`` holds when the anchor's block is drafted. KV reader: one pass; the source layers' keys
+    and values of the whole sequence, which the reader masks to the ``a_j`` committed tokens.
     """
     b, t = tokens.shape
     cache = cache_lib.init_cache(config, b, t, jax.tree.leaves(params)[0].dtype)
     extend = functools.partial(target_lib.extend, graphdef, params, form="chunked", hidden_layers=tuple(hidden_layers))
-    if not source_layers:
+    if not source_layers or reader_kind == KV:
         out = extend(cache, tokens)
-        return Teacher(out.logits, out.hidden, None)
+        if not source_layers:
+            return Teacher(out.logits, out.hidden)
+        keys, values = source_kv(out.cache, source_layers)
+        return Teacher(out.logits, out.hidden, source_keys=keys, source_values=values)
     p, s, k = layout.prompt_len, layout.stride, layout.num_anchors
     first = extend(cache, tokens[:, :p])
     middle = tokens[:, p:p + (k - 1) * s].reshape(b, k - 1, s).swapaxes(0, 1)           # [K-1, B, s]
@@ -133,6 +141,30 @@ def teacher_pass(graphdef, params, config: TargetConfig, tokens: jax.Array, layo
     return Teacher(logits=jnp.concatenate([first.logits, logits_mid, last.logits], axis=1),
                    hidden=jnp.concatenate([first.hidden, hidden_mid, last.hidden], axis=2),
                    states=jnp.swapaxes(states, 0, 1))
+
+
+def anchor_reader_states(model: DrafterModel, teacher: Teacher, anchors: jax.Array) -> tuple | None:
+    """The reader input of every block row ``b * K + j`` (one entry per inject layer), or None without a reader.
+
+    State reader: each row's committed states, compressed. KV reader: each sequence's compressed keys and
+    values, repeated per anchor with ``lengths = a_j`` so row j reads exactly the committed tokens.
+    """
+    rc = model.config.reader
+    if rc is None:
+        return None
+    readers = [model.layers[i].reader for i in rc.inject_layers]
+    if rc.kind == KV:
+        k = anchors.shape[0]
+        b = teacher.source_keys.shape[1]
+        lengths = jnp.tile(anchors, b)
+        out = []
+        for reader in readers:
+            kv = reader.prepare(teacher.source_keys, teacher.source_values, jnp.zeros((b,), jnp.int32))
+            out.append(KVReadState(keys=jnp.repeat(kv.keys, k, axis=0), values=jnp.repeat(kv.values, k, axis=0),
+                                   lengths=lengths))
+        return tuple(out)
+    states = teacher.states.reshape(-1, *teacher.states.shape[2:])                   # [N, M, d_k, d_v]
+    return tuple(reader.prepare(states) for reader in readers)
 
 
 # ---- the drafter's side --------------------------------------------------------------------------------------
@@ -189,10 +221,7 @@ def drafter_loss(graphdef, params, shared: SharedWeights, teacher: Teacher, toke
     index = anchors[:, None] + jnp.arange(g)[None, :]                                # [K, G]: positions a + k - 1
     prev = tokens[:, index].reshape(b * k, g)
     p_logits = teacher.logits[:, index].reshape(b * k, g, -1)
-    reader_states = None
-    if cfg.reader is not None:
-        states = teacher.states.reshape(b * k, *teacher.states.shape[2:])           # [N, M, d_k, d_v]
-        reader_states = tuple(model.layers[i].reader.prepare(states) for i in cfg.reader.inject_layers)
+    reader_states = anchor_reader_states(model, teacher, anchors)
     q_logits, confidence = block_logits(model, shared, anchor_context(model, teacher.hidden, anchors), prev,
                                         reader_states)
     p = jax.nn.softmax(p_logits, axis=-1)
@@ -241,11 +270,12 @@ def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout):
     """
     cfg = drafter.config
     source = cfg.reader.source_layers if cfg.reader is not None else ()
+    kind = cfg.reader.kind if cfg.reader is not None else STATE
 
     def loss_fn(params, batch, key):
         del key  # anchors are a fixed grid; nothing is sampled
         teacher = jax.lax.stop_gradient(teacher_pass(target.graphdef, batch["target"], target.config, batch["tokens"],
-                                                     layout, cfg.target_layer_ids, source))
+                                                     layout, cfg.target_layer_ids, source, kind))
         return drafter_loss(drafter.graphdef, params, batch["shared"], teacher, batch["tokens"], layout)
 
     return loss_fn
@@ -296,9 +326,10 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path) -> tuple
     windows of the validation split, so drafter validation never sees a training document.
     """
     path = Path(path)
+    key = _distill_key(config, target)
     if path.exists():
         saved = np.load(path)
-        if saved["config"].tobytes() == _config_bytes(config):
+        if saved["config"].tobytes() == key:
             return saved["train"], saved["validation"]
     new = config.seq_len - config.prompt_len
     train_prompts = data.Windows(corpus.tokens("train"), config.prompt_len - 1).batch(
@@ -307,12 +338,17 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path) -> tuple
     train = distill(target, train_prompts, new, temperature=config.temperature, seed=config.seed)
     validation = distill(target, val_prompts, new, temperature=config.temperature, seed=config.seed + 1)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=train, validation=validation, config=np.frombuffer(_config_bytes(config), np.uint8))
+    np.savez(path, train=train, validation=validation, config=np.frombuffer(key, np.uint8))
     return train, validation
 
 
-def _config_bytes(config: DistillConfig) -> bytes:
-    return json.dumps(dataclasses.asdict(config), sort_keys=True).encode()
+def _distill_key(config: DistillConfig, target: Target) -> bytes:
+    """What the kept sequences depend on: the settings and the exact target weights (sha256)."""
+    digest = hashlib.sha256()
+    for name, value in sorted(flat_state(target.params).items()):
+        digest.update(name.encode())
+        digest.update(np.asarray(value).tobytes())
+    return json.dumps({**dataclasses.asdict(config), "target_sha256": digest.hexdigest()}, sort_keys=True).encode()
 
 
 def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_seqs: np.ndarray,

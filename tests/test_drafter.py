@@ -182,6 +182,31 @@ def test_block_sees_only_context_before_the_anchor(tiny_target):
     assert np.abs(changed[1] - base[1]).max() > 1e-4
 
 
+def test_context_window_sees_only_the_last_w_committed_tokens(tiny_target):
+    """With context_window w, features older than the last w committed tokens do not matter; the last w do."""
+    w = 3
+    windowed = Drafter.init(tiny_target.config, _config(context_window=w), seed=5)
+    unbounded = Drafter.from_state(_config(context_window=None).resolve(tiny_target.config), windowed.flat_params())
+    shared = SharedWeights.from_target(tiny_target)
+    hidden = np.random.default_rng(7).normal(size=(3, 2, 8, 32)).astype(np.float32)
+    lengths, anchor = np.array([7, 2]), jnp.asarray([11, 42])
+
+    def logits(drafter, features):
+        context = drafter.append_context(drafter.init_context(2, 16), jnp.asarray(features), lengths)
+        return np.asarray(drafter.draft(context, anchor, shared).logits)
+
+    base = logits(windowed, hidden)
+    old = hidden.copy()
+    old[:, 0, : lengths[0] - w] += 3.0                      # row 0: everything before its window
+    np.testing.assert_array_equal(logits(windowed, old), base)
+    assert np.abs(logits(unbounded, old)[0] - logits(unbounded, hidden)[0]).max() > 1e-4
+    recent = hidden.copy()
+    recent[:, 0, lengths[0] - w] += 3.0                     # the oldest token inside the window
+    assert np.abs(logits(windowed, recent)[0] - base[0]).max() > 1e-4
+    # Row 1 has fewer committed tokens than the window: it sees all of them, as without a window.
+    np.testing.assert_allclose(base[1], logits(unbounded, hidden)[1], atol=1e-6)
+
+
 def test_attention_inside_the_block_is_bidirectional(tiny_target):
     drafter = Drafter.init(tiny_target.config, _config(), seed=6)
     model = nnx.merge(drafter.graphdef, drafter.params)
@@ -223,6 +248,7 @@ def test_drafter_that_does_not_fit_the_target_is_rejected(overrides, message):
     (dict(markov_rank=0), "confidence_with_markov needs a Markov head"),
     (dict(mask_token_id=97, vocab_size=97), "mask_token_id 97 is outside the vocabulary"),
     (dict(num_attention_heads=4, num_key_value_heads=3), "not a multiple"),
+    (dict(context_window=0), "context_window 0 must be >= 1"),
 ])
 def test_invalid_drafter_config_is_rejected(overrides, message):
     with pytest.raises(ValueError, match=message):

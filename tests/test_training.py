@@ -169,6 +169,49 @@ def test_teacher_forced_block_matches_draft_block(drafter_setup):
     np.testing.assert_allclose(confidence, draft.confidence, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["kv_reader", "state_reader_windowed"])
+def test_trainer_blocks_equal_generate_blocks(drafter_setup, variant):
+    """The KV-read baseline and a sliding-window drafter train on exactly the block generate drafts.
+
+    For each anchor a_j, the trainer's row (whole-sequence context masked to a_j, the teacher's reader
+    input) gives the same logits as drafting after a prefill of a_j tokens, when both see the same
+    previous tokens.
+    """
+    target, seqs, _ = drafter_setup
+    kind, window = ("kv", None) if variant == "kv_reader" else ("state", 5)
+    config = dt.default_config(target.config, mask_token_id=1, block_size=3, num_layers=1, markov_rank=8,
+                               context_window=window)
+    base = rj.Drafter.init(target.config, config, seed=3)
+    drafter = dt.with_reader(base, target.config, rj.ReaderConfig(rank=4, kind=kind), seed=4)
+    flat = dict(drafter.flat_params())
+    w_o = "layers.0.reader.o_proj.kernel"
+    flat[w_o] = jax.random.normal(jax.random.key(0), flat[w_o].shape)
+    drafter = rj.Drafter.from_state(drafter.config, flat)
+    rc, ids = drafter.config.reader, drafter.config.target_layer_ids
+    tokens = jnp.asarray(seqs[:2])
+    teacher = dt.teacher_pass(target.graphdef, target.params, target.config, tokens, LAYOUT, ids, rc.source_layers,
+                              rc.kind)
+    model = nnx.merge(drafter.graphdef, drafter.params)
+    anchors = jnp.asarray(LAYOUT.anchors)
+    context = dt.anchor_context(model, teacher.hidden, anchors)
+    reader_states = dt.anchor_reader_states(model, teacher, anchors)
+    shared = rj.SharedWeights.from_target(target)
+    k = LAYOUT.num_anchors
+    prev = np.zeros((2 * k, LAYOUT.block_size), np.int32)
+    expected = {}
+    for j in (0, k - 1):
+        a = int(LAYOUT.anchors[j])
+        out = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens[:, :a], hidden_layers=ids)
+        ctx = drafter.append_context(drafter.init_context(2, LAYOUT.seq_len), out.hidden)
+        draft = drafter.draft(ctx, tokens[:, a], shared, reader_states=drafter.prepare_reader(out.cache))
+        for b in range(2):
+            prev[b * k + j] = np.concatenate([[int(tokens[b, a])], np.asarray(draft.tokens[b, :-1])])
+            expected[b * k + j] = np.asarray(draft.logits[b])
+    logits, _ = dt.block_logits(model, shared, context, jnp.asarray(prev), reader_states)
+    for row, want in expected.items():
+        np.testing.assert_allclose(logits[row], want, atol=2e-4, err_msg=f"row {row}")
+
+
 def test_ready_starts_as_its_dspark(drafter_setup):
     """The reader's W_o starts at zero, so a fresh ReaDy drafts exactly what its DSpark drafts."""
     target, seqs, dspark = drafter_setup
