@@ -32,14 +32,15 @@ from ready_jax.checkpoint import load_target
 DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))
 
 
-def held_out_prompts(zoo: Path, count: int, prompt_tokens: int, seed: int) -> list[dict]:
-    """Prompts from the test split recorded in the zoo's corpus manifest, read from this interpreter's stdlib."""
-    manifest = json.loads((zoo / "target" / "corpus_manifest.json").read_text())
-    tokenizer = Tokenizer.from_file(str(zoo / "target" / "tokenizer.json"))
+def held_out_prompts(target_dir: Path, count: int, prompt_tokens: int, seed: int,
+                     kinds=(data.CODE, data.PROSE)) -> list[dict]:
+    """Prompts from the test split in the target's corpus manifest, read from this interpreter's stdlib."""
+    manifest = json.loads((target_dir / "corpus_manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     docs = data.manifest_documents(manifest, "test")
     if not docs:
-        raise SystemExit("none of the zoo's test documents exist in this interpreter's stdlib")
-    return data.draw_prompts(tokenizer, docs, count, prompt_tokens, seed)
+        raise SystemExit(f"none of the test documents of {target_dir}'s corpus exist in this interpreter's stdlib")
+    return data.draw_prompts(tokenizer, docs, count, prompt_tokens, seed, kinds)
 
 
 def summarize(out: rj.GenerateOutput, kinds: np.ndarray) -> dict:
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
 
     start = time.perf_counter()
     target = load_target(zoo / "target", dtype=jnp.float32)
-    prompts = held_out_prompts(zoo, args.prompts, args.prompt_tokens, args.seed)
+    prompts = held_out_prompts(zoo / "target", args.prompts, args.prompt_tokens, args.seed)
     ids = np.asarray([p["ids"] for p in prompts], np.int32)               # [B, prompt_tokens]
     kinds = np.asarray([p["kind"] for p in prompts])
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "

@@ -47,6 +47,7 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pyc
 TOPICS_FILE = "pydoc_data/topics.py"
 SPLIT_RULE = "bucket = int(sha256(name)[:8], 16) % 100; 0-89 train, 90-94 validation, 95-99 test"
 CODE, PROSE = "code", "prose"
+MIXED = "mixed"  # a prompt kind, not a document kind: code files read from a docstring or comment block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,16 +226,22 @@ def batch_indices(seed: int, position: int, batch_size: int, count: int) -> np.n
 
 
 def draw_prompts(tokenizer: Tokenizer, docs: Sequence[Document], count: int, prompt_tokens: int,
-                 seed: int = 0) -> list[dict]:
-    """``count`` held-out prompts of ``prompt_tokens`` tokens, half code and half prose when both exist.
+                 seed: int = 0, kinds: Sequence[str] = (CODE, PROSE)) -> list[dict]:
+    """``count`` held-out prompts of ``prompt_tokens`` tokens, drawn in turn from ``kinds`` that have documents.
 
-    A code prompt starts at a random line of a random file; a prose prompt starts at the beginning of a
-    topic text. Documents too short to give ``prompt_tokens`` tokens are skipped. Deterministic in
-    ``seed``. Each prompt: ``{"kind", "name", "ids", "text"}``.
+    A ``code`` prompt starts at a random line of a random code file; a ``prose`` prompt at the beginning
+    of a topic text; a ``mixed`` prompt at a random docstring or comment line of a code file, so it
+    moves between English and code. Documents too short to give ``prompt_tokens`` tokens are skipped.
+    Deterministic in ``seed``. Each prompt: ``{"kind", "name", "ids", "text"}``.
     """
     rng = np.random.default_rng(seed)
-    by_kind = {k: [d for d in docs if d.kind == k] for k in (CODE, PROSE)}
-    kinds = [k for k in (CODE, PROSE) if by_kind[k]]
+    source = {CODE: CODE, PROSE: PROSE, MIXED: CODE}
+    unknown = [k for k in kinds if k not in source]
+    if unknown:
+        raise ValueError(f"unknown prompt kinds {unknown}; choose from {sorted(source)}")
+    by_kind = {k: [d for d in docs if d.kind == source[k]] for k in kinds}
+    kinds = [k for k in kinds if by_kind[k]]
+    prose_starts = ('"""', "'''", "#")
     prompts = []
     for i in range(count * 20):
         if len(prompts) == count:
@@ -242,9 +249,11 @@ def draw_prompts(tokenizer: Tokenizer, docs: Sequence[Document], count: int, pro
         kind = kinds[i % len(kinds)]
         doc = by_kind[kind][int(rng.integers(len(by_kind[kind])))]
         text = doc.text
-        if kind == CODE:
+        if kind in (CODE, MIXED):
             lines = text.splitlines(keepends=True)
-            text = "".join(lines[int(rng.integers(len(lines))):]) if lines else ""
+            starts = (range(len(lines)) if kind == CODE
+                      else [n for n, line in enumerate(lines) if line.lstrip().startswith(prose_starts)])
+            text = "".join(lines[starts[int(rng.integers(len(starts)))]:]) if starts else ""
         ids = tokenizer.encode(text).ids
         if len(ids) >= prompt_tokens:
             ids = ids[:prompt_tokens]

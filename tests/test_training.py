@@ -56,6 +56,19 @@ def test_windows_batches_depend_only_on_seed_and_position():
     assert np.array_equal(straight[:, 1:], straight[:, :-1] + 1)
 
 
+def test_held_out_prompts_of_three_kinds():
+    code = "import os\n\nx = 1\n" * 5 + '"""A docstring in English."""\n' + "y = 2\n" * 5 + "# a comment\nz = 3\n" * 3
+    docs = [data.Document("m.py", data.CODE, code), data.Document("topics::t", data.PROSE, "Plain prose here. " * 20)]
+    tokenizer = data.train_tokenizer(docs, 300)
+    prompts = data.draw_prompts(tokenizer, docs, 9, 4, seed=1, kinds=(data.CODE, data.PROSE, data.MIXED))
+    assert [p["kind"] for p in prompts] == ["code", "prose", "mixed"] * 3
+    assert all(p["text"].lstrip().startswith(('"""', "#")) for p in prompts if p["kind"] == data.MIXED)
+    assert all(p["text"].startswith("Plain") for p in prompts if p["kind"] == data.PROSE)
+    assert prompts == data.draw_prompts(tokenizer, docs, 9, 4, seed=1, kinds=(data.CODE, data.PROSE, data.MIXED))
+    with pytest.raises(ValueError, match="unknown prompt kinds"):
+        data.draw_prompts(tokenizer, docs, 1, 4, kinds=("poetry",))
+
+
 # ---- target trainer -----------------------------------------------------------------------------------------
 @functools.cache
 def _target_trainer(steps: int):
