@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -31,6 +32,7 @@ import ready_jax as rj
 from experiments.common import write_json
 from ready_jax import cache as cache_lib
 from ready_jax import drafter as drafter_lib
+from ready_jax import target as target_lib
 
 GDN, ATTN = "linear_attention", "full_attention"
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
@@ -56,13 +58,21 @@ def target_config(preset: dict) -> rj.TargetConfig:
 
 
 def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up (and compile)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return interleaved_medians({"fn": fn}, repeats)["fn"]
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each zero-argument function after a warm-up (and compile) of each, running them in
+    turn once per repeat so that drift in a shared machine's load hits all of them alike."""
+    for fn in fns.values():
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, **kwargs) -> dict:
@@ -77,8 +87,13 @@ def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, **kwargs)
             "acceptance_histogram": out.acceptance_histogram.tolist(), "tokens": out.tokens}
 
 
-def round_breakdown(target, drafter, prompts, repeats: int) -> dict:
-    """Median time of each piece of one speculative round, each jitted alone at the loop's shapes."""
+def round_breakdown(target, drafter, prompts, repeats: int, rollbacks=target_lib.ROLLBACKS) -> dict:
+    """Median time of each piece of one speculative round, each jitted alone at the loop's shapes and timed
+    in turn with the others.
+
+    ``reader_prepare_s`` gathers and compresses from the verify candidate; ``reader_round_s`` is all of a
+    round's reader work (prepare from the committed cache plus the read at every draft position).
+    """
     batch, length = prompts.shape
     gamma = drafter.config.block_size
     ids = drafter.config.target_layer_ids
@@ -88,32 +103,66 @@ def round_breakdown(target, drafter, prompts, repeats: int) -> dict:
     context = drafter.append_context(drafter.init_context(batch, capacity), pre.hidden)
     anchor = jnp.argmax(pre.logits[:, -1], axis=-1)
     reader = drafter.prepare_reader(pre.cache) if drafter.config.reader else None
-    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (the steps donate their cache)
 
     draft = drafter.draft(context, anchor, shared, reader_states=reader)
     block = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
     n = jnp.full((batch,), (gamma + 1) // 2, jnp.int32)
-    result = {"draft_s": median_seconds(lambda: drafter.draft(context, anchor, shared, reader_states=reader),
-                                        repeats)}
-    for rollback in ("checkpoint", "replay"):
-        ver = target.verify(copy(pre.cache), block, hidden_layers=ids, rollback=rollback)
-        result[f"verify_{rollback}_s"] = median_seconds(
-            lambda rollback=rollback: target.verify(copy(pre.cache), block, hidden_layers=ids, rollback=rollback),
-            repeats)
-        result[f"commit_{rollback}_s"] = median_seconds(lambda ver=ver: rj.Target.commit(copy(ver.cache), n),
-                                                        repeats)
-        result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, pre.cache, block, ids, rollback)
-    ver = target.verify(copy(pre.cache), block, hidden_layers=ids)
-    result["context_append_s"] = median_seconds(lambda: drafter.append_context(copy(context), ver.hidden, n),
-                                                repeats)
+    ver = target.verify(copy_tree(pre.cache), block, hidden_layers=ids)
+    fns = {"draft": lambda: drafter.draft(context, anchor, shared, reader_states=reader),
+           **verify_commit_fns(target, pre.cache, block, ids, n, rollbacks),
+           "context_append": lambda: drafter.append_context(copy_tree(context), ver.hidden, n)}
     if drafter.config.reader:
-        result["reader_prepare_s"] = median_seconds(lambda: drafter.prepare_reader(ver.cache, n), repeats)
+        fns["reader_prepare"] = lambda: drafter.prepare_reader(ver.cache, n)
+        fns["reader_round"] = reader_round_fn(drafter, rj.Target.commit(copy_tree(ver.cache), n))
+    result = {f"{name}_s": t for name, t in interleaved_medians(fns, repeats).items()}
+    for rollback in rollbacks:
+        result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, pre.cache, block, ids, rollback)
     return result
+
+
+def copy_tree(tree):
+    """A copy of a cache pytree (the jitted steps donate their cache)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+def verify_commit_fns(target, cache, block, ids, n, rollbacks=target_lib.ROLLBACKS) -> dict:
+    """Zero-argument functions ``verify_<rollback>`` of ``block`` [B, T] on a copy of ``cache`` and
+    ``commit_<rollback>`` keeping ``n`` [B] block tokens, for each rollback strategy."""
+    fns = {}
+    for rollback in rollbacks:
+        ver = target.verify(copy_tree(cache), block, hidden_layers=ids, rollback=rollback)
+        fns[f"verify_{rollback}"] = lambda rollback=rollback: target.verify(copy_tree(cache), block, hidden_layers=ids,
+                                                                            rollback=rollback)
+        fns[f"commit_{rollback}"] = lambda ver=ver: rj.Target.commit(copy_tree(ver.cache), n)
+    return fns
+
+
+def verify_commit_timings(target, cache, block, ids, n, repeats: int, rollbacks=target_lib.ROLLBACKS) -> dict:
+    """Per rollback strategy: median verify and commit times (all timed in turn) and
+    :func:`verify_commit_memory`."""
+    medians = interleaved_medians(verify_commit_fns(target, cache, block, ids, n, rollbacks), repeats)
+    return {rollback: {"verify_s": medians[f"verify_{rollback}"], "commit_s": medians[f"commit_{rollback}"],
+                       "memory": verify_commit_memory(target, cache, block, ids, rollback)} for rollback in rollbacks}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reader_round(graphdef, params, cache, h_bgd):
+    """One round of reader work: prepare from the committed cache, then read at every draft position."""
+    prepared = drafter_lib.prepare_reader(graphdef, params, cache)
+    model = nnx.merge(graphdef, params)
+    inject = model.config.reader.inject_layers
+    return [model.layers[i].reader(h_bgd, p) for i, p in zip(inject, prepared, strict=True)]
+
+
+def reader_round_fn(drafter, cache):
+    """A zero-argument function running :func:`_reader_round` for ``drafter`` on a committed target ``cache``."""
+    shape = (cache.batch_size, drafter.config.block_size, drafter.config.hidden_size)
+    h_bgd = jax.random.normal(jax.random.key(0), shape, drafter.dtype)
+    return lambda: _reader_round(drafter.graphdef, drafter.params, cache, h_bgd)
 
 
 def verify_commit_memory(target, cache, block, ids, rollback) -> dict:
     """XLA's compiled memory figures (bytes) of verify followed by commit, for one rollback strategy."""
-    from ready_jax import target as target_lib
 
     def step(params, cache, block, n):
         out = target_lib.verify(target.graphdef, params, cache, block, hidden_layers=ids, rollback=rollback)
@@ -179,7 +228,8 @@ def main(argv=None) -> None:
     results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats)}
     reference = results["ar"].pop("tokens")
     variants = {"dspark_random": dspark, "ready_random": ready}
-    for rate in (float(r) for r in args.error_rates.split(",")):
+    rates = [float(r) for r in args.error_rates.split(",")]
+    for rate in rates:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block, rate,
                                                                    seed=args.seed)
     for name, drafter in variants.items():
@@ -187,12 +237,13 @@ def main(argv=None) -> None:
         same = bool(np.array_equal(results[name].pop("tokens"), reference))
         results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
         results[name]["identical_to_ar"] = same
-    for rollback in ("replay",):
-        name = f"scripted_error_0.25_{rollback}"
-        results[name] = run_generate(target, prompts, new_tokens, variants["scripted_error_0.25"],
-                                     repeats=args.repeats, rollback=rollback)
-        results[name].pop("tokens")
-        results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+    # generate's default rollback is replay; the middle scripted drafter again with the other strategy:
+    scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
+    name = f"{scripted}_checkpoint"
+    results[name] = run_generate(target, prompts, new_tokens, variants[scripted],
+                                 repeats=args.repeats, rollback="checkpoint")
+    results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
+    results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
     breakdown = round_breakdown(target, ready, prompts, args.repeats)
 
     print(f"{'variant':28s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")

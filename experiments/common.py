@@ -28,3 +28,22 @@ def write_json(path: str | None, data: dict) -> None:
     with open(path, "w") as f:
         json.dump({**data, "environment": environment()}, f, indent=2)
     print(f"wrote {path}")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None with a message when matplotlib (the
+    optional ``plots`` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[plots]'): no plot written")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {path}")

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from experiments.common import write_json
+from experiments.common import pyplot, save_figure, write_json
 from experiments.compare_zoo import held_out_prompts, summarize, timed
 from ready_jax import data
 from ready_jax.checkpoint import load_target
@@ -230,12 +230,8 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     arms_ = list(result["arms"].values())
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -247,9 +243,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("tau (tokens per target pass)")
     ax.set_ylim(min(means) - 0.5, max(means) + 0.5)
     ax.set_title("Tiny zoo, held-out prompts: mean and seeds (dots)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,391 @@
+"""Spec-Bench with real checkpoints: answers in Spec-Bench's format, tau, tokens/s and speedup vs AR.
+
+Reads Spec-Bench's questions (``{"question_id", "category", "turns": [...]}`` a line), renders every turn
+with a chat template (multi-turn: later turns include the model's own earlier answers), tokenizes with
+the ``tokenizers`` package and generates one question at a time (batch 1, like Spec-Bench) with
+``rj.generate``: greedy by default, speculative with ``--drafter`` and autoregressive without. Writes
+one JSON line per question in the answer format of hemingkx/Spec-Bench (``evaluation/eval.py``), which
+its ``evaluation/speed.py`` reads:
+
+    {"question_id", "category", "answer_id", "model_id", "tstamp",
+     "choices": [{"index": 0, "turns": [answer text per turn], "decoding_steps": [...],
+                  "new_tokens": [...], "wall_time": [seconds per turn], "accept_lengths": [per round]}]}
+
+``wall_time`` is ``GenerateOutput.run_seconds`` (prefill + rounds; compile time is reported apart),
+``decoding_steps`` the verification rounds (the first token comes from the prefill pass),
+``accept_lengths`` the tokens committed per round, the target's own included (AR: all 1), and
+``new_tokens`` the tokens generated, a closing stop token included. A summary JSON gives per category
+(plus Spec-Bench's ``mt_bench`` group and ``overall``) tau (mean of accept_lengths), tokens/s as
+speed.py computes it (mean over questions of new tokens / wall time), and the speedup over an AR
+baseline: run in the same invocation (``--with-ar``, interleaved question by question) or read from
+an earlier run's answers (``--baseline``), whose new_tokens it uses instead of re-tokenizing its text.
+
+Checkpoints: ``--target`` is an HF directory (config.json + safetensors + tokenizer.json, loaded with
+``rj.Target.from_hf``) or the project's own target format (``rj.Target.save``, e.g. ``zoo/target``);
+``--drafter`` is the project's drafter format (``rj.Drafter.load``, e.g. ``zoo/ready``) or a DeepSpec
+DSpark checkpoint (``convert.deepspec``). Chat templates: ``chatml`` (Qwen's
+``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``), ``none`` (plain turn texts joined by
+blank lines, for tokenizers without chat tokens such as the shipped tiny zoo's) or ``hf`` (the jinja
+template of the checkpoint's tokenizer_config.json / chat_template.jinja; needs the jinja2 package).
+
+    python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR.jsonl] \\
+        [--questions /work/shared/data/spec_bench/question.jsonl] [--categories qa,rag] [--per-category N] \\
+        [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
+        [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench]
+
+The tiny zoo (its tokenizer has no chat tokens), a quick CPU run:
+
+    python -m experiments.spec_bench --target zoo/target --drafter zoo/ready --with-ar --chat-template none \\
+        --per-category 1 --max-new-tokens 64
+
+Every distinct prompt length compiles a new program (``rj.generate`` pads a batch to its longest
+prompt); the compile time is excluded from ``wall_time`` and reported in the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+import ready_jax as rj
+from experiments.common import write_json
+from ready_jax.checkpoint import load_target
+
+QUESTIONS = "/work/shared/data/spec_bench/question.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+def _format(path: Path) -> str | None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"{path} has no config.json: not a checkpoint directory")
+    return json.loads(config.read_text()).get("format")
+
+
+def load_target_dir(path: Path, dtype) -> rj.Target:
+    """The project's target format (``format: ready-jax-target``) or an HF checkpoint directory."""
+    if _format(path) == "ready-jax-target":
+        return load_target(path, dtype=dtype)
+    return rj.Target.from_hf(path, dtype=dtype)
+
+
+def load_drafter_dir(path: Path, dtype) -> rj.Drafter:
+    """The project's drafter format (``format: ready-jax-drafter``) or a DeepSpec DSpark checkpoint."""
+    if _format(path) == "ready-jax-drafter":
+        return rj.Drafter.load(path, dtype=dtype)
+    from convert.deepspec import load_deepspec
+    return load_deepspec(str(path), dtype=dtype)[0]  # generate uses the target's own embedding and LM head
+
+
+# ---- questions and chat templates -------------------------------------------------------------------------
+def read_questions(path: str, categories: list[str] | None = None, limit: int | None = None,
+                   per_category: int | None = None) -> list[dict]:
+    """Spec-Bench questions in file order: of the given categories (``mt_bench`` names its 8), the first
+    ``per_category`` of each category, at most ``limit`` in all."""
+    questions = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            q = json.loads(line)
+            missing = {"question_id", "category", "turns"} - q.keys()
+            if missing:
+                raise SystemExit(f"{path}:{number}: a question needs {sorted(missing)}")
+            questions.append(q)
+    if categories:
+        present = {q["category"] for q in questions}
+        expanded = {name: set(MT_BENCH if name == "mt_bench" else (name,)) for name in categories}
+        unknown = [name for name, names in expanded.items() if not names & present]
+        if unknown:
+            raise SystemExit(f"no questions of categories {unknown} in {path}")
+        questions = [q for q in questions if any(q["category"] in names for names in expanded.values())]
+    if per_category is not None:
+        counts, kept = collections.Counter(), []
+        for q in questions:
+            counts[q["category"]] += 1
+            if counts[q["category"]] <= per_category:
+                kept.append(q)
+        questions = kept
+    return questions[:limit]
+
+
+class ChatTemplate:
+    """Renders a conversation ``[(user text, answer text or None), ...]`` ending in an open user turn."""
+
+    def __init__(self, kind: str, tokenizer: Tokenizer, checkpoint: Path):
+        self.kind = kind
+        if kind == "chatml":
+            absent = [t for t in (IM_START, IM_END) if tokenizer.token_to_id(t) is None]
+            if absent:
+                raise SystemExit(f"--chat-template chatml needs the tokens {absent}, which the tokenizer lacks "
+                                 "(use --chat-template none for a tokenizer without chat tokens)")
+        elif kind == "hf":
+            self.jinja, self.special = _hf_template(checkpoint)
+        elif kind != "none":
+            raise SystemExit(f"unknown chat template {kind!r}: chatml, none or hf")
+
+    def render(self, turns: list[tuple[str, str | None]]) -> str:
+        if self.kind == "none":
+            return "\n\n".join(t for user, answer in turns for t in (user, answer) if t is not None) + "\n"
+        if self.kind == "chatml":
+            return "".join(f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n"
+                           + ("" if answer is None else f"{answer}{IM_END}\n") for user, answer in turns)
+        messages = [{"role": role, "content": text} for user, answer in turns
+                    for role, text in (("user", user), ("assistant", answer)) if text is not None]
+        return self.jinja.render(messages=messages, add_generation_prompt=True, **self.special)
+
+
+def _hf_template(checkpoint: Path):
+    """The checkpoint's jinja chat template (chat_template.jinja, else tokenizer_config.json) and its tokens."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise SystemExit("--chat-template hf needs the jinja2 package, which is not installed "
+                         "(or use --chat-template chatml)") from None
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    template = config.get("chat_template")
+    if (checkpoint / "chat_template.jinja").is_file():
+        template = (checkpoint / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # HF's named templates
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise SystemExit(f"--chat-template hf: {checkpoint} has no chat template (chat_template.jinja or "
+                         "tokenizer_config.json's chat_template)")
+
+    def raise_exception(message):
+        raise SystemExit(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := config.get(k), str)}
+    return env.from_string(template), special
+
+
+def fit_prompt(ids: list[int], max_tokens: int, too_long: str) -> tuple[list[int] | None, str | None]:
+    """(the prompt ids to use, or None to skip; a message when the prompt did not fit ``max_tokens``)."""
+    if len(ids) <= max_tokens:
+        return ids, None
+    if too_long == "skip":
+        return None, f"prompt of {len(ids)} tokens exceeds --max-prompt-tokens {max_tokens}: question skipped"
+    return ids[-max_tokens:], (f"prompt of {len(ids)} tokens exceeds --max-prompt-tokens {max_tokens}: kept its "
+                               f"last {max_tokens} tokens")
+
+
+def stop_ids(target: rj.Target, tokenizer: Tokenizer, checkpoint: Path, template: str) -> tuple[int, ...]:
+    """The target's EOS ids, generation_config.json's, and ``<|im_end|>`` for chat templates."""
+    ids = list(target.config.eos_token_ids)
+    generation = checkpoint / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if template != "none" and tokenizer.token_to_id(IM_END) is not None:
+        ids.append(tokenizer.token_to_id(IM_END))
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+# ---- answering --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Method:
+    """One way of generating (a drafter, or None: AR), named as in the answers, and its compile time."""
+
+    model_id: str
+    drafter: rj.Drafter | None
+    compile_seconds: float = 0.0
+
+
+def answer_turn(target, tokenizer, ids: list[int], method: Method, args, stops: tuple[int, ...], seed: int):
+    """Generate one turn: (answer text, Spec-Bench per-turn fields)."""
+    out = rj.generate(target, [np.asarray(ids, np.int32)], args.max_new_tokens, drafter=method.drafter,
+                      temperature=args.temperature, seed=seed, eos_token_ids=stops)
+    method.compile_seconds += out.compile_seconds
+    generated = out.tokens[0, :int(out.num_generated[0])].tolist()
+    end = next((i for i, t in enumerate(generated) if t in stops), len(generated))
+    accepted = out.accept_lengths[:, 0]
+    return tokenizer.decode(generated[:end], skip_special_tokens=True).strip(), {
+        "decoding_steps": int((accepted > 0).sum()), "new_tokens": len(generated), "wall_time": out.run_seconds,
+        "accept_lengths": accepted[accepted > 0].tolist()}
+
+
+def answer_question(target, tokenizer, template: ChatTemplate, question: dict, methods: list[Method], args,
+                    stops) -> tuple[list[dict] | None, list[str]]:
+    """Every turn of ``question`` with each method (turn by turn, methods interleaved): one Spec-Bench
+    answer per method, or None when a prompt did not fit; and the messages about fitting."""
+    conversations = [[] for _ in methods]
+    choices = [{"index": 0, "turns": [], "decoding_steps": [], "new_tokens": [], "wall_time": [],
+                "accept_lengths": []} for _ in methods]
+    messages = []
+    for user in question["turns"]:
+        for method, conversation, choice in zip(methods, conversations, choices, strict=True):
+            text = template.render([*conversation, (user, None)])
+            ids, message = fit_prompt(tokenizer.encode(text, add_special_tokens=False).ids, args.max_prompt_tokens,
+                                      args.too_long)
+            if message:  # once per turn, not per method
+                messages = list(dict.fromkeys(
+                    [*messages, f"question {question['question_id']}, turn {len(conversation) + 1}: {message}"]))
+            if ids is None:
+                return None, messages
+            answer, fields = answer_turn(target, tokenizer, ids, method, args, stops,
+                                         args.seed + int(question["question_id"]))
+            conversation.append((user, answer))
+            choice["turns"].append(answer)
+            for key in ("decoding_steps", "new_tokens", "wall_time"):
+                choice[key].append(fields[key])
+            choice["accept_lengths"].extend(fields["accept_lengths"])
+    return [{"question_id": question["question_id"], "category": question["category"],
+             "answer_id": uuid.uuid4().hex, "model_id": method.model_id, "choices": [choice],
+             "tstamp": time.time()} for method, choice in zip(methods, choices, strict=True)], messages
+
+
+# ---- summary ----------------------------------------------------------------------------------------------
+def read_answers(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _in_group(category: str, group: str) -> bool:
+    return group == "overall" or category == group or (group == "mt_bench" and category in MT_BENCH)
+
+
+def summarize(answers: list[dict], baseline: list[dict] | None = None) -> dict:
+    """Per category and Spec-Bench group: questions, tau, tokens/s (speed.py's mean over questions), and with
+    a baseline its tokens/s, the speedup and how many answers are identical to the baseline's."""
+    base = {a["question_id"]: a for a in baseline or []}
+    categories = list(dict.fromkeys(a["category"] for a in answers))
+    groups = categories + [g for g in GROUPS if g not in categories
+                           and any(_in_group(a["category"], g) for a in answers)]
+    summary = {}
+    for group in groups:
+        picked = [a for a in answers if _in_group(a["category"], group)]
+        choices = [a["choices"][0] for a in picked]
+        accepted = [n for c in choices for n in c["accept_lengths"]]
+        row = {"questions": len(picked), "tau": float(np.mean(accepted)) if accepted else None,
+               "tokens_per_s": _tokens_per_s(choices), "new_tokens": int(sum(sum(c["new_tokens"]) for c in choices)),
+               "wall_time": float(sum(sum(c["wall_time"]) for c in choices))}
+        if baseline is not None:
+            paired = [base[a["question_id"]] for a in picked if a["question_id"] in base]
+            row["baseline_tokens_per_s"] = _tokens_per_s([b["choices"][0] for b in paired])
+            row["speedup"] = row["tokens_per_s"] / row["baseline_tokens_per_s"] if paired else None
+            row["identical_to_baseline"] = sum(a["choices"][0]["turns"] == base[a["question_id"]]["choices"][0]["turns"]
+                                               for a in picked if a["question_id"] in base)
+            row["baseline_questions"] = len(paired)
+        summary[group] = row
+    return summary
+
+
+def _tokens_per_s(choices: list[dict]) -> float | None:
+    speeds = [sum(c["new_tokens"]) / sum(c["wall_time"]) for c in choices]
+    return float(np.mean(speeds)) if speeds else None
+
+
+def write_answers(path: Path, answers: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(a) + "\n" for a in sorted(answers, key=lambda a: a["question_id"])))
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="HF or project-format target directory")
+    parser.add_argument("--drafter", help="project-format or DeepSpec drafter directory (none: autoregressive)")
+    parser.add_argument("--tokenizer", help="tokenizer.json (default: the target directory's)")
+    parser.add_argument("--questions", default=QUESTIONS, help="Spec-Bench question JSONL")
+    parser.add_argument("--categories", help="comma-separated categories (mt_bench: its 8 categories)")
+    parser.add_argument("--per-category", type=int, help="only the first N questions of each category")
+    parser.add_argument("--limit", type=int, help="at most this many questions (after the other selections)")
+    parser.add_argument("--chat-template", choices=("chatml", "none", "hf"), default="chatml")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (Spec-Bench: 1024)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=4096)
+    parser.add_argument("--too-long", choices=("skip", "truncate"), default="skip",
+                        help="a prompt over --max-prompt-tokens: skip its question, or keep its last tokens")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (plus the question id)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question first")
+    parser.add_argument("--with-ar", action="store_true", help="also run the AR baseline, question by question")
+    parser.add_argument("--baseline", help="AR answers (Spec-Bench JSONL) of an earlier run to compare against")
+    parser.add_argument("--model-id", help="default: <target>-<drafter or ar>-temp-<temperature>")
+    parser.add_argument("--out-dir", default="runs/spec_bench", help="answers and summary go here")
+    args = parser.parse_args(argv)
+    if args.with_ar and args.baseline:
+        parser.error("--with-ar and --baseline both give the baseline: pass one")
+    if args.with_ar and not args.drafter:
+        parser.error("--with-ar compares a drafter with AR: pass --drafter")
+
+    dtype = jnp.dtype(args.dtype)
+    target_dir = Path(args.target)
+    target = load_target_dir(target_dir, dtype)
+    tokenizer_path = Path(args.tokenizer or target_dir / "tokenizer.json")
+    if not tokenizer_path.is_file():
+        raise SystemExit(f"no tokenizer at {tokenizer_path} (pass --tokenizer)")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    template = ChatTemplate(args.chat_template, tokenizer, tokenizer_path.parent)
+    stops = stop_ids(target, tokenizer, target_dir, args.chat_template)
+    drafter = load_drafter_dir(Path(args.drafter), dtype) if args.drafter else None
+    questions = read_questions(args.questions, args.categories.split(",") if args.categories else None, args.limit,
+                               args.per_category)
+    if not questions:
+        raise SystemExit(f"no questions selected from {args.questions}")
+
+    def model_id(drafter_path: str | None) -> str:
+        return f"{target_dir.name}-{Path(drafter_path).name if drafter_path else 'ar'}-temp-{args.temperature:g}"
+
+    methods = [Method(args.model_id or model_id(args.drafter), drafter)]
+    if args.with_ar:
+        methods.append(Method(model_id(None), None))
+    print(f"{len(questions)} questions, {', '.join(m.model_id for m in methods)}; stop ids {list(stops)}; "
+          f"{args.max_new_tokens} new tokens a turn, temperature {args.temperature:g}")
+
+    for _ in range(args.warmup):
+        answer_question(target, tokenizer, template, questions[0], methods, args, stops)
+    answers, skipped, notes = [[] for _ in methods], [], []
+    for number, question in enumerate(questions, 1):
+        result, messages = answer_question(target, tokenizer, template, question, methods, args, stops)
+        notes += messages
+        for message in messages:
+            print(message)
+        if result is None:
+            skipped.append(question["question_id"])
+            continue
+        for method_answers, answer in zip(answers, result, strict=True):
+            method_answers.append(answer)
+        choice = result[0]["choices"][0]
+        print(f"[{number}/{len(questions)}] question {question['question_id']} ({question['category']}): "
+              f"{sum(choice['new_tokens'])} tokens in {sum(choice['wall_time']):.2f} s, tau "
+              f"{np.mean(choice['accept_lengths']) if choice['accept_lengths'] else float('nan'):.2f}")
+    if not answers[0]:
+        raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
+
+    out_dir = Path(args.out_dir)
+    for method, method_answers in zip(methods, answers, strict=True):
+        write_answers(out_dir / f"{method.model_id}.jsonl", method_answers)
+    baseline = answers[1] if args.with_ar else read_answers(args.baseline) if args.baseline else None
+    summary = summarize(answers[0], baseline)
+    print(f"{'category':<16}{'questions':>10}{'tau':>7}{'tok/s':>9}" + (f"{'AR tok/s':>10}{'speedup':>9}{'same':>6}"
+                                                                        if baseline is not None else ""))
+    for group, row in summary.items():
+        line = f"{group:<16}{row['questions']:>10}{row['tau'] or float('nan'):>7.2f}{row['tokens_per_s']:>9.1f}"
+        if baseline is not None and row["speedup"] is not None:
+            line += (f"{row['baseline_tokens_per_s']:>10.1f}{row['speedup']:>8.2f}x"
+                     f"{row['identical_to_baseline']:>4}/{row['baseline_questions']}")
+        print(line)
+    write_json(str(out_dir / f"{methods[0].model_id}-summary.json"), {
+        "model_id": methods[0].model_id, "baseline": methods[1].model_id if args.with_ar else args.baseline,
+        "settings": vars(args), "stop_ids": list(stops), "skipped_questions": skipped, "prompt_notes": notes,
+        "compile_seconds": {m.model_id: m.compile_seconds for m in methods}, "categories": summary})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""experiments.spec_bench end to end on the shipped tiny zoo: answers that Spec-Bench's speed.py reads,
+greedy answers identical with and without the drafter, and the prompt handling around them."""
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from experiments import spec_bench
+
+ZOO = Path(__file__).resolve().parent.parent / "zoo"
+PROSE = ("Explain how a hash table resolves collisions and why its lookups stay fast on average, then compare "
+         "open addressing with separate chaining for a dictionary that grows while it is being read.")
+QUESTIONS = [
+    {"question_id": 7, "category": "qa", "turns": [PROSE], "reference": []},
+    {"question_id": 81, "category": "writing", "turns": [PROSE, "Now rewrite your previous answer as a short "
+                                                                "poem about lists, tuples and dictionaries."]},
+    {"question_id": 402, "category": "translation", "turns": ["Translate into German: " + PROSE]},
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One invocation: ReaDy and AR interleaved, prompts cut to one length so each method compiles once."""
+    out = tmp_path_factory.mktemp("spec_bench")
+    questions = out / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    spec_bench.main(["--target", str(ZOO / "target"), "--drafter", str(ZOO / "ready"), "--with-ar",
+                     "--questions", str(questions), "--chat-template", "none", "--max-new-tokens", "6", "--warmup", "0",
+                     "--max-prompt-tokens", "24", "--too-long", "truncate", "--out-dir", str(out)])
+    return out
+
+
+def _answers(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_answers_are_in_spec_bench_format_and_speed_py_reads_them(run):
+    ready, ar = _answers(run / "target-ready-temp-0.jsonl"), _answers(run / "target-ar-temp-0.jsonl")
+    for answers, model_id in ((ready, "target-ready-temp-0"), (ar, "target-ar-temp-0")):
+        assert [a["question_id"] for a in answers] == [7, 81, 402]
+        for answer, question in zip(answers, sorted(QUESTIONS, key=lambda q: q["question_id"]), strict=True):
+            assert answer["model_id"] == model_id and answer["category"] == question["category"]
+            assert isinstance(answer["answer_id"], str) and isinstance(answer["tstamp"], float)
+            (choice,) = answer["choices"]
+            assert choice["index"] == 0
+            turns = len(question["turns"])
+            assert len(choice["turns"]) == turns and all(isinstance(t, str) for t in choice["turns"])
+            for key, kind in (("decoding_steps", int), ("new_tokens", int), ("wall_time", float)):
+                assert len(choice[key]) == turns and all(isinstance(x, kind) for x in choice[key])
+            assert all(isinstance(n, int) and n >= 1 for n in choice["accept_lengths"])
+            # What evaluation/speed.py computes from each answer:
+            assert sum(choice["new_tokens"]) / sum(choice["wall_time"]) > 0
+            assert len(choice["accept_lengths"]) == sum(choice["decoding_steps"])
+            # Each turn's first token comes from the prefill; a round cut short by max_new_tokens still
+            # counts every draft it accepted.
+            assert sum(choice["accept_lengths"]) >= sum(choice["new_tokens"]) - turns
+    assert all(n == 1 for a in ar for n in a["choices"][0]["accept_lengths"])
+
+
+def test_greedy_answers_are_identical_with_and_without_the_drafter(run):
+    ready, ar = _answers(run / "target-ready-temp-0.jsonl"), _answers(run / "target-ar-temp-0.jsonl")
+    assert [a["choices"][0]["turns"] for a in ready] == [a["choices"][0]["turns"] for a in ar]
+    assert [a["choices"][0]["new_tokens"] for a in ready] == [a["choices"][0]["new_tokens"] for a in ar]
+
+
+def test_summary_per_category_and_against_the_baseline_file(run):
+    summary = json.loads((run / "target-ready-temp-0-summary.json").read_text())
+    rows = summary["categories"]
+    assert set(rows) == {"qa", "writing", "translation", "mt_bench", "overall"}
+    assert rows["overall"]["questions"] == 3 and rows["mt_bench"]["questions"] == 1
+    for row in rows.values():
+        assert row["tau"] >= 1 and row["tokens_per_s"] > 0 and row["speedup"] > 0
+        assert row["identical_to_baseline"] == row["questions"]
+    assert len(summary["prompt_notes"]) >= 3 and not summary["skipped_questions"]
+    # The same figures from the written files (the --baseline path).
+    again = spec_bench.summarize(spec_bench.read_answers(str(run / "target-ready-temp-0.jsonl")),
+                                 spec_bench.read_answers(str(run / "target-ar-temp-0.jsonl")))
+    assert again == rows
+
+
+def test_prompts_that_do_not_fit_are_skipped_or_cut_with_a_message():
+    ids, message = spec_bench.fit_prompt(list(range(10)), 4, "truncate")
+    assert ids == [6, 7, 8, 9] and "prompt of 10 tokens exceeds --max-prompt-tokens 4" in message
+    ids, message = spec_bench.fit_prompt(list(range(10)), 4, "skip")
+    assert ids is None and "question skipped" in message
+    assert spec_bench.fit_prompt([1, 2], 4, "skip") == ([1, 2], None)
+
+
+def test_chat_templates_render_multi_turn_conversations():
+    tokenizer = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
+    conversation = [("Hi?", "Hello."), ("And?", None)]
+    assert spec_bench.ChatTemplate("none", tokenizer, ZOO / "target").render(conversation) == "Hi?\n\nHello.\n\nAnd?\n"
+    with pytest.raises(SystemExit, match=r"chatml needs the tokens \['<\|im_start\|>', '<\|im_end\|>'\]"):
+        spec_bench.ChatTemplate("chatml", tokenizer, ZOO / "target")
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    text = spec_bench.ChatTemplate("chatml", tokenizer, ZOO / "target").render(conversation)
+    assert text == ("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+                    "<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert ids.count(tokenizer.token_to_id("<|im_start|>")) == 4 and ids.count(tokenizer.token_to_id("<|im_end|>")) == 3
+
+
+def test_hf_chat_template_renders_the_checkpoints_jinja(tmp_path):
+    pytest.importorskip("jinja2")
+    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
+    tokenizer = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    conversation = [("Hi?", "Hello."), ("And?", None)]
+    assert (spec_bench.ChatTemplate("hf", tokenizer, tmp_path).render(conversation)
+            == spec_bench.ChatTemplate("chatml", tokenizer, tmp_path).render(conversation))
+    with pytest.raises(SystemExit, match="has no chat template"):
+        spec_bench.ChatTemplate("hf", tokenizer, ZOO / "target")
+
+
+def test_question_selection(tmp_path):
+    path = tmp_path / "q.jsonl"
+    extra = {"question_id": 8, "category": "qa", "turns": ["Why?"]}
+    path.write_text("".join(json.dumps(q) + "\n" for q in [*QUESTIONS, extra]))
+    assert [q["question_id"] for q in spec_bench.read_questions(str(path), ["mt_bench", "qa"])] == [7, 81, 8]
+    assert [q["question_id"] for q in spec_bench.read_questions(str(path), per_category=1)] == [7, 81, 402]
+    assert [q["question_id"] for q in spec_bench.read_questions(str(path), limit=1)] == [7]
+    with pytest.raises(SystemExit, match=r"no questions of categories \['rag'\]"):
+        spec_bench.read_questions(str(path), ["rag"])
