@@ -59,6 +59,7 @@ import dataclasses
 import glob
 import json
 import os
+import sys
 from typing import Any
 
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from ready_jax.checkpoint import flat_state
+from ready_jax.checkpoint import flat_state, write_atomically
 from ready_jax.drafter import Drafter, DrafterConfig, DrafterModel, SharedWeights
 from ready_jax.reader import ReaderConfig
 
@@ -276,10 +277,13 @@ def read_state_dict(src: str) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, framework="flax") as f:  # the flax reader handles bfloat16, numpy's does not
-        return {k: _to_numpy(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    try:
+        with safe_open(path, framework="flax") as f:  # the flax reader handles bfloat16, numpy's does not
+            return {k: _to_numpy(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: it is truncated or not a safetensors file ({e})") from e
 
 
 def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
@@ -288,14 +292,34 @@ def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
     except ImportError as e:
         raise ImportError(f"reading {path} needs torch (pip install -e '.[convert]'), or convert it to "
                           "safetensors first") from e
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path} is not a plain weights file: torch.load(weights_only=True) refused it "
+                         f"({reason}); it was not loaded") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"cannot read {path}: it is truncated or not a PyTorch weights file ({e})") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+    not_tensors = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if not_tensors:
+        raise ValueError(f"{path} holds non-tensor entries: {', '.join(not_tensors)}")
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in state.items()}
 
 
 def load_deepspec(src: str, dtype=jnp.float32) -> tuple[Drafter, SharedWeights]:
-    with open(os.path.join(src, "config.json")) as f:
-        config = config_from_deepspec(json.load(f))
-    return from_deepspec_state(config, read_state_dict(src), dtype)
+    config_path = os.path.join(src, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"not a DeepSpec checkpoint directory: {config_path} is missing")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: it is not valid JSON ({e})") from e
+    return from_deepspec_state(config_from_deepspec(raw), read_state_dict(src), dtype)
 
 
 def export_deepspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:
@@ -338,6 +362,8 @@ def main(argv=None) -> None:
                         "(its embedding and LM head are written back); on import, checks the drafter fits it")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="drafter parameter dtype")
     args = parser.parse_args(argv)
+    if os.path.exists(args.dst) and (not os.path.isdir(args.dst) or os.listdir(args.dst)):
+        parser.error(f"{args.dst} exists and is not an empty directory; refusing to overwrite it")
     target = _load_target(args.target) if args.target else None
     if args.export:
         if target is None:
@@ -345,15 +371,19 @@ def main(argv=None) -> None:
                          "LM head")
         drafter = Drafter.load(args.src)
         drafter.check_target(target.config)
-        export_deepspec(drafter, SharedWeights.from_target(target), args.dst)
+        shared = SharedWeights.from_target(target)
+        write_atomically(args.dst, lambda tmp: export_deepspec(drafter, shared, tmp))
     else:
         drafter, shared = load_deepspec(args.src, _DTYPES[args.dtype])
         if target is not None:
             drafter.check_target(target.config)
             _check_shared(shared, SharedWeights.from_target(target))
-        drafter.save(args.dst)
+        write_atomically(args.dst, drafter.save)  # nothing at dst unless the whole checkpoint was written
     print(f"wrote {args.dst}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError, ImportError) as e:
+        sys.exit(f"error: {e}")

@@ -30,9 +30,7 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -42,7 +40,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from ready_jax.checkpoint import flat_state, state_from_flat
+from ready_jax.checkpoint import flat_state, state_from_flat, write_atomically
 from ready_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 from ready_jax.target import Target, TargetModel
 
@@ -436,7 +434,7 @@ def convert_hf_state(config: TargetConfig, tensors: Mapping[str, SourceTensor], 
     """HF tensors -> {internal dotted path: array of ``dtype``}, or one ValueError listing every problem.
 
     All checks (table coverage, missing / unexpected keys, shapes, a stray tied ``lm_head``) run on the
-    headers before the first tensor is loaded.
+    headers before the first tensor is loaded; tensors holding NaN / Inf are reported after loading.
     """
     np_dtype = np.dtype(jnp.dtype(dtype))
     expected = _internal_shapes(config)
@@ -460,11 +458,18 @@ def convert_hf_state(config: TargetConfig, tensors: Mapping[str, SourceTensor], 
         raise ValueError(f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
 
     flat = {path: np.empty(shape, np_dtype) for path, shape in expected.items()}
+    non_finite = []
     for b in bindings:
-        parts = b.transform.to_ours(tensors[b.hf_key].load(), config)
+        source = tensors[b.hf_key].load()
+        if not np.isfinite(source).all():  # released weights never hold NaN / Inf: corrupted bytes do
+            non_finite.append(b.hf_key)
+        parts = b.transform.to_ours(source, config)
         for (path, index), part, shape in zip(b.slots, parts, _slot_shapes(b, expected), strict=True):
             assert part.shape == shape, (b.hf_key, path, part.shape, shape)
             flat[path][index] = part  # casts to the requested dtype
+    if non_finite:
+        raise ValueError(f"{what}: {len(non_finite)} tensor(s) hold NaN or Inf values (corrupted data?): "
+                         + ", ".join(non_finite))
     return flat
 
 
@@ -581,20 +586,6 @@ def export_hf(target: Target, out_dir: str | os.PathLike, layout: str | None = N
 
 
 # ---- command line -------------------------------------------------------------------------------------
-def _write_atomically(dst: str, write: Callable[[str], None]) -> None:
-    """Write into a hidden temp dir beside ``dst`` and rename it into place: no partial ``dst`` on error."""
-    dst = os.path.abspath(dst)
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.", suffix=".partial", dir=parent)
-    try:
-        write(tmp)
-        os.rename(tmp, dst)  # atomic; also replaces an empty dst directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m convert.hf_target",
@@ -621,10 +612,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.dtype and args.dtype != jnp.dtype(target.dtype).name:
                 target = _target_from_flat(target.config, flat_state(target.params), DTYPES[args.dtype],
                                             what=f"checkpoint {args.src}")
-            _write_atomically(args.dst, lambda tmp: export_hf(target, tmp, args.layout))
+            write_atomically(args.dst, lambda tmp: export_hf(target, tmp, args.layout))
         else:
             target = load_hf_target(args.src, dtype=DTYPES[args.dtype or "float32"])
-            _write_atomically(args.dst, target.save)
+            write_atomically(args.dst, target.save)
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,16 +15,20 @@ sequence (EOS or ``max_new_tokens``) keeps running in the batch but commits and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from . import cache as cache_lib
+from . import debug, speculative
 from . import drafter as drafter_lib
-from . import speculative
+from . import sharding as sharding_lib
 from . import target as target_lib
 from .cache import TargetCache
 from .config import TargetConfig
@@ -120,6 +124,8 @@ class _Settings:
     eos_ids: tuple[int, ...]
     rollback: str
     impl: str
+    layout: sharding_lib.Layout | None = None  # the target's mesh: carries are pinned to it
+    check_finite: bool = False                 # ready_jax.debug's NaN / Inf checks
 
     @property
     def learned(self) -> bool:
@@ -142,23 +148,25 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
     """Prefill, the first token, and the loop's initial carry."""
     batch = prompts.shape[0]
     dtype = target_params["embed_tokens"]["embedding"].dtype
-    cache = cache_lib.init_cache(s.target_config, batch, s.capacity, dtype)
+    cache = sharding_lib.constrain(cache_lib.init_cache(s.target_config, batch, s.capacity, dtype), s.layout)
     out = target_lib.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
-                            hidden_layers=s.hidden_layers)
+                            hidden_layers=s.hidden_layers, check_finite=s.check_finite, logits_at=prompt_lengths - 1)
     key, first_key = jax.random.split(key)
-    last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
+    last = out.logits[:, 0]                                                                # [B, V]
     anchor = speculative.sample_token(last, s.temperature, first_key)
     generated = jnp.ones((batch,), jnp.int32)
     carry = {
-        "cache": out.cache, "anchor": anchor, "generated": generated, "key": key, "round": jnp.int32(0),
+        "cache": sharding_lib.constrain(out.cache, s.layout), "anchor": anchor, "generated": generated, "key": key,
+        "round": jnp.int32(0),
         "buffer": jnp.full((batch, s.max_new_tokens + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
         "done": _is_eos(anchor, s.eos_ids) | (generated >= s.max_new_tokens),
         "accepted": jnp.zeros((s.max_new_tokens, batch), jnp.int32),   # per round: tokens committed, 0 = idle
     }
     if s.learned:
-        context = drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype)
-        carry["context"] = drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden,
-                                                      prompt_lengths)
+        context = sharding_lib.constrain(drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype),
+                                         s.layout)
+        carry["context"] = sharding_lib.constrain(
+            drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden, prompt_lengths), s.layout)
     if s.has_reader:
         carry["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, impl=s.impl)
     return carry
@@ -179,7 +187,8 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
         with jax.named_scope("decode"):
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
             step = target_lib.extend(target_def, target_params, carry["cache"], anchor[:, None],
-                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl)
+                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl,
+                                     check_finite=s.check_finite)
         n_accepted = jnp.zeros_like(anchor)
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
@@ -193,13 +202,15 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
                                                 carry.get("reader"), draft_key, temperature=s.temperature,
                                                 impl=s.impl)
                 draft_tokens, draft_probs = draft.tokens, draft.probs
+                if s.check_finite:
+                    debug.check_finite(draft.logits, "drafter logits")
             else:
                 draft_tokens = _scripted_drafts(drafter_params, carry["generated"], s, draft_key)
                 draft_probs = jax.nn.one_hot(draft_tokens, s.target_config.vocab_size, dtype=jnp.float32)
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
             ver = target_lib.verify(target_def, target_params, carry["cache"], block, hidden_layers=s.hidden_layers,
-                                    rollback=s.rollback, impl=s.impl)
+                                    rollback=s.rollback, impl=s.impl, check_finite=s.check_finite)
         with jax.named_scope("accept"):
             if s.temperature == 0.0:
                 n_accepted, bonus = speculative.greedy_accept(draft_tokens, ver.logits)
@@ -222,6 +233,9 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
                 # Read from the candidate (before commit) when it holds per-position states.
                 source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (new["cache"], None)
                 new["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, impl=s.impl)
+    new["cache"] = sharding_lib.constrain(new["cache"], s.layout)
+    if "context" in new:
+        new["context"] = sharding_lib.constrain(new["context"], s.layout)
     new["buffer"] = speculative.write_tokens(carry["buffer"], carry["generated"], emitted)
     new["generated"] = carry["generated"] + keep
     new["anchor"] = bonus
@@ -249,16 +263,27 @@ def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key
     carry = jax.lax.while_loop(
         lambda c: ~jnp.all(c["done"]),
         lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, settings), carry)
-    return carry["buffer"], carry["generated"], carry["accepted"], carry["round"], carry["cache"]
+    tokens = (carry["buffer"], carry["generated"], carry["accepted"], carry["round"])
+    if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
+        tokens = jax.lax.with_sharding_constraint(tokens, settings.layout.replicated)
+    return *tokens, carry["cache"]
+
+
+def _checked_program(*args, target_def, drafter_def, settings: _Settings):
+    """:func:`_program` with its ``check_finite`` checks functionalised: ``(error, outputs)``."""
+    return debug.checked(functools.partial(_program, target_def=target_def, drafter_def=drafter_def,
+                                           settings=settings))(*args)
 
 
 _program_jit = jax.jit(_program, static_argnames=("target_def", "drafter_def", "settings"))
+_checked_jit = jax.jit(_checked_program, static_argnames=("target_def", "drafter_def", "settings"))
 _compiled: dict = {}
 
 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
              temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
-             capacity: int | None = None, rollback: str = "replay", impl: str = "xla") -> GenerateOutput:
+             capacity: int | None = None, rollback: str = "replay", impl: str = "xla",
+             check_finite: bool = False) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
 
     prompt_ids: a [B, T] int array, or a list of 1-D int arrays of different lengths (ragged batch).
@@ -270,7 +295,57 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     measured faster and smaller (``experiments/bench_generate``). ``impl="pallas"`` runs the fused
     Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
     (interpreted on a CPU: correct but slow); the tokens are the same.
+
+    A target placed on a mesh (``ready_jax.sharding.shard_target``) runs the whole program there:
+    prompts split over the ``data`` axis, the drafter placed like the target, caches kept in their
+    shards; the tokens equal single-device generation. ``check_finite=True`` compiles a debug
+    program that raises ``FloatingPointError`` naming the first layer (or the logits) holding a NaN /
+    Inf (``ready_jax.debug``).
     """
+    program = prepare(target, prompt_ids, max_new_tokens, drafter, temperature, seed, eos_token_ids=eos_token_ids,
+                      capacity=capacity, rollback=rollback, impl=impl, check_finite=check_finite)
+    compiled = compiled_program(program)
+    start = time.perf_counter()
+    outputs = jax.block_until_ready(compiled.executable(*program.args))
+    run_seconds = time.perf_counter() - start
+    if program.settings.check_finite:
+        error, outputs = outputs
+        debug.raise_if_failed(error)
+    buffer, generated, accepted, rounds, final_cache = outputs
+
+    generated = np.asarray(generated)
+    tokens = np.asarray(buffer)[:, :max_new_tokens].copy()
+    tokens[np.arange(max_new_tokens)[None, :] >= generated[:, None]] = PAD
+    return GenerateOutput(tokens=tokens, num_generated=generated, accept_lengths=np.asarray(accepted)[:int(rounds)],
+                          block_size=program.settings.gamma, compile_seconds=compiled.compile_seconds,
+                          run_seconds=run_seconds, cache=final_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One :func:`generate` call before anything compiles or runs: its static settings and the
+    program's arguments (device arrays; ``ShapeDtypeStruct`` leaves for an abstract target).
+
+    ``lower()`` gives the XLA program itself, to inspect without running it: compiled memory
+    analysis, HLO, transfers (``experiments/memory.py``, ``tests/test_memory_transfer.py``).
+    """
+
+    settings: _Settings
+    target_def: Any
+    drafter_def: Any
+    args: tuple  # (target params, drafter params, shared weights, prompts [B, T], lengths [B], key)
+
+    def lower(self) -> jax.stages.Lowered:
+        jitted = _checked_jit if self.settings.check_finite else _program_jit
+        return jitted.lower(*self.args, target_def=self.target_def, drafter_def=self.drafter_def,
+                            settings=self.settings)
+
+
+def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
+            temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
+            capacity: int | None = None, rollback: str = "replay", impl: str = "xla",
+            check_finite: bool = False) -> Program:
+    """Check :func:`generate`'s arguments and build its :class:`Program` (same arguments, same errors)."""
     prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -298,24 +373,17 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
     eos = tuple(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    layout = target.layout
     settings = _Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
-                         impl)
-    shared = SharedWeights.from_target(target) if isinstance(drafter, Drafter) else None
+                         impl, layout, bool(check_finite))
+    shared = _shared_weights(target) if isinstance(drafter, Drafter) else None
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):
         key = jax.random.fold_in(key, drafter.seed)
     args = (target.params, drafter_params, shared, jnp.asarray(prompts), jnp.asarray(lengths), key)
-    program = compiled_program(target, drafter_def, settings, args)
-    start = time.perf_counter()
-    buffer, generated, accepted, rounds, final_cache = jax.block_until_ready(program.executable(*args))
-    run_seconds = time.perf_counter() - start
-
-    generated = np.asarray(generated)
-    tokens = np.asarray(buffer)[:, :max_new_tokens].copy()
-    tokens[np.arange(max_new_tokens)[None, :] >= generated[:, None]] = PAD
-    return GenerateOutput(tokens=tokens, num_generated=generated, accept_lengths=np.asarray(accepted)[:int(rounds)],
-                          block_size=gamma, compile_seconds=program.compile_seconds, run_seconds=run_seconds,
-                          cache=final_cache)
+    if layout is not None:
+        args = _place_inputs(args, drafter, layout)
+    return Program(settings, target.graphdef, drafter_def, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,16 +392,36 @@ class _Compiled:
     compile_seconds: float  # of the call that compiled it; 0 for later calls
 
 
-def compiled_program(target: Target, drafter_def, settings: _Settings, args) -> _Compiled:
+def compiled_program(program: Program) -> _Compiled:
     """The compiled generation program for these static settings and argument shapes (compiled once)."""
-    shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))
-    cache_key = (target.graphdef, drafter_def, settings, shapes)
+    shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(program.args))
+    cache_key = (program.target_def, program.drafter_def, program.settings, shapes)
     if cache_key in _compiled:
         return _Compiled(_compiled[cache_key], 0.0)
     start = time.perf_counter()
-    _compiled[cache_key] = _program_jit.lower(*args, target_def=target.graphdef, drafter_def=drafter_def,
-                                              settings=settings).compile()
+    _compiled[cache_key] = program.lower().compile()
     return _Compiled(_compiled[cache_key], time.perf_counter() - start)
+
+
+def _shared_weights(target: Target) -> SharedWeights:
+    """``SharedWeights.from_target`` read from the parameter tree, so that it also works for an abstract
+    target (``ShapeDtypeStruct`` weights, whose module variables cannot be indexed)."""
+    params = nnx.to_pure_dict(target.params)
+    head = None if target.config.tie_word_embeddings else params["lm_head"]["kernel"]
+    return SharedWeights(embedding=params["embed_tokens"]["embedding"], lm_head=head)
+
+
+def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
+    """The program's inputs on the target's mesh: prompts (and a scripted drafter's reference) split over
+    ``data``, a learned drafter placed by the parameter rules (a no-op when it already is)."""
+    target_params, drafter_params, shared, prompts, lengths, key = args
+    if isinstance(drafter, Drafter):
+        drafter_params = sharding_lib.place(drafter_params,
+                                            sharding_lib.param_shardings(drafter_params, layout, drafter.config))
+    elif drafter_params is not None:
+        drafter_params = sharding_lib.place(drafter_params, layout.batch(drafter_params.shape))
+    prompts, lengths = (sharding_lib.place(x, layout.batch(x.shape)) for x in (prompts, lengths))
+    return target_params, drafter_params, shared, prompts, lengths, sharding_lib.place(key, layout.replicated)
 
 
 def _pad_prompts(prompt_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -134,9 +134,15 @@ class GatedAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
         self.rotary_dim, self.rope_theta = config.rotary_dim, config.rope_theta
 
-    def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array) -> tuple[jax.Array, AttentionCache]:
-        """x: [B, T, D]; the block sits at positions ``starts[b] + t``. Returns output and the cache
-        with the block's K/V written at those slots (one group's slice: k, v are [B, S, H_kv, D])."""
+    def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array,
+                 group: jax.Array | None = None) -> tuple[jax.Array, AttentionCache]:
+        """x: [B, T, D]; the block sits at positions ``starts[b] + t``. ``cache`` holds every group's
+        buffers (k, v: [G, B, S, H_kv, D]) and this layer is group ``group``, or (``group=None``) just
+        this layer's [B, S, H_kv, D]. Returns the output and the buffers with the block's K/V written at
+        those slots: only T slots are written, so a donated cache is updated in place, not copied."""
+        if group is None:
+            out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0))
+            return out, jax.tree.map(lambda a: a[0], stacked)
         b, t, _ = x.shape
         hd = self.head_dim
         query_gate = self.q_proj(x).reshape(b, t, self.num_heads, 2 * hd)
@@ -147,9 +153,13 @@ class GatedAttention(nnx.Module):
         query = apply_rope(self.q_norm(query), positions, self.rotary_dim, self.rope_theta)
         key = apply_rope(self.k_norm(key), positions, self.rotary_dim, self.rope_theta)
 
-        write = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new, s, axis=0))
-        k_all = write(cache.k, key.astype(cache.k.dtype), starts)              # [B, S, H_kv, D]
-        v_all = write(cache.v, value.astype(cache.v.dtype), starts)
+        # A scatter of [B, T] slots into [G, B, S, ...] in the buffers' own layout (a vmap over the batch
+        # axis would transpose whole buffers). Slots past the capacity are dropped; callers check it.
+        rows = jnp.arange(b)[:, None]
+        k_cache = cache.k.at[group, rows, positions].set(key.astype(cache.k.dtype), mode="drop")
+        v_cache = cache.v.at[group, rows, positions].set(value.astype(cache.v.dtype), mode="drop")
+        k_all = jax.lax.dynamic_index_in_dim(k_cache, group, keepdims=False)   # [B, S, H_kv, D]
+        v_all = jax.lax.dynamic_index_in_dim(v_cache, group, keepdims=False)
 
         rep = self.num_heads // self.num_kv_heads
         q = query.reshape(b, t, self.num_kv_heads, rep, hd)
@@ -160,7 +170,7 @@ class GatedAttention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_all).reshape(b, t, self.num_heads * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out), AttentionCache(k=k_all, v=v_all)
+        return self.o_proj(out), AttentionCache(k=k_cache, v=v_cache)
 
 
 class GatedDeltaNet(nnx.Module):

@@ -25,6 +25,8 @@ import numpy as np
 from flax import nnx
 
 from . import cache as cache_lib
+from . import debug
+from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
 from .config import FULL_ATTENTION, TargetConfig
 from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
@@ -46,10 +48,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, h, layer_cache, starts, num_new, *, form, impl="xla"):
+    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, impl="xla"):
+        """``layer_cache``: this group's entry, or for attention with ``group`` given every group's KV
+        buffers (written at ``group``)."""
         x = self.input_layernorm(h)
         if self.is_attention:
-            mixed, layer_cache = self.self_attn(x, layer_cache, starts)
+            mixed, layer_cache = self.self_attn(x, layer_cache, starts, group)
         else:
             mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl)
         h = h + mixed
@@ -91,8 +95,15 @@ class TargetModel(nnx.Module):
         return self.lm_head(h)
 
     def run_layers(self, h, layers_cache, starts, num_new, *, form: str, hidden_layers: Sequence[int],
-                   impl: str = "xla"):
-        """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D])."""
+                   impl: str = "xla", check_finite: bool = False):
+        """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D]).
+
+        Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
+        them) ride in the scan's carry and are updated at their group's index, so a step whose cache is
+        donated writes what changed in place. As scanned inputs and stacked outputs they would be copied
+        whole every step. Verify's per-position candidates are new buffers, stacked by the scan.
+        ``check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
+        """
         cfg = self.config
         p, num_hidden = cfg.group_size, len(hidden_layers)
         # Slot of each layer in the hidden-feature buffer; layers nobody asked for write to a spare slot.
@@ -101,21 +112,41 @@ class TargetModel(nnx.Module):
             slot_of_layer[layer] = slot
         slots = jnp.asarray(slot_of_layer.reshape(cfg.num_groups, p))
         group_def, group_state = nnx.split(self.groups)
+        in_place = tuple(isinstance(e, AttentionCache) or form in ("chunked", "recurrent") for e in layers_cache)
+        carried = tuple(e if keep else None for e, keep in zip(layers_cache, in_place, strict=True))
+        scanned = tuple(None if keep else e for e, keep in zip(layers_cache, in_place, strict=True))
 
         def body(carry, xs):
-            h, hidden = carry
-            state, group_cache, group_slots = xs
+            h, hidden, carried = carry
+            state, scanned, group_slots, g = xs
             group = nnx.merge(group_def, state)
-            new_cache = []
+            carried, stacked = list(carried), []
             for j, layer in enumerate(group.layers):
+                entry = scanned[j]
+                if in_place[j] and not layer.is_attention:  # this group's Gated DeltaNet state and conv
+                    entry = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, g, keepdims=False), carried[j])
+                elif in_place[j]:
+                    entry = carried[j]
                 with jax.named_scope(f"layer_{j}"):
-                    h, entry = layer(h, group_cache[j], starts, num_new, form=form, impl=impl)
-                new_cache.append(entry)
+                    h, entry = layer(h, entry, starts, num_new, g, form=form, impl=impl)
+                if check_finite:
+                    if not layer.is_attention:
+                        for x in jax.tree.leaves(entry):
+                            debug.check_finite(x, "Gated DeltaNet state", layer=g * p + j)
+                    debug.check_finite(h, "hidden state", layer=g * p + j)
+                if in_place[j] and not layer.is_attention:
+                    entry = jax.tree.map(lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x, g, 0),
+                                         carried[j], entry)
+                if in_place[j]:
+                    carried[j] = entry
+                stacked.append(None if in_place[j] else entry)
                 hidden = jax.lax.dynamic_update_index_in_dim(hidden, h, group_slots[j], axis=0)
-            return (h, hidden), tuple(new_cache)
+            return (h, hidden, tuple(carried)), tuple(stacked)
 
         hidden0 = jnp.zeros((num_hidden + 1, *h.shape), h.dtype)
-        (h, hidden), new_layers = jax.lax.scan(body, (h, hidden0), (group_state, layers_cache, slots))
+        xs = (group_state, scanned, slots, jnp.arange(cfg.num_groups))
+        (h, hidden, carried), stacked = jax.lax.scan(body, (h, hidden0, carried), xs)
+        new_layers = tuple(c if keep else s for c, s, keep in zip(carried, stacked, in_place, strict=True))
         return h, new_layers, hidden[:num_hidden]
 
 
@@ -138,21 +169,31 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 
 
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
-           form: str = "chunked", hidden_layers: Sequence[int] = (), impl: str = "xla") -> StepOutput:
+           form: str = "chunked", hidden_layers: Sequence[int] = (), impl: str = "xla",
+           check_finite: bool = False, logits_at: jax.Array | None = None) -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
     T). ``form`` picks the Gated DeltaNet algorithm: ``"chunked"`` (prefill) or ``"recurrent"``
     (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``impl``:
     ``"xla"`` or ``"pallas"`` (the fused Gated DeltaNet kernel) for the recurrent form.
+    ``check_finite``: the checks of ``ready_jax.debug`` (run the function through ``debug.checked``).
+    ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
+    prompt token's, and [B, T, V] float32 logits of long prompts outweigh the cache.
     """
     model = nnx.merge(graphdef, params)
     with jax.named_scope("embed"):
         h = model.embed_tokens(tokens)
+    if check_finite:
+        debug.check_finite(h, "token embeddings")
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
-                                         hidden_layers=hidden_layers, impl=impl)
+                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite)
     with jax.named_scope("lm_head"):
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]
         logits = model.logits(h).astype(jnp.float32)
+    if check_finite:
+        debug.check_finite(logits, "target logits")
     n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
     return StepOutput(logits, hidden, TargetCache(layers=layers, lengths=cache.lengths + n))
 
@@ -160,8 +201,8 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
 ROLLBACKS = ("checkpoint", "replay")
 
 
-def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
-           hidden_layers: Sequence[int] = (), rollback: str = "checkpoint", impl: str = "xla") -> StepOutput:
+def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_layers: Sequence[int] = (),
+           rollback: str = "checkpoint", impl: str = "xla", check_finite: bool = False) -> StepOutput:
     """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
 
     ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
@@ -173,10 +214,14 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *,
         raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
     model = nnx.merge(graphdef, params)
     h = model.embed_tokens(block)
+    if check_finite:
+        debug.check_finite(h, "token embeddings")
     form = "candidates" if rollback == "checkpoint" else "replay"
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
-                                         hidden_layers=hidden_layers, impl=impl)
+                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite)
     logits = model.logits(h).astype(jnp.float32)
+    if check_finite:
+        debug.check_finite(logits, "target logits")
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
 
 
@@ -186,12 +231,16 @@ class Target:
     ``params`` is the NNX state (a pytree of arrays); ``graphdef`` the static structure. Both are
     split once here; the jitted steps merge them inside the trace, so no Python walks the module
     graph per token.
+
+    ``layout`` (set by ``ready_jax.sharding.shard_target``): the mesh the weights are placed on; caches
+    are then created on it and step outputs pinned to it, so the next step finds them in place.
     """
 
-    def __init__(self, model: TargetModel):
+    def __init__(self, model: TargetModel, layout: sharding_lib.Layout | None = None):
         self.config: TargetConfig = model.config
         self.graphdef, self.params = nnx.split(model)
         self.dtype = model.dtype
+        self.layout = layout
 
     @classmethod
     def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32) -> Target:
@@ -223,51 +272,79 @@ class Target:
         return nnx.merge(self.graphdef, self.params)
 
     def init_cache(self, batch_size: int, capacity: int) -> TargetCache:
+        if self.layout is not None:
+            return sharding_lib.init_cache(self.config, batch_size, capacity, self.dtype, self.layout)
         return cache_lib.init_cache(self.config, batch_size, capacity, self.dtype)
 
     # ---- jitted steps (cache donated) ----------------------------------------------------------------
+    def _run_step(self, step, check_finite: bool, *args):
+        """Inside jit: ``(error or None, output)``, the output cache pinned to the layout."""
+        def pin(out: StepOutput) -> StepOutput:
+            return dataclasses.replace(out, cache=sharding_lib.constrain(out.cache, self.layout))
+
+        if check_finite:
+            error, out = debug.checked(step)(*args)
+            return error, pin(out)
+        return None, pin(step(*args))
+
     @functools.cached_property
     def _extend(self):
-        return jax.jit(functools.partial(extend, self.graphdef), static_argnames=("form", "hidden_layers", "impl"),
+        def run(params, cache, tokens, num_new, *, form, hidden_layers, impl, check_finite):
+            step = functools.partial(extend, self.graphdef, form=form, hidden_layers=hidden_layers, impl=impl,
+                                     check_finite=check_finite)
+            return self._run_step(step, check_finite, params, cache, tokens, num_new)
+
+        return jax.jit(run, static_argnames=("form", "hidden_layers", "impl", "check_finite"),
                        donate_argnames=("cache",))
 
     @functools.cached_property
     def _verify(self):
-        def run(params, kv_layers, other_layers, lengths, block, hidden_layers, rollback, impl):
-            cache = TargetCache(layers=_merge_layers(kv_layers, other_layers), lengths=lengths)
-            return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback,
-                          impl=impl)
+        def run(params, donated, kept, lengths, block, *, hidden_layers, rollback, impl, check_finite):
+            def step(params, donated, kept, lengths, block):
+                cache = TargetCache(layers=_merge_layers(donated, kept), lengths=lengths)
+                return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback,
+                              impl=impl, check_finite=check_finite)
 
-        # Only the KV buffers keep their shape through verify; donating the recurrent states too would
-        # give XLA buffers it cannot reuse (the candidate holds per-position states instead).
-        return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl"), donate_argnums=(1,))
+            return self._run_step(step, check_finite, params, donated, kept, lengths, block)
 
-    def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = ()) -> StepOutput:
-        """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all)."""
+        # Only what keeps its shape through verify is donated (see _split_layers).
+        return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl", "check_finite"),
+                       donate_argnums=(1,))
+
+    def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
+                check_finite: bool = False) -> StepOutput:
+        """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all).
+
+        ``check_finite`` (here and in :meth:`decode` / :meth:`verify`): raise ``FloatingPointError``
+        naming the first layer whose output or state holds a NaN / Inf (``ready_jax.debug``).
+        """
         tokens = self._check_tokens(tokens, cache)
         if num_new is not None:
             num_new = jnp.asarray(num_new, jnp.int32)
-        return self._extend(self.params, cache, tokens, num_new, form="chunked",
-                            hidden_layers=_check_layers(self.config, hidden_layers))
+        return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked",
+                                     hidden_layers=_check_layers(self.config, hidden_layers), impl="xla",
+                                     check_finite=check_finite))
 
     def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = (),
-               impl: str = "xla") -> StepOutput:
+               impl: str = "xla", check_finite: bool = False) -> StepOutput:
         """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]."""
         tokens = self._check_tokens(jnp.asarray(tokens).reshape(-1, 1), cache)
-        return self._extend(self.params, cache, tokens, None, form="recurrent",
-                            hidden_layers=_check_layers(self.config, hidden_layers), impl=impl)
+        return _checked(self._extend(self.params, cache, tokens, None, form="recurrent",
+                                     hidden_layers=_check_layers(self.config, hidden_layers), impl=impl,
+                                     check_finite=check_finite))
 
     def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),
-               rollback: str = "checkpoint", impl: str = "xla") -> StepOutput:
+               rollback: str = "checkpoint", impl: str = "xla", check_finite: bool = False) -> StepOutput:
         block = self._check_tokens(block, cache)
-        kv_layers, other_layers = _split_layers(cache.layers)
-        return self._verify(self.params, kv_layers, other_layers, cache.lengths, block,
-                            hidden_layers=_check_layers(self.config, hidden_layers), rollback=rollback, impl=impl)
+        donated, kept = _split_layers(cache.layers, states=rollback == "replay")
+        return _checked(self._verify(self.params, donated, kept, cache.lengths, block,
+                                     hidden_layers=_check_layers(self.config, hidden_layers), rollback=rollback,
+                                     impl=impl, check_finite=check_finite))
 
     @staticmethod
     def commit(candidate: Candidate, n_accepted) -> TargetCache:
-        kv_layers, other_layers = _split_layers(candidate.layers)
-        return _commit_jit(kv_layers, other_layers, candidate.lengths, jnp.asarray(n_accepted, jnp.int32))
+        donated, kept = _split_layers(candidate.layers, states=True)
+        return _commit_jit(donated, kept, candidate.lengths, jnp.asarray(n_accepted, jnp.int32))
 
     def forward(self, input_ids) -> jax.Array:
         """Full-sequence logits [B, T, V] from an empty cache (no padding)."""
@@ -291,16 +368,46 @@ class Target:
         return tokens.astype(jnp.int32)
 
 
-def _split_layers(layers):
-    """(KV entries, other entries), each a tuple with None where the other kind sits."""
-    kv = tuple(e if isinstance(e, AttentionCache) else None for e in layers)
-    return kv, tuple(None if isinstance(e, AttentionCache) else e for e in layers)
+def _checked(result) -> StepOutput:
+    """The output of a jitted step, after raising what its debug checks found (if they ran)."""
+    error, out = result
+    if error is not None:
+        debug.raise_if_failed(error)
+    return out
 
 
-def _merge_layers(kv_layers, other_layers):
-    return tuple(o if k is None else k for k, o in zip(kv_layers, other_layers, strict=True))
+def _split_layers(layers, *, states: bool):
+    """(donated, kept) halves of cache entries: same structure, None for the other half's parts.
+
+    Donated: the KV buffers and, with ``states``, the Gated DeltaNet ``state`` fields (a committed
+    cache's state, which ``replay`` verify passes through; a replay candidate's, which commit
+    replaces by the recomputed one). Those keep their shape, so XLA writes the result into them.
+    The rest changes shape (conv windows, per-position states): donating it would only give XLA
+    buffers it cannot reuse.
+    """
+    donated, kept = [], []
+    for e in layers:
+        if isinstance(e, AttentionCache):
+            donated.append(e)
+            kept.append(None)
+        elif states and hasattr(e, "state"):
+            donated.append(dataclasses.replace(e, **{f.name: None for f in dataclasses.fields(e) if f.name != "state"}))
+            kept.append(dataclasses.replace(e, state=None))
+        else:
+            donated.append(None)
+            kept.append(e)
+    return tuple(donated), tuple(kept)
+
+
+def _merge_layers(donated, kept):
+    def merge(d, k):
+        if d is None or k is None:
+            return k if d is None else d
+        return dataclasses.replace(k, state=d.state)
+
+    return tuple(merge(d, k) for d, k in zip(donated, kept, strict=True))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _commit_jit(kv_layers, other_layers, lengths, n_accepted):
-    return cache_lib.commit(Candidate(_merge_layers(kv_layers, other_layers), lengths), n_accepted)
+def _commit_jit(donated, kept, lengths, n_accepted):
+    return cache_lib.commit(Candidate(_merge_layers(donated, kept), lengths), n_accepted)

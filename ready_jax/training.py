@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 
 from . import cache as cache_lib
 from . import target as target_lib
+from .checkpoint import replace_atomically
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 
 
@@ -87,11 +88,8 @@ class TrainState:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
-    """``loss_fn(params, batch, key) -> (loss, metrics)`` -> jitted ``step(state, batch) -> (state, metrics)``.
-
-    The state is donated: parameters and moments are updated in place.
-    """
+def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+    """``loss_fn(params, batch, key) -> (loss, metrics)`` -> pure ``step(state, batch) -> (state, metrics)``."""
     def step(state: TrainState, batch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.step_key())
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -99,7 +97,15 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) 
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return step
+
+
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+    """:func:`train_step`, jitted with the state donated: parameters and moments are updated in place.
+
+    ``ready_jax.sharding.make_train_step`` compiles the same step for a device mesh (data parallel).
+    """
+    return jax.jit(train_step(loss_fn, optimizer), donate_argnums=0)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------------------
@@ -139,7 +145,9 @@ class Checkpointer:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                         meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
         self.manager.wait_until_finished()
-        (self.hashes / f"{step}.json").write_text(json.dumps(_file_hashes(self.step_dir(step)), indent=1))
+        record = json.dumps(_file_hashes(self.step_dir(step)), indent=1)
+        # Written whole or not at all: a process killed here leaves no truncated record.
+        replace_atomically(str(self.hashes / f"{step}.json"), lambda tmp: Path(tmp).write_text(record))
         for stale in self.hashes.glob("*.json"):  # orbax pruned old steps: drop their sidecars too
             if int(stale.stem) not in self.manager.all_steps():
                 stale.unlink()
@@ -150,7 +158,12 @@ class Checkpointer:
         if not sidecar.exists():
             raise CheckpointError(f"checkpoint {directory} is incomplete: its hash record {sidecar} is missing "
                                   "(the save was interrupted)")
-        for rel, want in json.loads(sidecar.read_text()).items():
+        try:
+            record = json.loads(sidecar.read_text())
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {directory} is corrupt: its hash record {sidecar} is unreadable "
+                                  f"({e})") from e
+        for rel, want in record.items():
             path = directory / rel
             if not path.exists():
                 raise CheckpointError(f"checkpoint {directory} is corrupt: file {path} is missing")
