@@ -45,7 +45,9 @@ class GenerateOutput:
 
     tokens: np.ndarray          # [B, max_new_tokens] int32; PAD (-1) after a sequence ended
     num_generated: np.ndarray   # [B] valid tokens per sequence
-    accept_lengths: np.ndarray  # [rounds, B] tokens committed per round (accepted drafts + 1); 0 once done
+    # [rounds, B] tokens committed per round: accepted drafts + 1, fewer in the round where EOS or
+    # max_new_tokens ends the sequence inside the block; 0 once done.
+    accept_lengths: np.ndarray
     block_size: int             # drafts per round (0 for the autoregressive baseline)
     compile_seconds: float      # tracing + XLA compilation (0 when the program was already compiled)
     run_seconds: float          # device time of the compiled program, prompts to tokens
@@ -239,7 +241,7 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
     new["buffer"] = speculative.write_tokens(carry["buffer"], carry["generated"], emitted)
     new["generated"] = carry["generated"] + keep
     new["anchor"] = bonus
-    new["accepted"] = carry["accepted"].at[carry["round"]].set(jnp.where(done, 0, n_accepted + 1))
+    new["accepted"] = carry["accepted"].at[carry["round"]].set(jnp.where(done, 0, keep))
     return new
 
 
@@ -283,17 +285,20 @@ _compiled: dict = {}
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
              temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
              capacity: int | None = None, rollback: str = "replay", impl: str = "xla",
-             check_finite: bool = False) -> GenerateOutput:
+             check_finite: bool = False, prompt_bucket: int = 1) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
 
     prompt_ids: a [B, T] int array, or a list of 1-D int arrays of different lengths (ragged batch).
     Greedy (``temperature=0``) output is identical with and without a drafter; with temperature > 0
     speculative sampling is lossless (same distribution as the target's own sampling). Generation
     stops per sequence after an EOS (``eos_token_ids``, default: the target config's) or
-    ``max_new_tokens``. ``capacity`` (default: just enough) sizes the caches. ``rollback`` picks how
-    rejected drafts are undone (``target.verify``): both are exact; ``"replay"`` is the default because it
-    measured faster and smaller (``experiments/bench_generate``). ``impl="pallas"`` runs the fused
-    Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
+    ``max_new_tokens``. ``capacity`` (default: just enough) sizes the caches. ``prompt_bucket = m``
+    pads the prompt width (and the default capacity) up to a multiple of m, so that prompts of
+    different lengths share one compiled program (padding is masked: the tokens do not change;
+    prefill does up to m - 1 tokens of extra work). ``rollback`` picks how rejected drafts are undone
+    (``target.verify``): both are exact; ``"replay"`` is the default because its verify candidate does
+    not grow with the block size, and it measured as fast (``experiments/rollback``). ``impl="pallas"``
+    runs the fused Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
     (interpreted on a CPU: correct but slow); the tokens are the same.
 
     A target placed on a mesh (``ready_jax.sharding.shard_target``) runs the whole program there:
@@ -303,7 +308,8 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     Inf (``ready_jax.debug``).
     """
     program = prepare(target, prompt_ids, max_new_tokens, drafter, temperature, seed, eos_token_ids=eos_token_ids,
-                      capacity=capacity, rollback=rollback, impl=impl, check_finite=check_finite)
+                      capacity=capacity, rollback=rollback, impl=impl, check_finite=check_finite,
+                      prompt_bucket=prompt_bucket)
     compiled = compiled_program(program)
     start = time.perf_counter()
     outputs = jax.block_until_ready(compiled.executable(*program.args))
@@ -344,9 +350,11 @@ class Program:
 def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
             capacity: int | None = None, rollback: str = "replay", impl: str = "xla",
-            check_finite: bool = False) -> Program:
+            check_finite: bool = False, prompt_bucket: int = 1) -> Program:
     """Check :func:`generate`'s arguments and build its :class:`Program` (same arguments, same errors)."""
-    prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size)
+    if prompt_bucket < 1:
+        raise ValueError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
+    prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size, prompt_bucket)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not temperature >= 0.0:
@@ -368,7 +376,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
         raise TypeError(f"drafter must be a Drafter, a ScriptedDrafter or None, got {type(drafter).__name__}")
     gamma = 0 if drafter is None else drafter_config.block_size
     needed = int(lengths.max()) + max_new_tokens + gamma
-    capacity = needed if capacity is None else capacity
+    capacity = prompts.shape[1] + max_new_tokens + gamma if capacity is None else capacity
     if needed > capacity:
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
@@ -424,8 +432,8 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
     return target_params, drafter_params, shared, prompts, lengths, sharding_lib.place(key, layout.replicated)
 
 
-def _pad_prompts(prompt_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """[B, T] array or list of 1-D arrays -> right-padded [B, T_max] int32 and lengths [B]."""
+def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T] array or list of 1-D arrays -> right-padded [B, T_max rounded up to ``bucket``] int32, lengths [B]."""
     if isinstance(prompt_ids, list | tuple):
         rows = [np.asarray(p) for p in prompt_ids]
         if not rows:
@@ -445,7 +453,7 @@ def _pad_prompts(prompt_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"prompt {i} has dtype {r.dtype}; token ids must be integers")
         if r.min() < 0 or r.max() >= vocab_size:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{vocab_size - 1}")
-    prompts = np.zeros((len(rows), lengths.max()), np.int32)
+    prompts = np.zeros((len(rows), -(-int(lengths.max()) // bucket) * bucket), np.int32)
     for i, r in enumerate(rows):
         prompts[i, :len(r)] = r
     return prompts, lengths
