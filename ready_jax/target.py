@@ -258,10 +258,10 @@ class Target:
         return load_hf_target(path, dtype=dtype)
 
     @classmethod
-    def load(cls, path) -> Target:
-        """Load the project's own checkpoint format (see :meth:`save`)."""
+    def load(cls, path, dtype=None) -> Target:
+        """Load the project's own checkpoint format (see :meth:`save`), in ``dtype`` (default: as saved)."""
         from .checkpoint import load_target
-        return load_target(path)
+        return load_target(path, dtype)
 
     def save(self, path) -> None:
         from .checkpoint import save_target

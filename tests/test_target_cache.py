@@ -152,6 +152,7 @@ def test_save_load_round_trip(tmp_path, dtype):
     assert loaded.dtype == dtype and loaded.config == target.config
     ids = _tokens(8, (1, 5))
     np.testing.assert_array_equal(loaded.forward(ids), target.forward(ids))
+    assert rj.Target.load(tmp_path / "t", dtype=jnp.float32).dtype == jnp.float32   # computed in another dtype
 
 
 def test_load_rejects_corrupt_and_foreign_checkpoints(tmp_path):
