@@ -3,6 +3,7 @@
 Two steps, both resumable:
 
     python -m experiments.reproduce_table train --target zoo/target --runs runs/table --jobs 2
+    python -m experiments.reproduce_table ship --target runs/zoo_new/target --runs runs/table --zoo zoo
     python -m experiments.reproduce_table evaluate --target zoo/target --runs runs/table \\
         --out results/reproduce_table_cpu.json --plot results/reproduce_table_cpu.png
 
@@ -10,6 +11,9 @@ Two steps, both resumable:
 and seed, ``--jobs`` at a time, an arm after the DSpark it starts from), all on the same self-distilled
 data. The main arms use every seed; ablations use the first. An arm whose drafter exists is skipped;
 an interrupted one resumes from its checkpoints.
+
+``ship`` copies the target and the first seed's DSpark, DSpark-FT and ReaDy into the zoo with one
+manifest (each file's sha256, the command and commit that made it, where it was copied from).
 
 ``evaluate`` generates greedily on held-out prompts of three kinds (code, prose, and mixed: code files
 read from a docstring or comment) with every trained drafter and without one, checks each output
@@ -29,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -141,6 +147,33 @@ def train(args, table: tuple[Arm, ...]) -> None:
         raise SystemExit(f"training failed for {failed}; see {runs / 'logs'}")
 
 
+# ---- ship ---------------------------------------------------------------------------------------------------
+ZOO_DRAFTERS = (("dspark", "dspark"), ("dspark_ft", "dspark_ft"), ("ready", "ready"))
+
+
+def ship(args) -> None:
+    """Replace ``args.zoo`` by the target and the first seed's main drafters, with a merged manifest."""
+    runs, target_dir, zoo = Path(args.runs), Path(args.target), Path(args.zoo)
+    sources = {"target": (target_dir, json.loads((target_dir.parent / "MANIFEST.json").read_text()), target_dir.name)}
+    table_manifest = json.loads((runs / "MANIFEST.json").read_text())
+    for folder, arm in ZOO_DRAFTERS:
+        name = run_name(arm, args.seeds[0])
+        sources[folder] = (runs / name, table_manifest, name)
+    manifest = {"files": {}}
+    for folder, (src, record, recorded_as) in sources.items():
+        for path in sorted(p for p in src.iterdir() if p.is_file()):
+            entry = record["files"].get(f"{recorded_as}/{path.name}")
+            if entry is None or entry["sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
+                raise SystemExit(f"{path} is not the file its manifest records; retrain or re-export it")
+            manifest["files"][f"{folder}/{path.name}"] = {**entry, "copied_from": str(path)}
+    for folder in sources:
+        shutil.rmtree(zoo / folder, ignore_errors=True)
+        shutil.copytree(sources[folder][0], zoo / folder)
+    (zoo / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    total = sum(e["bytes"] for e in manifest["files"].values())
+    print(f"wrote {zoo}: {len(manifest['files'])} files, {total / 1e6:.1f} MB")
+
+
 # ---- evaluate ----------------------------------------------------------------------------------------------
 def spread(values: list[float]) -> dict:
     v = np.asarray(values, np.float64)
@@ -248,7 +281,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("train", "evaluate"))
+    parser.add_argument("step", choices=("train", "ship", "evaluate"))
     parser.add_argument("--target", default="zoo/target", help="trained target (project format, with tokenizer)")
     parser.add_argument("--corpus", default="runs/corpus")
     parser.add_argument("--runs", default="runs/table", help="drafters, their work dirs and logs")
@@ -263,9 +296,13 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per drafter (the fastest is kept)")
+    parser.add_argument("--zoo", default="zoo", help="ship: the zoo directory to replace")
     parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
     parser.add_argument("--plot", default=None, help="write a PNG of tau per arm here (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.step == "ship":
+        ship(args)
+        return
     target = load_target(args.target, dtype=jnp.float32)
     table = arms(target.config, args.window)
     if args.step == "train":
