@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -165,13 +166,26 @@ def ship(args) -> None:
             entry = record["files"].get(f"{recorded_as}/{path.name}")
             if entry is None or entry["sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
                 raise SystemExit(f"{path} is not the file its manifest records; retrain or re-export it")
-            manifest["files"][f"{folder}/{path.name}"] = {**entry, "copied_from": str(path)}
+            manifest["files"][f"{folder}/{path.name}"] = {**repo_relative(entry), "copied_from": relative(path)}
     for folder in sources:
         shutil.rmtree(zoo / folder, ignore_errors=True)
         shutil.copytree(sources[folder][0], zoo / folder)
     (zoo / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     total = sum(e["bytes"] for e in manifest["files"].values())
     print(f"wrote {zoo}: {len(manifest['files'])} files, {total / 1e6:.1f} MB")
+
+
+def relative(path) -> str:
+    """``path`` relative to the working directory (the repository root), as the manifest records it."""
+    return os.path.relpath(os.path.abspath(path))
+
+
+def repo_relative(record):
+    """A manifest record with absolute paths under the working directory (as in recorded commands) made relative."""
+    root = os.path.abspath(".") + os.sep
+    if isinstance(record, dict):
+        return {k: repo_relative(v) for k, v in record.items()}
+    return record.replace(root, "") if isinstance(record, str) else record
 
 
 # ---- evaluate ----------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ blank lines, for tokenizers without chat tokens such as the shipped tiny zoo's) 
 template of the checkpoint's tokenizer_config.json / chat_template.jinja; needs the jinja2 package).
 
     python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR.jsonl] \\
-        [--questions /work/shared/data/spec_bench/question.jsonl] [--categories qa,rag] [--per-category N] \\
+        [--questions ../shared/data/spec_bench/question.jsonl] [--categories qa,rag] [--per-category N] \\
         [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
         [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench]
 
@@ -60,7 +60,7 @@ import ready_jax as rj
 from experiments.common import write_json
 from ready_jax.checkpoint import load_target
 
-QUESTIONS = "/work/shared/data/spec_bench/question.jsonl"
+QUESTIONS = "../shared/data/spec_bench/question.jsonl"  # relative to the repository root
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
