@@ -67,6 +67,8 @@ def main(argv=None) -> None:
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0, help="drafter initialisation and batch order")
+    parser.add_argument("--impl", default="xla", choices=("xla", "pallas"),
+                        help="the teacher pass's Gated DeltaNet: XLA or the fused Pallas kernel (for GPUs)")
     parser.add_argument("--data-seed", type=int, default=0, help="which corpus prompts are self-distilled")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (x anchors per sequence)")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -127,8 +129,8 @@ def main(argv=None) -> None:
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from}
     start = time.perf_counter()
     trained = dt.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
-                               batch_size=args.batch_size, seed=args.seed, meta=meta)
-    final = dt.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size)(trained.params)
+                               batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
+    final = dt.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size, args.impl)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))

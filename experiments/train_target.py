@@ -43,6 +43,8 @@ def main(argv=None) -> None:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--impl", default="xla", choices=("xla", "pallas"),
+                        help="Gated DeltaNet forward: XLA or the fused Pallas kernel (for GPUs; interpreted on a CPU)")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -67,11 +69,12 @@ def main(argv=None) -> None:
     optim = training.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                                  weight_decay=args.weight_decay, clip_norm=args.clip)
     optimizer = training.make_optimizer(optim)
-    loss_fn = lambda params, tokens, key: training.target_loss(target.graphdef, config, params, tokens)  # noqa: E731
+    loss_fn = lambda params, tokens, key: training.target_loss(target.graphdef, config, params, tokens,  # noqa: E731
+                                                               args.impl)
     step_fn = training.make_train_step(loss_fn, optimizer)
     train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
     val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
-    eval_fn = training.make_target_eval(target.graphdef, config, val_windows, args.batch_size)
+    eval_fn = training.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
     batch_fn = lambda step: jnp.asarray(train_windows.batch(args.seed, step * args.batch_size,  # noqa: E731
                                                             args.batch_size))
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),

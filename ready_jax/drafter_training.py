@@ -108,17 +108,20 @@ class Teacher:
 
 
 def teacher_pass(graphdef, params, config: TargetConfig, tokens: jax.Array, layout: AnchorLayout,
-                 hidden_layers: Sequence[int], source_layers: Sequence[int] = (), reader_kind: str = STATE) -> Teacher:
+                 hidden_layers: Sequence[int], source_layers: Sequence[int] = (), reader_kind: str = STATE,
+                 impl: str = "xla") -> Teacher:
     """The frozen target over ``tokens`` [B, T]; with ``source_layers``, also what the reader reads at each anchor.
 
     State reader: the pass runs in segments ending at the anchors (prompt, then ``stride`` tokens at a
     time, then the tail), reading ``committed_states`` of the cache after each: the same cache
     ``generate`` holds when the anchor's block is drafted. KV reader: one pass; the source layers' keys
-    and values of the whole sequence, which the reader masks to the ``a_j`` committed tokens.
+    and values of the whole sequence, which the reader masks to the ``a_j`` committed tokens. ``impl``: the
+    target's Gated DeltaNet as XLA or the fused Pallas kernel.
     """
     b, t = tokens.shape
     cache = cache_lib.init_cache(config, b, t, jax.tree.leaves(params)[0].dtype)
-    extend = functools.partial(target_lib.extend, graphdef, params, form="chunked", hidden_layers=tuple(hidden_layers))
+    extend = functools.partial(target_lib.extend, graphdef, params, form="chunked", hidden_layers=tuple(hidden_layers),
+                               impl=impl)
     if not source_layers or reader_kind == KV:
         out = extend(cache, tokens)
         if not source_layers:
@@ -262,7 +265,7 @@ def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConf
                               what="ReaDy from DSpark")
 
 
-def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout):
+def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout, impl: str = "xla"):
     """``loss_fn(params, batch, key)`` for :func:`ready_jax.training.make_train_step`.
 
     ``batch`` = ``{"tokens": [B, T], "target": target params, "shared": SharedWeights}``: the frozen
@@ -275,16 +278,16 @@ def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout):
     def loss_fn(params, batch, key):
         del key  # anchors are a fixed grid; nothing is sampled
         teacher = jax.lax.stop_gradient(teacher_pass(target.graphdef, batch["target"], target.config, batch["tokens"],
-                                                     layout, cfg.target_layer_ids, source, kind))
+                                                     layout, cfg.target_layer_ids, source, kind, impl))
         return drafter_loss(drafter.graphdef, params, batch["shared"], teacher, batch["tokens"], layout)
 
     return loss_fn
 
 
 def make_drafter_eval(drafter: Drafter, target: Target, layout: AnchorLayout, sequences: np.ndarray,
-                      batch_size: int):
+                      batch_size: int, impl: str = "xla"):
     """``eval_fn(params) -> {val_loss, val_tv, val_tau_teacher_forced, ...}`` over fixed held-out sequences."""
-    loss_fn = make_loss_fn(drafter, target, layout)
+    loss_fn = make_loss_fn(drafter, target, layout, impl)
     shared = SharedWeights.from_target(target)
     run = jax.jit(lambda params, batch: loss_fn(params, batch, None))
     batches = [sequences[i:i + batch_size] for i in range(0, len(sequences) - batch_size + 1, batch_size)]
@@ -353,17 +356,20 @@ def _distill_key(config: DistillConfig, target: Target) -> bytes:
 
 def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_seqs: np.ndarray,
                   layout: AnchorLayout, optim: training.OptimConfig, loop: training.LoopConfig, workdir, *,
-                  batch_size: int, seed: int, meta: dict | None = None, log=print) -> Drafter:
-    """Train all of ``drafter``'s parameters against the frozen ``target`` (resuming from ``workdir``)."""
+                  batch_size: int, seed: int, meta: dict | None = None, impl: str = "xla", log=print) -> Drafter:
+    """Train all of ``drafter``'s parameters against the frozen ``target`` (resuming from ``workdir``).
+
+    ``impl``: the teacher pass's Gated DeltaNet as XLA or the fused Pallas kernel.
+    """
     optimizer = training.make_optimizer(optim)
-    step_fn = training.make_train_step(make_loss_fn(drafter, target, layout), optimizer)
+    step_fn = training.make_train_step(make_loss_fn(drafter, target, layout, impl), optimizer)
     shared = SharedWeights.from_target(target)
 
     def batch_fn(step: int) -> dict:
         rows = data.batch_indices(seed, step * batch_size, batch_size, len(train_seqs))
         return {"tokens": jnp.asarray(train_seqs[rows]), "target": target.params, "shared": shared}
 
-    eval_fn = make_drafter_eval(drafter, target, layout, val_seqs, batch_size)
+    eval_fn = make_drafter_eval(drafter, target, layout, val_seqs, batch_size, impl)
     state = training.TrainState.create(drafter.params, optimizer, seed)
     state = training.train_loop(state, step_fn, batch_fn, loop, workdir, eval_fn=eval_fn, meta=meta, log=log)
     return Drafter(nnx.merge(drafter.graphdef, state.params))

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.gdn_chunked import gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
 
-from . import gated_delta
 from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
 
@@ -203,7 +203,8 @@ class GatedDeltaNet(nnx.Module):
         ``form="candidates"``: run the block with the recurrent form and return the state after every
         position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
-        ``impl`` runs the recurrent forms with XLA or the fused Pallas kernel (``pallas_kernels.gdn_recurrent``).
+        ``impl`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gdn_chunked`` for the
+        chunked form, ``pallas_kernels.gdn_recurrent`` for the others).
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
@@ -232,7 +233,7 @@ class GatedDeltaNet(nnx.Module):
                 valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
                 g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
             if form == "chunked":
-                o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, cache.state)
+                o, state = gdn_chunked(q, k, v, g, beta, cache.state, impl=impl)
             else:
                 o, state = gdn_recurrent(q, k, v, g, beta, cache.state, impl=impl)
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new

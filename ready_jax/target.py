@@ -176,7 +176,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
     T). ``form`` picks the Gated DeltaNet algorithm: ``"chunked"`` (prefill) or ``"recurrent"``
     (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``impl``:
-    ``"xla"`` or ``"pallas"`` (the fused Gated DeltaNet kernel) for the recurrent form.
+    ``"xla"`` or ``"pallas"`` (the fused Gated DeltaNet kernels of either form).
     ``check_finite``: the checks of ``ready_jax.debug`` (run the function through ``debug.checked``).
     ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
     prompt token's, and [B, T, V] float32 logits of long prompts outweigh the cache.
@@ -312,9 +312,10 @@ class Target:
                        donate_argnums=(1,))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
-                check_finite: bool = False) -> StepOutput:
+                impl: str = "xla", check_finite: bool = False) -> StepOutput:
         """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all).
 
+        ``impl`` (here and in :meth:`decode` / :meth:`verify`): ``"xla"`` or ``"pallas"`` (the fused kernels).
         ``check_finite`` (here and in :meth:`decode` / :meth:`verify`): raise ``FloatingPointError``
         naming the first layer whose output or state holds a NaN / Inf (``ready_jax.debug``).
         """
@@ -322,7 +323,7 @@ class Target:
         if num_new is not None:
             num_new = jnp.asarray(num_new, jnp.int32)
         return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked",
-                                     hidden_layers=_check_layers(self.config, hidden_layers), impl="xla",
+                                     hidden_layers=_check_layers(self.config, hidden_layers), impl=impl,
                                      check_finite=check_finite))
 
     def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = (),

@@ -342,20 +342,25 @@ def small_target_config(vocab_size: int, *, hidden_size: int = 256, num_layers: 
         tie_word_embeddings=True, eos_token_ids=(eos_token_id,), max_position_embeddings=4096)
 
 
-def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array) -> tuple[jax.Array, dict]:
-    """Mean next-token cross-entropy of windows ``tokens`` [B, T + 1] with the chunked GDN form."""
+def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, impl: str = "xla") -> tuple[jax.Array, dict]:
+    """Mean next-token cross-entropy of windows ``tokens`` [B, T + 1] with the chunked GDN form.
+
+    ``impl="pallas"`` runs the forward pass's Gated DeltaNet as the fused kernel (``pallas_kernels.gdn_chunked``);
+    its gradient is the XLA reference's either way.
+    """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = cache_lib.init_cache(config, inputs.shape[0], inputs.shape[1], dtype)
-    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked").logits      # [B, T, V]
+    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", impl=impl).logits  # [B, T, V]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))
     return ce.mean(), {"accuracy": accuracy}
 
 
-def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int) -> Callable:
+def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,
+                     impl: str = "xla") -> Callable:
     """``eval_fn(params) -> {val_loss, val_ppl, val_accuracy}`` over fixed windows [N, T + 1] (N cut to batches)."""
-    loss = jax.jit(lambda params, tokens: target_loss(graphdef, config, params, tokens))
+    loss = jax.jit(lambda params, tokens: target_loss(graphdef, config, params, tokens, impl))
     batches = [windows[i:i + batch_size] for i in range(0, len(windows) - batch_size + 1, batch_size)]
 
     def eval_fn(params) -> dict:

@@ -1,0 +1,329 @@
+"""Gated DeltaNet prefill / training form as two Pallas (Triton) kernels, with the XLA reference beside it.
+
+``gdn_chunked`` has the signature and semantics of ``ready_jax.gated_delta.gated_delta_chunked`` (see that
+module for the math): q, k ``[B, T, H_k, d_k]`` not yet normalised, v ``[B, T, H_v, d_v]``, g and beta
+``[B, T, H_v]`` fp32, initial_state ``[B, H_v, d_k, d_v]`` fp32 or None; it returns o ``[B, T, H_v, d_v]`` in v's
+dtype and the fp32 final state ``[B, H_v, d_k, d_v]``. Like the reference it is differentiable: the backward pass
+is the reference's (``jax.vjp`` of ``gated_delta_chunked``, recomputed from the inputs), so gradients with
+``impl="pallas"`` are the reference's gradients and only the forward pass is fused.
+
+The chunked algorithm (T cut into chunks of C tokens; the reference's docstring has the derivation) splits into
+a part that is parallel over chunks and a part that carries the state from chunk to chunk. One kernel each:
+
+1. ``prepare`` — grid ``(B, H_v, N)``, one program per chunk, fully parallel. From the chunk's q, k, v, g and beta
+   it forms, on chip, the cumulative log-decay gc, the decay matrix, the causal intra-chunk scores
+   ``attn = (q k^T) * decay`` and the strictly lower ``A = beta (k k^T) * decay``, inverts ``I + A`` and solves the
+   UT transform ``[u | w] = (I + A)^-1 [beta v | beta exp(gc) k]``. It writes u ``[C, d_v]``, w ``[C, d_k]`` and
+   attn ``[C, C]`` (fp32); the C x C intermediates other than attn never reach HBM.
+2. ``scan`` — grid ``(B, H_v, d_v / block_v)``, one program per (sequence, value head, block of value columns),
+   each owning its ``[d_k, block_v]`` fp32 state block in registers for the whole sequence (columns of the state
+   evolve independently). A loop over the N chunks reads q, k, g, u, w and attn of the chunk and does the
+   reference's ``chunk_step``: ``u -= w S``, ``o = (q exp(gc)) S + attn u``,
+   ``S = exp(gc_C) S + (k exp(gc_C - gc))^T u``.
+   The final state is written once, into initial_state's buffer (``input_output_aliases``).
+
+Numerics follow the reference: everything in fp32, every dot ``precision=HIGHEST`` (IEEE fp32 on Triton, not
+TF32), and the decay between tokens j < i summed directly over (j, i] (as a product with a triangular matrix of
+ones) rather than as the difference gc_i - gc_j of two large cumulative sums. The one regrouped step is the
+inverse of the unit-lower-triangular ``I + A``: the reference substitutes row by row, the kernel substitutes in
+16 x 16 blocks so that the work is C x C dots (``_unit_lower_inverse``).
+
+Triton needs power-of-2 tensors and dots with every dimension >= 16: d_k and d_v are zero-padded to powers of 2
+(zero key/query components and zero value columns change nothing that is kept), C is a power of 2 >= 16, and T
+is zero-padded to a multiple of C with g = beta = 0, which leaves the state unchanged (as in the reference).
+Contractions with a dimension < 16 (the tiny test models' d = 8) fall back to multiply-and-sum
+(``common.matmul``). The block sizes in ``GDNChunkedConfig`` are chosen from the kernels' register footprint,
+not tuned on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import (
+    MIN_DOT_DIM,
+    is_power_of_2,
+    matmul,
+    next_power_of_2,
+    resolve_interpret,
+    triton_compiler_params,
+)
+
+_L2NORM_EPS = 1e-6  # as ready_jax.gated_delta (and HF's / FLA's l2norm)
+IMPLS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNChunkedConfig:
+    """Block sizes and Triton launch parameters of the two kernels (static; part of the jit cache key).
+
+    block_v: value columns per ``scan`` program (upper bound; a power of 2 >= 16 so its dots meet Triton's
+        contract). Each program holds a ``[d_k, block_v]`` state block and a chunk's ``[C, block_v]`` u and o:
+        at d_k = 128, C = 64 and block_v = 32, about 40 KiB of fp32 for 4 warps. B = 1 and 48 value heads
+        give 192 programs on the H200's 132 SMs (FLA's ``chunk_gated_delta_rule_fwd_h`` uses 32 or 64).
+    prepare_warps, scan_warps, num_stages: passed to Triton explicitly. ``prepare`` holds a chunk's q, k, v
+        ``[C, 128]`` and several ``[C, C]`` matrices at once, so it gets 8 warps.
+    """
+
+    block_v: int = 32
+    prepare_warps: int = 8
+    scan_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if not is_power_of_2(self.block_v) or self.block_v < MIN_DOT_DIM:
+            raise ValueError(f"block_v must be a power of 2 >= {MIN_DOT_DIM}; got {self.block_v}")
+        for name in ("prepare_warps", "scan_warps"):
+            if not is_power_of_2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of 2; got {getattr(self, name)}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1; got {self.num_stages}")
+
+
+def gdn_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    *,
+    output_all_states: bool = False,
+    chunk_size: int = 64,
+    impl: str = "xla",
+    interpret: bool | None = None,
+    config: GDNChunkedConfig = GDNChunkedConfig(),  # noqa: B008  (frozen, hashable: a safe default)
+) -> tuple[jax.Array, jax.Array]:
+    """Gated DeltaNet over a whole sequence: ``gated_delta_chunked``'s signature and semantics.
+
+    ``impl="xla"`` (the default) runs the reference ``ready_jax.gated_delta.gated_delta_chunked``;
+    ``impl="pallas"`` the two kernels (see the module docstring), with chunks of
+    ``min(chunk_size, max(16, next_power_of_2(T)))`` tokens (chunk_size a power of 2 >= 16). ``interpret``
+    (Pallas only): None picks interpret mode exactly when jax's default backend is the CPU. ``config``: block
+    sizes and launch parameters. Returns ``(o [B, T, H_v, d_v] in v's dtype, final state [B, H_v, d_k, d_v] fp32)``.
+    """
+    # Lazy: ready_jax imports this module, so importing ready_jax at module level would be a cycle.
+    from ready_jax.gated_delta import check_shapes, gated_delta_chunked
+
+    if impl == "xla":
+        return gated_delta_chunked(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
+                                   chunk_size=chunk_size)
+    if impl != "pallas":
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if output_all_states:
+        raise ValueError("gdn_chunked returns only the final state (it is for prefill and training); "
+                         "use gdn_recurrent for the state after every token")
+    if not isinstance(chunk_size, int) or not is_power_of_2(chunk_size) or chunk_size < MIN_DOT_DIM:
+        raise ValueError(f"the Pallas kernel needs a power-of-2 chunk_size >= {MIN_DOT_DIM}; got {chunk_size!r}")
+    check_shapes(q, k, v, g, beta, initial_state)
+    interpret = resolve_interpret(interpret)
+    if not interpret:  # Triton computes element offsets in int32
+        batch, seq_len, num_v_heads, v_dim = v.shape
+        chunk = _kernel_chunk(chunk_size, seq_len)
+        padded_len = -(-seq_len // chunk) * chunk
+        widest = max(next_power_of_2(q.shape[-1]), next_power_of_2(v_dim), chunk)
+        if batch * padded_len * num_v_heads * widest >= 2**31:
+            raise ValueError("the chunk intermediates would have >= 2**31 elements, more than the Triton kernels "
+                             "can index; split the batch")
+    return _differentiable(q, k, v, g, beta, initial_state, chunk_size, interpret, config)
+
+
+def _kernel_chunk(chunk_size: int, seq_len: int) -> int:
+    """Tokens per kernel chunk: chunk_size, or the smallest power of 2 >= 16 holding a shorter sequence."""
+    return min(chunk_size, max(MIN_DOT_DIM, next_power_of_2(seq_len)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Differentiation: the fused forward, the reference's backward
+# --------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _differentiable(q, k, v, g, beta, initial_state, chunk_size, interpret, config):
+    chunk = _kernel_chunk(chunk_size, q.shape[1])
+    return _gdn_chunked_pallas(q, k, v, g, beta, initial_state, chunk=chunk, interpret=interpret, config=config)
+
+
+def _differentiable_fwd(q, k, v, g, beta, initial_state, chunk_size, interpret, config):
+    out = _differentiable(q, k, v, g, beta, initial_state, chunk_size, interpret, config)
+    return out, (q, k, v, g, beta, initial_state)
+
+
+def _differentiable_bwd(chunk_size, interpret, config, residuals, cotangents):
+    """The reference's pullback at the same inputs, cotangents and chunk_size: exactly the XLA path's gradient."""
+    from ready_jax.gated_delta import gated_delta_chunked
+
+    _, pullback = jax.vjp(functools.partial(gated_delta_chunked, chunk_size=chunk_size), *residuals)
+    return pullback(cotangents)
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _l2norm_rows(x):
+    """Rows of x [C, d] L2-normalised in fp32, as gated_delta._l2norm."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1) + _L2NORM_EPS)[:, None]
+
+
+def _chunk_decays(g):
+    """For a chunk's log-decays g [C]: gc [C] (cumulative, through each token) and the decay matrix [C, C].
+
+    ``decay[i, j] = exp(sum of g over tokens (j, i])`` for j <= i and 0 above the diagonal, summed directly
+    as the reference does: ``ones[i, m] (m <= i) @ g[m] (m > j)``. Also returns the matrix ``later`` [C, C]:
+    ``later[m, j] = g_m`` for m > j, else 0, whose column sums are the log-decay from token j to the chunk end.
+    """
+    size = g.shape[0]
+    rows = jnp.arange(size)[:, None]
+    cols = jnp.arange(size)[None, :]
+    later = jnp.where(rows > cols, g[:, None], 0.0)  # [m, j]
+    log_decay = matmul(jnp.where(cols <= rows, 1.0, 0.0), later)  # [i, j]; 0 above the diagonal: all <= 0
+    decay = jnp.where(cols <= rows, jnp.exp(log_decay), 0.0)
+    gc = jnp.sum(jnp.where(cols <= rows, g[None, :], 0.0), axis=1)
+    return gc, decay, later
+
+
+def _unit_lower_inverse(a):
+    """``(I + A)^-1`` for strictly lower-triangular A [C, C] (C a multiple of 16), by blocked forward substitution.
+
+    First the 16 x 16 diagonal blocks, all at once: row r of every block is finished from the rows above it
+    (``row += row @ inverse``, one C x C dot selecting row r of each block), 15 steps. Then block row I of the
+    inverse below the diagonal, from the finished block rows above it: ``X_IJ = -D_I sum_{K<I} A_IK X_KJ`` (two
+    dots), C / 16 - 1 steps. This is the reference's row-by-row substitution regrouped; a power series such as
+    ``(I - A)(I + A^2)(I + A^4)...`` is exact in exact arithmetic but its powers of A grow without bound and
+    cancel, which loses every digit on chunks of similar keys.
+    """
+    size, block = a.shape[0], MIN_DOT_DIM
+    rows = jnp.arange(size)[:, None]
+    cols = jnp.arange(size)[None, :]
+    same_block = rows // block == cols // block
+    inverse = jnp.where(same_block, -a, 0.0)  # holds (I + A_diag)^-1 - I once finished, row by row
+    for r in range(1, block):
+        selected = jnp.where(rows % block == r, inverse, 0.0)  # row r of every diagonal block
+        inverse = jnp.where(rows % block == r, inverse + matmul(selected, inverse), inverse)
+    inverse = inverse + jnp.where(rows == cols, 1.0, 0.0)  # block-diagonal D = (I + A_diag)^-1
+    diagonal = inverse
+    below_blocks = jnp.where(same_block, 0.0, a)  # A's strictly block-lower part
+    for i in range(1, size // block):
+        in_row = rows // block == i
+        partial = matmul(jnp.where(in_row, below_blocks, 0.0), inverse)  # sum_{K<I} A_IK X_K  (block row I only)
+        inverse = inverse - matmul(jnp.where(in_row, diagonal, 0.0), partial)
+    return inverse
+
+
+def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, attn_ref, *, scale: float):
+    """One chunk of one value head: u [C, d_v], w [C, d_k] and attn [C, C] (block refs, grid axes squeezed)."""
+    q = _l2norm_rows(q_ref[...]) * scale  # [C, d_k]
+    k = _l2norm_rows(k_ref[...])  # [C, d_k]
+    g = g_ref[...].astype(jnp.float32)  # [C]
+    beta = beta_ref[...].astype(jnp.float32)  # [C]
+    gc, decay, _ = _chunk_decays(g)
+    attn_ref[...] = matmul(q, k.T) * decay  # causal intra-chunk scores, diagonal included
+    size = g.shape[0]
+    strictly_lower = jnp.arange(size)[None, :] < jnp.arange(size)[:, None]
+    a = jnp.where(strictly_lower, beta[:, None] * matmul(k, k.T) * decay, 0.0)
+    inverse = _unit_lower_inverse(a)
+    u_ref[...] = matmul(inverse, beta[:, None] * v_ref[...].astype(jnp.float32))
+    w_ref[...] = matmul(inverse, (beta * jnp.exp(gc))[:, None] * k)
+
+
+def _scan_kernel(*refs, num_chunks: int, chunk: int, scale: float, has_state: bool):
+    """One (sequence, value head, value-column block): the state carried over all chunks.
+
+    Block refs: q_ref, k_ref ``[T_pad, d_k]`` (the key head), g_ref ``[T_pad]``, u_ref ``[T_pad, BV]``,
+    w_ref ``[T_pad, d_k]``, attn_ref ``[T_pad, C]``, s0_ref ``[d_k, BV]`` (only with has_state), o_ref
+    ``[T_pad, BV]``, s_ref ``[d_k, BV]`` (the final state, aliased to s0's buffer).
+    """
+    if has_state:
+        q_ref, k_ref, g_ref, u_ref, w_ref, attn_ref, s0_ref, o_ref, s_ref = refs
+    else:
+        q_ref, k_ref, g_ref, u_ref, w_ref, attn_ref, o_ref, s_ref = refs
+    k_dim, block_v = s_ref.shape
+    state = s0_ref[...].astype(jnp.float32) if has_state else jnp.zeros((k_dim, block_v), jnp.float32)
+
+    def chunk_step(n, state):
+        rows = pl.ds(pl.multiple_of(n * chunk, chunk), chunk)
+        g = g_ref[rows].astype(jnp.float32)  # [C]
+        gc, _, later = _chunk_decays(g)
+        q_read = _l2norm_rows(q_ref[rows, :]) * (scale * jnp.exp(gc))[:, None]  # reads the entering state
+        k_write = _l2norm_rows(k_ref[rows, :]) * jnp.exp(jnp.sum(later, axis=0))[:, None]  # decayed to chunk end
+        u = u_ref[rows, :] - matmul(w_ref[rows, :], state)  # delta vs the entering state  [C, BV]
+        o = matmul(q_read, state) + matmul(attn_ref[rows, :], u)  # [C, BV]
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        return state * jnp.exp(jnp.sum(g)) + matmul(k_write.T, u)
+
+    s_ref[...] = lax.fori_loop(0, num_chunks, chunk_step, state)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret", "config"))
+def _gdn_chunked_pallas(q, k, v, g, beta, initial_state, *, chunk, interpret, config):
+    batch, seq_len, num_k_heads, k_dim = q.shape
+    num_v_heads, v_dim = v.shape[2:]
+    group = num_v_heads // num_k_heads  # value heads per key head (torch's repeat_interleave order)
+    scale = k_dim**-0.5  # of the true d_k, before any padding
+    num_chunks = -(-seq_len // chunk)
+    time_pad = num_chunks * chunk - seq_len
+    k_pad, v_pad = next_power_of_2(k_dim) - k_dim, next_power_of_2(v_dim) - v_dim
+    q, k = (jnp.pad(x, [(0, 0), (0, time_pad), (0, 0), (0, k_pad)]) for x in (q, k))
+    v = jnp.pad(v, [(0, 0), (0, time_pad), (0, 0), (0, v_pad)])
+    g, beta = (jnp.pad(x.astype(jnp.float32), [(0, 0), (0, time_pad), (0, 0)]) for x in (g, beta))
+    if initial_state is not None:
+        initial_state = jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, k_pad), (0, v_pad)])
+    padded_len, k_dim_p, v_dim_p = num_chunks * chunk, k_dim + k_pad, v_dim + v_pad
+    f32 = jnp.float32
+
+    # Kernel 1: per chunk, grid (b, h, n).
+    u, w, attn = pl.pallas_call(
+        functools.partial(_prepare_kernel, scale=scale),
+        out_shape=(jax.ShapeDtypeStruct((batch, padded_len, num_v_heads, v_dim_p), f32),
+                   jax.ShapeDtypeStruct((batch, padded_len, num_v_heads, k_dim_p), f32),
+                   jax.ShapeDtypeStruct((batch, num_v_heads, padded_len, chunk), f32)),
+        grid=(batch, num_v_heads, num_chunks),
+        in_specs=[pl.BlockSpec((None, chunk, None, k_dim_p), lambda b, h, n: (b, n, h // group, 0))] * 2
+        + [pl.BlockSpec((None, chunk, None, v_dim_p), lambda b, h, n: (b, n, h, 0))]
+        + [pl.BlockSpec((None, chunk, None), lambda b, h, n: (b, n, h))] * 2,
+        out_specs=(pl.BlockSpec((None, chunk, None, v_dim_p), lambda b, h, n: (b, n, h, 0)),
+                   pl.BlockSpec((None, chunk, None, k_dim_p), lambda b, h, n: (b, n, h, 0)),
+                   pl.BlockSpec((None, None, chunk, chunk), lambda b, h, n: (b, h, n, 0))),
+        interpret=interpret,
+        compiler_params=triton_compiler_params(num_warps=config.prepare_warps, num_stages=config.num_stages),
+        name="gdn_chunked_prepare",
+    )(q, k, v, g, beta)
+
+    # Kernel 2: the state carried over chunks, grid (b, h, j).
+    block_v = min(config.block_v, v_dim_p)
+    key_spec = pl.BlockSpec((None, padded_len, None, k_dim_p), lambda b, h, j: (b, 0, h // group, 0))
+    value_spec = pl.BlockSpec((None, padded_len, None, block_v), lambda b, h, j: (b, 0, h, j))
+    state_spec = pl.BlockSpec((None, None, k_dim_p, block_v), lambda b, h, j: (b, h, 0, j))
+    inputs = [q, k, g, u, w, attn]
+    in_specs = [key_spec, key_spec, pl.BlockSpec((None, padded_len, None), lambda b, h, j: (b, 0, h)), value_spec,
+                pl.BlockSpec((None, padded_len, None, k_dim_p), lambda b, h, j: (b, 0, h, 0)),
+                pl.BlockSpec((None, None, padded_len, chunk), lambda b, h, j: (b, h, 0, 0))]
+    has_state = initial_state is not None
+    if has_state:
+        inputs.append(initial_state)
+        in_specs.append(state_spec)
+    o, state = pl.pallas_call(
+        functools.partial(_scan_kernel, num_chunks=num_chunks, chunk=chunk, scale=scale, has_state=has_state),
+        out_shape=(jax.ShapeDtypeStruct((batch, padded_len, num_v_heads, v_dim_p), v.dtype),
+                   jax.ShapeDtypeStruct((batch, num_v_heads, k_dim_p, v_dim_p), f32)),
+        grid=(batch, num_v_heads, v_dim_p // block_v),
+        in_specs=in_specs,
+        out_specs=(value_spec, state_spec),
+        input_output_aliases={len(inputs) - 1: 1} if has_state else {},
+        interpret=interpret,
+        compiler_params=triton_compiler_params(num_warps=config.scan_warps, num_stages=config.num_stages),
+        name="gdn_chunked_scan",
+    )(*inputs)
+    return o[:, :seq_len, :, :v_dim], state[:, :, :k_dim, :v_dim]
