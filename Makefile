@@ -4,7 +4,7 @@ VENV ?= .venv
 EXTRAS ?= test,convert
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint gpu-bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -22,3 +22,16 @@ test: setup
 lint: setup
 	$(PY) -m pip install -q ruff
 	$(VENV)/bin/ruff check .
+
+# The GPU measurements in one go, with the interpreter already on the machine (a GPU box whose jax, flax, optax
+# and orbax are installed; nothing is installed here). Each script gets at most GPU_STEP_S seconds; logs and
+# JSON go to GPU_OUT (commit them under results/gpu/).
+GPU_OUT ?= results/gpu
+GPU_STEP_S ?= 330
+GPU_PYTHON ?= python3
+gpu-bench:
+	mkdir -p $(GPU_OUT)
+	-PYTHONPATH=. timeout $(GPU_STEP_S) $(GPU_PYTHON) -m experiments.bench_kernels --budget-s $$(($(GPU_STEP_S) - 90)) \
+		--out $(GPU_OUT)/bench_kernels.json 2>&1 | tee $(GPU_OUT)/bench_kernels.log
+	-PYTHONPATH=. timeout $(GPU_STEP_S) $(GPU_PYTHON) -m experiments.bench_generate --preset qwen3.5-27b --impls xla,pallas \
+		--repeats 2 --out $(GPU_OUT)/bench_generate_qwen3.5-27b.json 2>&1 | tee $(GPU_OUT)/bench_generate_qwen3.5-27b.log

@@ -8,12 +8,14 @@ In one run, on random weights built in-process (nothing is downloaded):
   of errors (known acceptance: the loop's speed apart from drafter quality), each as a ratio to AR;
 * a per-round time breakdown (draft, verify, commit, reader prepare) from the same pieces jitted
   alone, and the two rollback strategies (checkpoint vs replay): time per round and compiled memory;
-* on a GPU, AR decode against the HBM roofline (parameter + state + KV bytes read per token).
+* on a GPU, AR decode against the HBM roofline (parameter + state + KV bytes read per token);
+* with ``--impls xla,pallas``, AR and the middle scripted drafter again with the fused Pallas kernels
+  (``impl="pallas"``: Gated DeltaNet prefill / decode / verify, state gather and read), as ratios to XLA's AR.
 
 Presets: ``cpu`` (a mid-size target that runs in minutes on 2 cores) and ``qwen3.5-27b`` (the real
 geometry, bf16, for a GPU). CPU timings compare variants with each other; only GPU times are absolute.
 
-    python -m experiments.bench_generate [--preset cpu] [--out results/bench_generate_cpu.json]
+    python -m experiments.bench_generate [--preset cpu] [--impls xla,pallas] [--out results/bench_generate_cpu.json]
 """
 
 from __future__ import annotations
@@ -75,12 +77,14 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, **kwargs) -> dict:
-    """Compile once, then the median of ``repeats`` runs of the whole program."""
+def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: str, **kwargs) -> dict:
+    """Compile once, then the median of ``repeats`` runs of the whole program; prints a progress line."""
     first = rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs)
     runs = [rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs) for _ in range(repeats)]
     out = runs[len(runs) // 2]
     run_s = float(np.median([r.run_seconds for r in runs]))
+    print(f"  {name}: {out.num_generated.sum() / run_s:.1f} tok/s, tau {out.tau:.2f}, compile "
+          f"{first.compile_seconds:.1f} s", flush=True)
     return {"tokens_per_s": float(out.num_generated.sum() / run_s), "run_s": run_s,
             "compile_s": first.compile_seconds, "tau": out.tau, "rounds": out.rounds,
             "full_accept_rate": out.full_accept_rate if out.block_size else None,
@@ -201,6 +205,9 @@ def main(argv=None) -> None:
                         help="scripted drafters: fraction of wrong drafts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
+                        help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
+                             "(for a GPU: on a CPU they run interpreted, very slowly)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -225,7 +232,7 @@ def main(argv=None) -> None:
     dspark = rj.Drafter.init(config, rj.DrafterConfig(**base), seed=1, dtype=dtype)
     ready = rj.Drafter.init(config, rj.DrafterConfig(**base, reader=rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
 
-    results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats)}
+    results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats, name="ar")}
     reference = results["ar"].pop("tokens")
     variants = {"dspark_random": dspark, "ready_random": ready}
     rates = [float(r) for r in args.error_rates.split(",")]
@@ -233,7 +240,7 @@ def main(argv=None) -> None:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block, rate,
                                                                    seed=args.seed)
     for name, drafter in variants.items():
-        results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats)
+        results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, name=name)
         same = bool(np.array_equal(results[name].pop("tokens"), reference))
         results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
         results[name]["identical_to_ar"] = same
@@ -241,9 +248,15 @@ def main(argv=None) -> None:
     scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
     name = f"{scripted}_checkpoint"
     results[name] = run_generate(target, prompts, new_tokens, variants[scripted],
-                                 repeats=args.repeats, rollback="checkpoint")
+                                 repeats=args.repeats, rollback="checkpoint", name=name)
     results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
     results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+    if "pallas" in args.impls:
+        for name, drafter in (("ar_pallas", None), (f"{scripted}_pallas", variants[scripted])):
+            results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, impl="pallas",
+                                         name=name)
+            results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
+            results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
     breakdown = round_breakdown(target, ready, prompts, args.repeats)
 
     print(f"{'variant':28s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")

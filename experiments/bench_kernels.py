@@ -20,12 +20,13 @@ starts after ``--budget-s`` seconds, so a run fits its slot (defaults: about 3-5
 On a machine without a GPU it runs tiny shapes with the kernels in Pallas interpret mode: that checks that
 the script and every kernel entry work; the timings mean nothing.
 
-Adding a kernel (e.g. ``gdn_recurrent``): write a factory ``(args, on_gpu) -> list[Case]`` and decorate it
+Adding a kernel: write a factory ``(args, on_gpu) -> list[Case]`` and decorate it
 with ``@register("name")``; a :class:`Case` builds its inputs, runs ``impl`` ("xla" / "pallas") with an
 optional kernel config, and states its ``bytes_min``. Nothing else changes.
 
-    python -m experiments.bench_kernels [--kernels state_gather,state_reader] [--batches 1,4] [--ranks 8,128]
-        [--iterations 200] [--sweep] [--hbm-peak-gbps 4800] [--out results/bench_kernels.json]
+    python -m experiments.bench_kernels [--kernels state_gather,state_reader,gdn_recurrent,gdn_chunked]
+        [--batches 1,4] [--ranks 8,128] [--prefill-lengths 1024,4096] [--iterations 200] [--sweep]
+        [--hbm-peak-gbps 4800] [--out results/bench_kernels.json]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from jax.experimental import pallas as pl
 
 from experiments.common import write_json
 from pallas_kernels.common import resolve_interpret, triton_compiler_params
+from pallas_kernels.gdn_chunked import GDNChunkedConfig, gdn_chunked
 from pallas_kernels.gdn_recurrent import GDNRecurrentConfig, gdn_recurrent
 from pallas_kernels.state_gather import GatherConfig, state_gather
 from pallas_kernels.state_reader import ReaderKernelConfig, state_reader
@@ -242,6 +244,58 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
     return cases
 
 
+# ---- Gated DeltaNet prefill (chunked) ----------------------------------------------------------------------------
+def chunked_flops(batch: int, seq_len: int, heads: int, d: int, chunk: int) -> int:
+    """Multiply-adds x 2 of the chunked form as ``gdn_chunked`` computes it (dots only; elementwise work excluded).
+
+    Per chunk and value head: the decay sums (C^3), q k^T and k k^T (2 C^2 d), the triangular inverse
+    (2 log2(C) C^3), u and w (2 C^2 d), and in the scan w S, q S, k^T u (3 C d^2) and attn u (C^2 d).
+    """
+    per_chunk = chunk**3 * (1 + 2 * (chunk.bit_length() - 1)) + 5 * chunk**2 * d + 3 * chunk * d * d
+    return 2 * batch * heads * -(-seq_len // chunk) * per_chunk
+
+
+@register("gdn_chunked")
+def chunked_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
+    """Prefill of one GDN layer (``gdn_chunked``, chunks of 64) from a given state: o and the final state.
+
+    ``bytes_min``: q, k, v read once, o written once, the state read and written once. The kernels are
+    compute-heavy (dense C x C and C x d dots in fp32); ``shapes["gflop"]`` is their dot work, and the record's
+    ``tflops`` the rate achieved (both implementations do about the same dot work).
+    """
+    geo = GDN_QWEN35_27B if on_gpu else GDN_TINY
+    h_k, h_v, d = geo["key_heads"], geo["value_heads"], geo["head_dim"]
+    dtype = jnp.dtype(args.param_dtype)
+    configs = (GDNChunkedConfig(), GDNChunkedConfig(block_v=16), GDNChunkedConfig(block_v=64),
+               GDNChunkedConfig(scan_warps=8), GDNChunkedConfig(block_v=64, scan_warps=8),
+               GDNChunkedConfig(prepare_warps=4), GDNChunkedConfig(num_stages=2))
+    lengths = args.prefill_lengths or ((1024, 4096) if on_gpu else (100,))
+    cases = []
+    for batch in args.batches:
+        for seq_len in lengths:
+            def make(batch=batch, seq_len=seq_len):
+                k = jax.random.split(jax.random.key(3), 6)
+                q = jax.random.normal(k[0], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
+                kk = jax.random.normal(k[1], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
+                v = jax.random.normal(k[2], (batch, seq_len, h_v, d), jnp.float32).astype(dtype)
+                g = -jax.nn.softplus(jax.random.normal(k[3], (batch, seq_len, h_v), jnp.float32))
+                beta = jax.nn.sigmoid(jax.random.normal(k[4], (batch, seq_len, h_v), jnp.float32))
+                state = jax.random.normal(k[5], (batch, h_v, d, d), jnp.float32)
+                return q, kk, v, g, beta, state
+
+            def run(impl, config, q, k, v, g, beta, state):
+                return gdn_chunked(q, k, v, g, beta, state, impl=impl, config=config or GDNChunkedConfig())
+
+            cases.append(Case(
+                kernel="gdn_chunked", label=f"B{batch}-T{seq_len}",
+                shapes=dict(q_k=(batch, seq_len, h_k, d), v=(batch, seq_len, h_v, d), state=(batch, h_v, d, d),
+                            dtype=dtype.name, chunk=64, gflop=chunked_flops(batch, seq_len, h_v, d, 64) / 1e9),
+                make_inputs=make, run=run, configs=configs, tolerance=1e-2 if dtype == jnp.bfloat16 else 1e-4,
+                bytes_min=_nbytes(((2, batch, seq_len, h_k, d), dtype), ((2, batch, seq_len, h_v, d), dtype),
+                                  ((2, batch, seq_len, h_v), jnp.float32), ((2, batch, h_v, d, d), jnp.float32))))
+    return cases
+
+
 # ---- timers ------------------------------------------------------------------------------------------------------
 def _cupti_measure():
     """Mosaic GPU's CUPTI ``measure`` (same API in jax 0.10 - 0.12), or None where it cannot work."""
@@ -332,6 +386,8 @@ def run_case(case: Case, args: argparse.Namespace, on_gpu: bool, peak_gbps: floa
             timing = time_call(compiled, inputs, args.iterations, on_gpu)
             gbps = case.bytes_min / (timing["median_us"] * 1e-6) / 1e9
             record[impl] = {"compile_s": compile_s, **timing, "gbps": gbps, "fraction_of_peak": gbps / peak_gbps}
+            if "gflop" in case.shapes:
+                record[impl]["tflops"] = case.shapes["gflop"] / (timing["median_us"] * 1e-6) / 1e3
         except Exception as e:  # noqa: BLE001 - one broken case must not lose the rest of the run
             record[impl] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     if all("median_us" in record.get(impl, {}) for impl in IMPLS):
@@ -368,7 +424,9 @@ def _print_record(r: dict) -> None:
         x = r.get(impl, {})
         if "error" in x:
             return f"{impl}: ERROR {x['error'][:120]}"
-        return f"{impl} {x['median_us']:9.2f} us {x['gbps']:8.1f} GB/s ({100 * x['fraction_of_peak']:5.1f}% peak)"
+        rate = f" {x['tflops']:6.2f} TFLOP/s" if "tflops" in x else ""
+        return (f"{impl} {x['median_us']:9.2f} us {x['gbps']:8.1f} GB/s ({100 * x['fraction_of_peak']:5.1f}% peak)"
+                + rate)
 
     extra = f"  x{r['speedup']:.2f}" if "speedup" in r else ""
     err = r.get("rel_error")
@@ -386,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--batches", type=_ints, default=None, help="batch sizes (GPU default 1,4; CPU 1)")
     p.add_argument("--ranks", type=_ints, default=None, help="reader ranks (GPU default 8,128; CPU 8,16)")
     p.add_argument("--gamma", type=int, default=7, help="draft block size (the verify pass keeps gamma + 2 states)")
+    p.add_argument("--prefill-lengths", type=_ints, default=None,
+                   help="gdn_chunked prompt lengths (GPU default 1024,4096; CPU 100)")
     p.add_argument("--param-dtype", default="bfloat16", help="drafter parameter / activation dtype")
     p.add_argument("--iterations", type=int, default=None, help="timed calls per measurement (GPU 200, CPU 3)")
     p.add_argument("--sweep", action="store_true", help="also time each case's alternative Pallas configs")

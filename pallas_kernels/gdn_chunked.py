@@ -25,8 +25,8 @@ a part that is parallel over chunks and a part that carries the state from chunk
 Numerics follow the reference: everything in fp32, every dot ``precision=HIGHEST`` (IEEE fp32 on Triton, not
 TF32), and the decay between tokens j < i summed directly over (j, i] (as a product with a triangular matrix of
 ones) rather than as the difference gc_i - gc_j of two large cumulative sums. The one regrouped step is the
-inverse of the unit-lower-triangular ``I + A``: the reference substitutes row by row, the kernel substitutes in
-16 x 16 blocks so that the work is C x C dots (``_unit_lower_inverse``).
+inverse of the unit-lower-triangular ``I + A``: the reference substitutes row by row, the kernel inverts recursively
+by blocks so that the work is 2 log2(C) dense C x C dots (``_unit_lower_inverse``).
 
 Triton needs power-of-2 tensors and dots with every dimension >= 16: d_k and d_v are zero-padded to powers of 2
 (zero key/query components and zero value columns change nothing that is kept), C is a power of 2 >= 16, and T
@@ -195,30 +195,25 @@ def _chunk_decays(g):
 
 
 def _unit_lower_inverse(a):
-    """``(I + A)^-1`` for strictly lower-triangular A [C, C] (C a multiple of 16), by blocked forward substitution.
+    """``(I + A)^-1`` for strictly lower-triangular A [C, C] (C a power of 2), by recursive block inversion.
 
-    First the 16 x 16 diagonal blocks, all at once: row r of every block is finished from the rows above it
-    (``row += row @ inverse``, one C x C dot selecting row r of each block), 15 steps. Then block row I of the
-    inverse below the diagonal, from the finished block rows above it: ``X_IJ = -D_I sum_{K<I} A_IK X_KJ`` (two
-    dots), C / 16 - 1 steps. This is the reference's row-by-row substitution regrouped; a power series such as
+    The inverse of a unit-lower-triangular ``[[L11, 0], [L21, L22]]`` is ``[[X11, 0], [-X22 L21 X11, X22]]``
+    with ``X = L^-1``. Starting from the identity (the inverses of the 1 x 1 diagonal blocks), level s merges
+    neighbouring s x s diagonal blocks into 2s x 2s ones, all at once: with X block-diagonal and ``off`` the
+    L21 blocks, ``X - X off X`` fills in the new blocks below the diagonal. log2(C) levels of two C x C dots.
+    This is the reference's row-by-row substitution regrouped, and stable like it; a power series such as
     ``(I - A)(I + A^2)(I + A^4)...`` is exact in exact arithmetic but its powers of A grow without bound and
     cancel, which loses every digit on chunks of similar keys.
     """
-    size, block = a.shape[0], MIN_DOT_DIM
+    size = a.shape[0]
     rows = jnp.arange(size)[:, None]
     cols = jnp.arange(size)[None, :]
-    same_block = rows // block == cols // block
-    inverse = jnp.where(same_block, -a, 0.0)  # holds (I + A_diag)^-1 - I once finished, row by row
-    for r in range(1, block):
-        selected = jnp.where(rows % block == r, inverse, 0.0)  # row r of every diagonal block
-        inverse = jnp.where(rows % block == r, inverse + matmul(selected, inverse), inverse)
-    inverse = inverse + jnp.where(rows == cols, 1.0, 0.0)  # block-diagonal D = (I + A_diag)^-1
-    diagonal = inverse
-    below_blocks = jnp.where(same_block, 0.0, a)  # A's strictly block-lower part
-    for i in range(1, size // block):
-        in_row = rows // block == i
-        partial = matmul(jnp.where(in_row, below_blocks, 0.0), inverse)  # sum_{K<I} A_IK X_K  (block row I only)
-        inverse = inverse - matmul(jnp.where(in_row, diagonal, 0.0), partial)
+    inverse = jnp.where(rows == cols, 1.0, 0.0)
+    width = 1
+    while width < size:
+        lower_half = ((rows // width) % 2 == 1) & (cols // width == rows // width - 1)  # the L21 blocks
+        inverse = inverse - matmul(inverse, matmul(jnp.where(lower_half, a, 0.0), inverse))
+        width *= 2
     return inverse
 
 

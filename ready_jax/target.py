@@ -225,6 +225,39 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
 
 
+INIT_PROGRAM_BYTES = 2 << 30  # parameters one init program returns at most; its random temporaries are ~8x that
+
+
+def init_state(build, seed: int, max_bytes: int = INIT_PROGRAM_BYTES) -> nnx.State:
+    """``nnx.state(build(jax.random.key(seed)))``, made by programs returning at most ``max_bytes`` each.
+
+    Every program traces the whole model and keeps only its share of the parameters (XLA drops the rest), so
+    the values are exactly those one program would make. One program for a Qwen3.5-27B-sized target would
+    return 54 GB of bf16 parameters and need 190 GB of fp32 random temporaries: more than a GPU holds. A
+    parameter larger than ``max_bytes`` gets a program of its own.
+    """
+    key = jax.random.key(seed)
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda k: nnx.state(build(k)), key))
+    pieces, size = [[]], 0
+    for i, leaf in enumerate(leaves):
+        nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        if pieces[-1] and size + nbytes > max_bytes:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(i)
+        size += nbytes
+    def made_by_one_program(k, piece):
+        everything = jax.tree.leaves(nnx.state(build(k)))
+        return [everything[i] for i in piece]
+
+    values = [None] * len(leaves)
+    for piece in pieces:
+        made = jax.jit(made_by_one_program, static_argnums=1)(key, tuple(piece))
+        for i, value in zip(piece, made, strict=True):
+            values[i] = value
+    return jax.tree.unflatten(treedef, values)
+
+
 class Target:
     """A converted or randomly initialised target with jitted, cache-donating step functions.
 
@@ -244,12 +277,11 @@ class Target:
 
     @classmethod
     def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32) -> Target:
-        """Random weights. Initialised inside one jit: eagerly, every parameter shape would compile
-        its own random-number program."""
+        """Random weights, made by jitted programs (eagerly, every parameter shape would compile its own
+        random-number program) that each return at most ``INIT_PROGRAM_BYTES`` (see :func:`init_state`)."""
         build = lambda key: TargetModel(config, rngs=nnx.Rngs(key), dtype=dtype)  # noqa: E731
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(jax.random.key(0))))
-        params = jax.jit(lambda key: nnx.state(build(key)))(jax.random.key(seed))
-        return cls(nnx.merge(graphdef, params))
+        return cls(nnx.merge(graphdef, init_state(build, seed)))
 
     @classmethod
     def from_hf(cls, path, dtype=jnp.float32) -> Target:
