@@ -187,6 +187,19 @@ GDN_TINY = dict(key_heads=2, value_heads=4, head_dim=32)
 GDN_CHAINED_LAYERS = 8
 
 
+def gdn_inputs(batch: int, seq_len: int, h_k: int, h_v: int, d: int, dtype, *, seed: int) -> tuple:
+    """Random q, k ``[B, T, H_k, d]`` and v ``[B, T, H_v, d]`` in ``dtype``, fp32 g <= 0, beta in (0, 1) and a
+    state ``[B, H_v, d, d]``: the inputs of one GDN layer's recurrence."""
+    k = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(k[0], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
+    kk = jax.random.normal(k[1], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(k[2], (batch, seq_len, h_v, d), jnp.float32).astype(dtype)
+    g = -jax.nn.softplus(jax.random.normal(k[3], (batch, seq_len, h_v), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(k[4], (batch, seq_len, h_v), jnp.float32))
+    state = jax.random.normal(k[5], (batch, h_v, d, d), jnp.float32)
+    return q, kk, v, g, beta, state
+
+
 @register("gdn_recurrent")
 def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
     """Decode (T = 1) and verify (T = gamma + 1) steps of one GDN layer's recurrence.
@@ -212,15 +225,7 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
             all_states = mode == "verify-all"
             calls = 1 if all_states else GDN_CHAINED_LAYERS
 
-            def make(batch=batch, seq_len=seq_len):
-                k = jax.random.split(jax.random.key(2), 6)
-                q = jax.random.normal(k[0], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
-                kk = jax.random.normal(k[1], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
-                v = jax.random.normal(k[2], (batch, seq_len, h_v, d), jnp.float32).astype(dtype)
-                g = -jax.nn.softplus(jax.random.normal(k[3], (batch, seq_len, h_v), jnp.float32))
-                beta = jax.nn.sigmoid(jax.random.normal(k[4], (batch, seq_len, h_v), jnp.float32))
-                state = jax.random.normal(k[5], (batch, h_v, d, d), jnp.float32)
-                return q, kk, v, g, beta, state
+            make = functools.partial(gdn_inputs, batch, seq_len, h_k, h_v, d, dtype, seed=2)
 
             def run(impl, config, q, k, v, g, beta, state, all_states=all_states, calls=calls):
                 op = functools.partial(gdn_recurrent, impl=impl, config=config or GDNRecurrentConfig())
@@ -273,15 +278,7 @@ def chunked_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
     cases = []
     for batch in args.batches:
         for seq_len in lengths:
-            def make(batch=batch, seq_len=seq_len):
-                k = jax.random.split(jax.random.key(3), 6)
-                q = jax.random.normal(k[0], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
-                kk = jax.random.normal(k[1], (batch, seq_len, h_k, d), jnp.float32).astype(dtype)
-                v = jax.random.normal(k[2], (batch, seq_len, h_v, d), jnp.float32).astype(dtype)
-                g = -jax.nn.softplus(jax.random.normal(k[3], (batch, seq_len, h_v), jnp.float32))
-                beta = jax.nn.sigmoid(jax.random.normal(k[4], (batch, seq_len, h_v), jnp.float32))
-                state = jax.random.normal(k[5], (batch, h_v, d, d), jnp.float32)
-                return q, kk, v, g, beta, state
+            make = functools.partial(gdn_inputs, batch, seq_len, h_k, h_v, d, dtype, seed=3)
 
             def run(impl, config, q, k, v, g, beta, state):
                 return gdn_chunked(q, k, v, g, beta, state, impl=impl, config=config or GDNChunkedConfig())
