@@ -3,7 +3,8 @@
 Tensor names are the NNX state paths joined by dots (``groups.layers.3.self_attn.q_proj.kernel``),
 stacked group parameters keep their leading ``G`` axis. Loading checks that every expected tensor is
 present with the right shape and that nothing unexpected is in the file, and reports all problems
-at once. Only safetensors are read: nothing here unpickles.
+at once. Only safetensors are read: nothing here unpickles. safetensors is imported where files are read
+or written, so that ``import ready_jax`` needs only jax, flax, optax and numpy (all a bare GPU box has).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from .config import TargetConfig
 
@@ -78,6 +78,8 @@ def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.Sta
     flat = {k: np.asarray(v) for k, v in flat_state(params).items()}
     dtype_name = jnp.dtype(dtype).name
     weights_path = os.path.join(path, "model.safetensors")
+    from safetensors.numpy import save_file
+
     replace_atomically(weights_path, lambda tmp: save_file(flat, tmp, metadata={"format": fmt, "dtype": dtype_name}))
     meta = {"format": fmt, "format_version": FORMAT_VERSION, "dtype": dtype_name,
             "weights_sha256": _sha256(weights_path), section: config}
@@ -113,6 +115,8 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
         raise ValueError(f"{config_path} lacks {missing}: the file is incomplete or was edited")
     if meta["dtype"] not in _DTYPES:
         raise ValueError(f"{config_path} names dtype {meta['dtype']!r}; supported: {sorted(_DTYPES)}")
+    from safetensors.numpy import load_file
+
     try:
         flat = load_file(weights_path)
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
