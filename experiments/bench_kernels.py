@@ -426,6 +426,8 @@ def _print_record(r: dict) -> None:
                 + rate)
 
     extra = f"  x{r['speedup']:.2f}" if "speedup" in r else ""
+    if "gflop" in r["shapes"]:
+        extra += f"  ({r['shapes']['gflop']:.3g} GFLOP of dots)"
     err = r.get("rel_error")
     err = f"  err {err:.1e}{'' if r.get('ok') else ' MISMATCH'}" if isinstance(err, float) else ""
     print(f"{r['kernel']:>14s} {r['label']:<18s} {cell('xla')} | {cell('pallas')}{extra}{err}", flush=True)

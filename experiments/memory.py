@@ -1,11 +1,13 @@
 """Peak memory of ``rj.generate``, from XLA's compiled memory analysis: nothing is run.
 
-Two sets of figures, written to JSON:
+Three sets of figures, written to JSON:
 
 * the shipped tiny zoo (``zoo/target`` with ``zoo/ready``, bf16): autoregressive and ReaDy;
 * a Qwen3.5-27B-sized target (64 layers, 3 Gated DeltaNet : 1 attention, hidden 5120, bf16) with a
   ReaDy drafter of the paper's shape (5 layers, block 7, sources 30 and 62, rank 8), built abstractly
-  (``nnx.eval_shape``: weights are ``ShapeDtypeStruct``s, never allocated) and only compiled.
+  (``nnx.eval_shape``: weights are ``ShapeDtypeStruct``s, never allocated) and only compiled;
+* ``Target.init``'s random initialisation of that target: the one program that would make every
+  parameter at once against the pieces ``Target.init`` runs (``ready_jax.target.init_pieces``).
 
 Per program: XLA's argument, output, temporary and aliased bytes and the peak estimate
 ``argument + output + temp - alias``, next to what the model itself needs (weight bytes, target cache
@@ -19,7 +21,7 @@ Figures are for this machine's backend: XLA's CPU and GPU buffer assignments dif
 own fusion decisions and workspace), so treat CPU numbers as what the program holds, not as a
 measured GPU footprint.
 
-    python -m experiments.memory [--out results/memory_cpu.json] [--skip-27b] [--mesh 1x8]
+    python -m experiments.memory [--out results/memory_cpu.json] [--skip-27b] [--mesh 1x8] [--skip-init]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ready_jax import cache as cache_lib
 from ready_jax import drafter as drafter_lib
 from ready_jax import generation
 from ready_jax import sharding as sharding_lib
+from ready_jax import target as target_lib
 
 GIB = 2**30
 
@@ -108,6 +111,33 @@ def tiny_zoo(batch: int, prompt_len: int, new_tokens: int) -> dict:
     return out
 
 
+def qwen35_27b_config(layers: int) -> rj.TargetConfig:
+    base = target_config(PRESETS["qwen3.5-27b"])
+    return dataclasses.replace(base, num_hidden_layers=layers, layer_types=base.layer_types[:layers])
+
+
+def init_27b(layers: int) -> dict:
+    """Compiled memory of random bf16 initialisation at the 27B geometry: one program making every parameter
+    (what ``Target.init`` would otherwise run) against each of the pieces it runs."""
+    build = lambda key: rj.TargetModel(qwen35_27b_config(layers), rngs=nnx.Rngs(key), dtype=jnp.bfloat16)  # noqa: E731
+    key = jax.random.key(0)
+    leaves = jax.tree.leaves(jax.eval_shape(lambda k: nnx.state(build(k)), key))
+
+    def compiled_bytes(piece) -> dict:
+        stats = target_lib.init_program(build, piece).lower(key).compile().memory_analysis()
+        return {"output_bytes": int(stats.output_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes)}
+
+    one = compiled_bytes(tuple(range(len(leaves))))
+    pieces = [compiled_bytes(piece) for piece in target_lib.init_pieces(leaves)]
+    worst = max(pieces, key=lambda p: p["output_bytes"] + p["temp_bytes"])
+    out = {"layers": layers, "parameter_bytes": nbytes(leaves), "one_program": one, "pieces": pieces,
+           "max_piece_bytes": target_lib.INIT_PROGRAM_BYTES, "worst_piece": worst}
+    print(f"27B init, one program: out {one['output_bytes'] / GIB:.2f} GiB + temp {one['temp_bytes'] / GIB:.2f} "
+          f"GiB; in {len(pieces)} pieces: the largest needs out {worst['output_bytes'] / GIB:.2f} GiB + temp "
+          f"{worst['temp_bytes'] / GIB:.2f} GiB (all parameters: {out['parameter_bytes'] / GIB:.2f} GiB)")
+    return out
+
+
 def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh: tuple[int, int] | None) -> dict:
     """The Qwen3.5-27B geometry, weights abstract; on a mesh the figures are per device.
 
@@ -118,8 +148,7 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
     bound on a bf16 accelerator's. ``accelerator_estimate_bytes`` = bf16 arguments (shared weights
     once) + outputs + f32 temporaries.
     """
-    base = target_config(PRESETS["qwen3.5-27b"])
-    config = dataclasses.replace(base, num_hidden_layers=layers, layer_types=base.layer_types[:layers])
+    config = qwen35_27b_config(layers)
     sources = tuple(i for i in (layers // 2 - 2, layers - 2) if config.layer_types[i] == "linear_attention")
     drafter_config = rj.DrafterConfig(block_size=7, num_layers=5, reader=rj.ReaderConfig(
         source_layers=sources, rank=8, inject_layers=(-1,))).resolve(config)
@@ -150,6 +179,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens of the 27B programs")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-27b", action="store_true")
+    parser.add_argument("--skip-init", action="store_true", help="skip the 27B initialisation programs")
     parser.add_argument("--layers", type=int, default=64, help="depth of the 27B geometry (64; less for quick runs)")
     parser.add_argument("--mesh", default=None, help="DxM: compile the 27B programs for a data x model mesh")
     parser.add_argument("--out")
@@ -162,6 +192,8 @@ def main(argv=None) -> None:
                "peak_definition": "argument + output + temp - alias bytes of the compiled program; peak_dedup "
                                   "also subtracts the shared embedding / LM head passed twice",
                "tiny_zoo": tiny_zoo(args.batch, 64, args.new_tokens)}
+    if not args.skip_init:
+        results["qwen3.5-27b_init"] = init_27b(args.layers)
     if not args.skip_27b:
         results["qwen3.5-27b"] = abstract_27b(args.batch, args.prompt, args.new_tokens, args.layers, None)
         if mesh is not None:

@@ -177,21 +177,22 @@ def _l2norm_rows(x):
     return x * lax.rsqrt(jnp.sum(x * x, axis=1) + _L2NORM_EPS)[:, None]
 
 
-def _chunk_decays(g):
-    """For a chunk's log-decays g [C]: gc [C] (cumulative, through each token) and the decay matrix [C, C].
-
-    ``decay[i, j] = exp(sum of g over tokens (j, i])`` for j <= i and 0 above the diagonal, summed directly
-    as the reference does: ``ones[i, m] (m <= i) @ g[m] (m > j)``. Also returns the matrix ``later`` [C, C]:
-    ``later[m, j] = g_m`` for m > j, else 0, whose column sums are the log-decay from token j to the chunk end.
-    """
-    size = g.shape[0]
-    rows = jnp.arange(size)[:, None]
-    cols = jnp.arange(size)[None, :]
-    later = jnp.where(rows > cols, g[:, None], 0.0)  # [m, j]
-    log_decay = matmul(jnp.where(cols <= rows, 1.0, 0.0), later)  # [i, j]; 0 above the diagonal: all <= 0
-    decay = jnp.where(cols <= rows, jnp.exp(log_decay), 0.0)
+def _decay_sums(g):
+    """For a chunk's log-decays g [C]: gc [C], the sum of g through each token, and ``later`` [C, C] with
+    ``later[m, j] = g_m`` for m > j, else 0 (its column j sums the log-decay from token j to the chunk end)."""
+    rows = jnp.arange(g.shape[0])[:, None]
+    cols = jnp.arange(g.shape[0])[None, :]
     gc = jnp.sum(jnp.where(cols <= rows, g[None, :], 0.0), axis=1)
-    return gc, decay, later
+    return gc, jnp.where(rows > cols, g[:, None], 0.0)
+
+
+def _decay_matrix(later):
+    """``decay[i, j] = exp(sum of g over tokens (j, i])`` for j <= i, else 0, summed directly as the reference
+    does: ``ones[i, m] (m <= i) @ later[m, j]``. Every exponent is <= 0 (exactly 0 above the diagonal)."""
+    rows = jnp.arange(later.shape[0])[:, None]
+    cols = jnp.arange(later.shape[0])[None, :]
+    log_decay = matmul(jnp.where(cols <= rows, 1.0, 0.0), later)  # [i, j]
+    return jnp.where(cols <= rows, jnp.exp(log_decay), 0.0)
 
 
 def _unit_lower_inverse(a):
@@ -223,7 +224,8 @@ def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, attn_ref
     k = _l2norm_rows(k_ref[...])  # [C, d_k]
     g = g_ref[...].astype(jnp.float32)  # [C]
     beta = beta_ref[...].astype(jnp.float32)  # [C]
-    gc, decay, _ = _chunk_decays(g)
+    gc, later = _decay_sums(g)
+    decay = _decay_matrix(later)
     attn_ref[...] = matmul(q, k.T) * decay  # causal intra-chunk scores, diagonal included
     size = g.shape[0]
     strictly_lower = jnp.arange(size)[None, :] < jnp.arange(size)[:, None]
@@ -250,7 +252,7 @@ def _scan_kernel(*refs, num_chunks: int, chunk: int, scale: float, has_state: bo
     def chunk_step(n, state):
         rows = pl.ds(pl.multiple_of(n * chunk, chunk), chunk)
         g = g_ref[rows].astype(jnp.float32)  # [C]
-        gc, _, later = _chunk_decays(g)
+        gc, later = _decay_sums(g)
         q_read = _l2norm_rows(q_ref[rows, :]) * (scale * jnp.exp(gc))[:, None]  # reads the entering state
         k_write = _l2norm_rows(k_ref[rows, :]) * jnp.exp(jnp.sum(later, axis=0))[:, None]  # decayed to chunk end
         u = u_ref[rows, :] - matmul(w_ref[rows, :], state)  # delta vs the entering state  [C, BV]

@@ -114,7 +114,8 @@ def test_gradient_is_the_references():
 
     def loss(impl, *args):
         o, final = gdn_chunked(*args, impl=impl)
-        return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))) + jnp.sum(final * jnp.sin(final.size))
+        return (jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
+                + jnp.sum(final * jnp.sin(jnp.arange(final.size).reshape(final.shape))))
 
     argnums = tuple(range(6))
     grads = jax.grad(functools.partial(loss, "pallas"), argnums)(*inputs)
