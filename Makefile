@@ -1,19 +1,26 @@
-# Set-up and entry points. `make demo` and `make test` build their own virtual environment.
+# Set-up and entry points. `make demo` and `make test` build their own virtual environment (VENV, shared):
+# the demo installs the package with DEMO_EXTRAS (none: it needs no torch or transformers), `make setup` and
+# `make test` with EXTRAS. One stamp per set of extras records what was installed, so running one target
+# after the other installs only what is missing.
 PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= test,convert
+DEMO_EXTRAS ?=
 PY := $(VENV)/bin/python
+comma := ,
+# The stamp of an install with the extras $(1) ("core": none).
+stamp = $(VENV)/.installed-$(or $(subst $(comma),-,$(1)),core)
 
 .PHONY: setup demo test lint gpu-bench
-setup: $(VENV)/.installed
+setup: $(call stamp,$(EXTRAS))
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(VENV)/.installed-%: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -e ".$(if $(filter core,$*),,[$(subst -,$(comma),$*)])"
 	touch $@
 
-demo: setup
+demo: $(call stamp,$(DEMO_EXTRAS))
 	$(PY) -m experiments.compare_zoo
 
 test: setup

@@ -54,9 +54,7 @@ gated / RNN Markov heads, the ``-1`` embedding feature) are errors too.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -67,9 +65,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from ready_jax import cli
 from ready_jax.checkpoint import flat_state, write_atomically
-from ready_jax.drafter import Drafter, DrafterConfig, DrafterModel, SharedWeights
-from ready_jax.reader import ReaderConfig
+from ready_jax.config import read_json, refuse_native_checkpoint
+from ready_jax.drafter import Drafter, DrafterModel, SharedWeights
+from ready_jax.drafter_config import DrafterConfig, ReaderConfig
+from ready_jax.hf_format import read_hf_tensors
 
 SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 NUM_ANCHORS = 512  # DeepSpec's model requires this training-only field; its released configs use 512.
@@ -261,65 +262,25 @@ def _to_numpy(x) -> np.ndarray:
 
 # ---- files ---------------------------------------------------------------------------------------------
 def read_state_dict(src: str) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory: ``*.safetensors`` shards, else ``pytorch_model*.bin``."""
-    state: dict[str, np.ndarray] = {}
-    shards = sorted(glob.glob(os.path.join(src, "*.safetensors")))
-    bins = sorted(glob.glob(os.path.join(src, "pytorch_model*.bin")))
-    if not shards and not bins:
-        raise FileNotFoundError(f"{src} has no *.safetensors or pytorch_model*.bin weights")
-    for path in shards or bins:
-        tensors = _read_safetensors(path) if shards else _read_torch_bin(path)
-        repeated = sorted(set(state) & set(tensors))
-        if repeated:
-            raise ValueError(f"{path} repeats tensors of another shard: {repeated}")
-        state.update(tensors)
-    return state
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="flax") as f:  # the flax reader handles bfloat16, numpy's does not
-            return {k: _to_numpy(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: it is truncated or not a safetensors file ({e})") from e
-
-
-def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"reading {path} needs torch (pip install -e '.[convert]'), or convert it to "
-                          "safetensors first") from e
-    import pickle
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{path} is not a plain weights file: torch.load(weights_only=True) refused it "
-                         f"({reason}); it was not loaded") from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"cannot read {path}: it is truncated or not a PyTorch weights file ({e})") from e
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
-    not_tensors = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
-    if not_tensors:
-        raise ValueError(f"{path} holds non-tensor entries: {', '.join(not_tensors)}")
-    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in state.items()}
+    """All tensors of a checkpoint directory (safetensors, sharded or not, or ``pytorch_model*.bin``)."""
+    return {key: tensor.load() for key, tensor in read_hf_tensors(src).items()}
 
 
 def load_deepspec(src: str, dtype=jnp.float32) -> tuple[Drafter, SharedWeights]:
     config_path = os.path.join(src, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"not a DeepSpec checkpoint directory: {config_path} is missing")
+    raw = read_json(config_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} holds a JSON {type(raw).__name__}, not a DeepSpec config object")
+    refuse_native_checkpoint(raw, src, "a DeepSpec one")
+    if raw.get("format") is not None:
+        raise ValueError(f"{src} is a {raw['format']} checkpoint, not a DeepSpec DSpark drafter")
     try:
-        with open(config_path) as f:
-            raw = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {config_path}: it is not valid JSON ({e})") from e
-    return from_deepspec_state(config_from_deepspec(raw), read_state_dict(src), dtype)
+        config = config_from_deepspec(raw)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    return from_deepspec_state(config, read_state_dict(src), dtype)
 
 
 def export_deepspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:
@@ -334,8 +295,8 @@ def export_deepspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:
 def _load_target(path: str):
     import ready_jax as rj
 
-    with open(os.path.join(path, "config.json")) as f:
-        is_ours = json.load(f).get("format") == "ready-jax-target"
+    raw = read_json(os.path.join(path, "config.json"))
+    is_ours = isinstance(raw, dict) and raw.get("format") == "ready-jax-target"
     return rj.Target.load(path) if is_ours else rj.Target.from_hf(path)
 
 
@@ -353,8 +314,8 @@ def _check_shared(shared: SharedWeights, target_shared: SharedWeights) -> None:
                          "target")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m convert.deepspec", description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    parser = cli.parser("convert.deepspec", __doc__.split("\n\n")[0])
     parser.add_argument("src", help="DeepSpec DSpark checkpoint dir (with --export: a ready-jax drafter dir)")
     parser.add_argument("dst", help="output directory")
     parser.add_argument("--export", action="store_true", help="ready-jax drafter -> DeepSpec layout")
@@ -364,11 +325,21 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if os.path.exists(args.dst) and (not os.path.isdir(args.dst) or os.listdir(args.dst)):
         parser.error(f"{args.dst} exists and is not an empty directory; refusing to overwrite it")
+    if args.export and not args.target:
+        parser.error("--export needs --target: DeepSpec checkpoints carry the target's embedding and LM head")
+    try:
+        _convert(args)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst}")
+    return 0
+
+
+def _convert(args) -> None:
+    """What ``main`` was asked for; nothing is written at ``args.dst`` unless all of it succeeds."""
     target = _load_target(args.target) if args.target else None
     if args.export:
-        if target is None:
-            parser.error("--export needs --target: DeepSpec checkpoints carry the target's embedding and "
-                         "LM head")
         drafter = Drafter.load(args.src)
         drafter.check_target(target.config)
         shared = SharedWeights.from_target(target)
@@ -379,11 +350,7 @@ def main(argv=None) -> None:
             drafter.check_target(target.config)
             _check_shared(shared, SharedWeights.from_target(target))
         write_atomically(args.dst, drafter.save)  # nothing at dst unless the whole checkpoint was written
-    print(f"wrote {args.dst}")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError, ImportError) as e:
-        sys.exit(f"error: {e}")
+    sys.exit(main())

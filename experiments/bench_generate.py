@@ -12,15 +12,15 @@ In one run, on random weights built in-process (nothing is downloaded):
 * with ``--impls xla,pallas``, AR and the middle scripted drafter again with the fused Pallas kernels
   (``impl="pallas"``: Gated DeltaNet prefill / decode / verify, state gather and read), as ratios to XLA's AR.
 
-Presets: ``cpu`` (a mid-size target that runs in minutes on 2 cores) and ``qwen3.5-27b`` (the real
-geometry, bf16, for a GPU). CPU timings compare variants with each other; only GPU times are absolute.
+Presets (``experiments.presets``): ``cpu`` (a mid-size target that runs in minutes on 2 cores) and
+``qwen3.5-27b`` (the real geometry, bf16, for a GPU). CPU timings compare variants with each other; only
+GPU times are absolute.
 
     python -m experiments.bench_generate [--preset cpu] [--impls xla,pallas] [--out results/bench_generate_cpu.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -31,32 +31,16 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from experiments.common import write_json
 from ready_jax import cache as cache_lib
+from ready_jax import cli
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
+from ready_jax.modes import ROLLBACKS
 
-GDN, ATTN = "linear_attention", "full_attention"
+from .common import write_json
+from .presets import PRESETS
+
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
-
-PRESETS = {
-    "cpu": dict(target=dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-                            linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64),
-                drafter_layers=2, dtype="float32", batch=1, prompt=128, new_tokens=64),
-    # Qwen3.5-27B's geometry: 64 layers (3 GDN : 1 attention), hidden 5120, 48 value / 16 key GDN heads.
-    "qwen3.5-27b": dict(target=dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-                                    num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
-                                    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                                    linear_key_head_dim=128, linear_value_head_dim=128),
-                        drafter_layers=5, dtype="bfloat16", batch=1, prompt=512, new_tokens=128),
-}
-
-
-def target_config(preset: dict) -> rj.TargetConfig:
-    t = preset["target"]
-    return rj.TargetConfig(**t, layer_types=(GDN, GDN, GDN, ATTN) * (t["num_hidden_layers"] // 4),
-                           max_position_embeddings=262_144)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -91,7 +75,7 @@ def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: 
             "acceptance_histogram": out.acceptance_histogram.tolist(), "tokens": out.tokens}
 
 
-def round_breakdown(target, drafter, prompts, repeats: int, rollbacks=target_lib.ROLLBACKS) -> dict:
+def round_breakdown(target, drafter, prompts, repeats: int, rollbacks=ROLLBACKS) -> dict:
     """Median time of each piece of one speculative round, each jitted alone at the loop's shapes and timed
     in turn with the others.
 
@@ -129,7 +113,7 @@ def copy_tree(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def verify_commit_fns(target, cache, block, ids, n, rollbacks=target_lib.ROLLBACKS) -> dict:
+def verify_commit_fns(target, cache, block, ids, n, rollbacks=ROLLBACKS) -> dict:
     """Zero-argument functions ``verify_<rollback>`` of ``block`` [B, T] on a copy of ``cache`` and
     ``commit_<rollback>`` keeping ``n`` [B] block tokens, for each rollback strategy."""
     fns = {}
@@ -141,7 +125,7 @@ def verify_commit_fns(target, cache, block, ids, n, rollbacks=target_lib.ROLLBAC
     return fns
 
 
-def verify_commit_timings(target, cache, block, ids, n, repeats: int, rollbacks=target_lib.ROLLBACKS) -> dict:
+def verify_commit_timings(target, cache, block, ids, n, repeats: int, rollbacks=ROLLBACKS) -> dict:
     """Per rollback strategy: median verify and commit times (all timed in turn) and
     :func:`verify_commit_memory`."""
     medians = interleaved_medians(verify_commit_fns(target, cache, block, ids, n, rollbacks), repeats)
@@ -195,28 +179,28 @@ def _parameter_bytes(c: rj.TargetConfig, itemsize: int) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--prompt", type=int, help="prompt length")
-    parser.add_argument("--new-tokens", type=int)
-    parser.add_argument("--block", type=int, default=7, help="drafts per round (gamma)")
+    parser = cli.parser("experiments.bench_generate", __doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry and run sizes")
+    parser.add_argument("--batch", type=int, help="sequences per batch (None: the preset's)")
+    parser.add_argument("--prompt", type=int, help="prompt length (None: the preset's)")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (None: the preset's)")
+    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma)")
     parser.add_argument("--error-rates", default="0.0,0.25,0.5",
                         help="scripted drafters: fraction of wrong drafts")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and scripted errors")
     parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
                         help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
                              "(for a GPU: on a CPU they run interpreted, very slowly)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
-    batch = args.batch or preset["batch"]
-    prompt_len = args.prompt or preset["prompt"]
-    new_tokens = args.new_tokens or preset["new_tokens"]
-    dtype = jnp.dtype(preset["dtype"])
+    batch = args.batch or preset.batch
+    prompt_len = args.prompt or preset.prompt
+    new_tokens = args.max_new_tokens or preset.max_new_tokens
+    dtype = jnp.dtype(preset.dtype)
 
-    config = target_config(preset)
+    config = preset.target
     start = time.perf_counter()
     target = rj.Target.init(config, seed=args.seed, dtype=dtype)
     jax.block_until_ready(target.params)
@@ -225,19 +209,18 @@ def main(argv=None) -> None:
     print(f"target: {args.preset}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{_parameter_bytes(config, dtype.itemsize) / dtype.itemsize / 1e6:.0f} M parameters ({dtype.name}); "
           f"device {device.device_kind}; batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
-          f"block {args.block}")
+          f"block size {args.block_size}")
     prompts = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(batch, prompt_len))
 
-    base = dict(block_size=args.block, num_layers=preset["drafter_layers"], markov_rank=256)
-    dspark = rj.Drafter.init(config, rj.DrafterConfig(**base), seed=1, dtype=dtype)
-    ready = rj.Drafter.init(config, rj.DrafterConfig(**base, reader=rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
+    dspark = rj.Drafter.init(config, preset.drafter(args.block_size), seed=1, dtype=dtype)
+    ready = rj.Drafter.init(config, preset.drafter(args.block_size, rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
 
     results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats, name="ar")}
     reference = results["ar"].pop("tokens")
     variants = {"dspark_random": dspark, "ready_random": ready}
     rates = [float(r) for r in args.error_rates.split(",")]
     for rate in rates:
-        variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block, rate,
+        variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
                                                                    seed=args.seed)
     for name, drafter in variants.items():
         results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, name=name)
@@ -265,13 +248,13 @@ def main(argv=None) -> None:
               f"{r['compile_s']:10.2f}" + ("" if r.get("identical_to_ar", True) else "  OUTPUT DIFFERS FROM AR"))
     print("per-round pieces (ReaDy drafter, median ms): " + ", ".join(
         f"{k[:-2]} {v * 1e3:.2f}" for k, v in breakdown.items() if k.endswith("_s")))
-    for rollback in ("checkpoint", "replay"):
+    for rollback in ROLLBACKS:
         mem = breakdown[f"verify_commit_{rollback}_memory"]
         print(f"verify+commit with {rollback} rollback: temp {mem['temp_bytes'] / 2**20:.1f} MiB, "
               f"output {mem['output_bytes'] / 2**20:.1f} MiB")
 
     summary = {"preset": args.preset, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-               "block": args.block, "dtype": dtype.name, "init_s": init_s,
+               "block": args.block_size, "dtype": dtype.name, "init_s": init_s,
                "target_config": dataclasses.asdict(config), "results": results, "round_breakdown": breakdown}
     if device.platform == "gpu":
         kind = next((k for k in HBM_BYTES_PER_S if k in device.device_kind), None)

@@ -44,14 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from experiments.common import write_json
 from pallas_kernels.common import resolve_interpret, triton_compiler_params
-from pallas_kernels.gdn_chunked import GDNChunkedConfig, gdn_chunked
-from pallas_kernels.gdn_recurrent import GDNRecurrentConfig, gdn_recurrent
-from pallas_kernels.state_gather import GatherConfig, state_gather
-from pallas_kernels.state_reader import ReaderKernelConfig, state_reader
+from pallas_kernels.gdn_chunked import GDNChunkedConfig
+from pallas_kernels.gdn_recurrent import GDNRecurrentConfig
+from pallas_kernels.state_gather import GatherConfig
+from pallas_kernels.state_reader import ReaderKernelConfig
+from ready_jax import cli, dispatch
+from ready_jax.modes import IMPLS
 
-IMPLS = ("xla", "pallas")
+from .common import write_json
 
 
 # ---- the registry ------------------------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def gather_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
     geo = QWEN35_27B if on_gpu else TINY
     heads, d = geo["heads"], geo["head_dim"]
     pairs = len(geo["source_groups"]) * heads
-    positions = args.gamma + 2  # the verify block [anchor, d_1..d_gamma] leaves T+1 = gamma + 2 states
+    positions = args.block_size + 2  # the verify block [anchor, d_1..d_gamma] leaves T+1 = gamma + 2 states
     pdtype = jnp.dtype(args.param_dtype)
     cases = []
     for batch in args.batches:
@@ -130,7 +131,8 @@ def gather_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                     return states, n, u, v
 
                 def run(impl, config, states, n, u, v, layers=layers):
-                    return state_gather(states, n, u, v, layers=layers, impl=impl, config=config or GatherConfig())
+                    return dispatch.state_gather(states, n, u, v, layers=layers, impl=impl,
+                                                 config=config or GatherConfig())
 
                 configs = (GatherConfig(), GatherConfig(num_warps=2), GatherConfig(num_warps=8),
                            GatherConfig(num_stages=1), GatherConfig(num_stages=3), GatherConfig(block_m=2),
@@ -157,7 +159,7 @@ def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
 
             def make(batch=batch, rank=rank, n=n):
                 k = jax.random.split(jax.random.key(1), 5)
-                h = jax.random.normal(k[0], (batch, args.gamma, hidden), jnp.float32).astype(dtype)
+                h = jax.random.normal(k[0], (batch, args.block_size, hidden), jnp.float32).astype(dtype)
                 c = jax.random.normal(k[1], (batch, pairs, rank, rank), jnp.float32)
                 w_q = (jax.random.normal(k[2], (hidden, n), jnp.float32) / hidden**0.5).astype(dtype)
                 w_o = (jax.random.normal(k[3], (n, hidden), jnp.float32) / n**0.5).astype(dtype)
@@ -165,7 +167,7 @@ def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                 return h, c, w_q, w_o, w
 
             def run(impl, config, h, c, w_q, w_o, w):
-                return state_reader(h, c, w_q, w_o, w, 1e-6, impl=impl, config=config or ReaderKernelConfig())
+                return dispatch.state_reader(h, c, w_q, w_o, w, 1e-6, impl=impl, config=config or ReaderKernelConfig())
 
             configs = (ReaderKernelConfig(), ReaderKernelConfig(block_m=4), ReaderKernelConfig(block_d=128),
                        ReaderKernelConfig(block_d=512), ReaderKernelConfig(block_out=32),
@@ -173,9 +175,9 @@ def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                        ReaderKernelConfig(num_warps=8), ReaderKernelConfig(num_stages=3))
             cases.append(Case(
                 kernel="state_reader", label=f"B{batch}-r{rank}",
-                shapes=dict(h=(batch, args.gamma, hidden), dtype=dtype.name, M=pairs, r=rank),
+                shapes=dict(h=(batch, args.block_size, hidden), dtype=dtype.name, M=pairs, r=rank),
                 make_inputs=make, run=run, configs=configs, tolerance=3e-2 if dtype == jnp.bfloat16 else 1e-3,
-                bytes_min=_nbytes(((2, batch, args.gamma, hidden), dtype), ((2, hidden, n), dtype), ((n,), dtype),
+                bytes_min=_nbytes(((2, batch, args.block_size, hidden), dtype), ((2, hidden, n), dtype), ((n,), dtype),
                                   ((batch, pairs, rank, rank), jnp.float32))))
     return cases
 
@@ -219,16 +221,17 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                GDNRecurrentConfig(block_v=16, num_warps=2), GDNRecurrentConfig(block_v=32, num_warps=2),
                GDNRecurrentConfig(block_v=32, num_warps=4), GDNRecurrentConfig(block_v=64, num_warps=4),
                GDNRecurrentConfig(num_warps=2), GDNRecurrentConfig(block_v=128, num_warps=8))
-    cases = []
+    cases, verify_len = [], args.block_size + 1
     for batch in args.batches:
-        for mode, seq_len in (("decode", 1), ("verify-final", args.gamma + 1), ("verify-all", args.gamma + 1)):
+        for mode, seq_len in (("decode", 1), ("verify-final", verify_len), ("verify-all", verify_len)):
             all_states = mode == "verify-all"
             calls = 1 if all_states else GDN_CHAINED_LAYERS
 
             make = functools.partial(gdn_inputs, batch, seq_len, h_k, h_v, d, dtype, seed=2)
 
             def run(impl, config, q, k, v, g, beta, state, all_states=all_states, calls=calls):
-                op = functools.partial(gdn_recurrent, impl=impl, config=config or GDNRecurrentConfig())
+                op = functools.partial(dispatch.gated_delta_recurrent, impl=impl,
+                                       config=config or GDNRecurrentConfig())
                 if all_states:
                     return op(q, k, v, g, beta, state, output_all_states=True)
                 outputs = []
@@ -251,7 +254,7 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
 
 # ---- Gated DeltaNet prefill (chunked) ----------------------------------------------------------------------------
 def chunked_flops(batch: int, seq_len: int, heads: int, d: int, chunk: int) -> int:
-    """Multiply-adds x 2 of the chunked form as ``gdn_chunked`` computes it (dots only; elementwise work excluded).
+    """Multiply-adds x 2 of the chunked form as the ``gdn_chunked`` kernel computes it (dots only).
 
     Per chunk and value head: the decay sums (C^3), q k^T and k k^T (2 C^2 d), the triangular inverse
     (2 log2(C) C^3), u and w (2 C^2 d), and in the scan w S, q S, k^T u (3 C d^2) and attn u (C^2 d).
@@ -281,7 +284,8 @@ def chunked_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
             make = functools.partial(gdn_inputs, batch, seq_len, h_k, h_v, d, dtype, seed=3)
 
             def run(impl, config, q, k, v, g, beta, state):
-                return gdn_chunked(q, k, v, g, beta, state, impl=impl, config=config or GDNChunkedConfig())
+                return dispatch.gated_delta_chunked(q, k, v, g, beta, state, impl=impl,
+                                                    config=config or GDNChunkedConfig())
 
             cases.append(Case(
                 kernel="gdn_chunked", label=f"B{batch}-T{seq_len}",
@@ -437,12 +441,12 @@ def _print_record(r: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser("experiments.bench_kernels", __doc__)
     p.add_argument("--kernels", default=",".join(REGISTRY), help=f"comma list of {sorted(REGISTRY)}")
     p.add_argument("--batches", type=_ints, default=None, help="batch sizes (GPU default 1,4; CPU 1)")
     p.add_argument("--ranks", type=_ints, default=None, help="reader ranks (GPU default 8,128; CPU 8,16)")
-    p.add_argument("--gamma", type=int, default=7, help="draft block size (the verify pass keeps gamma + 2 states)")
+    p.add_argument("--block-size", type=int, default=7,
+                   help="drafts per round, gamma (the verify pass keeps gamma + 2 states)")
     p.add_argument("--prefill-lengths", type=_ints, default=None,
                    help="gdn_chunked prompt lengths (GPU default 1024,4096; CPU 100)")
     p.add_argument("--param-dtype", default="bfloat16", help="drafter parameter / activation dtype")
@@ -496,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         gc.collect()
 
     result = {"on_gpu": on_gpu, "device": device, "timings_meaningful": on_gpu,
-              "hbm_peak_gbps": args.hbm_peak_gbps, "iterations": args.iterations, "gamma": args.gamma,
+              "hbm_peak_gbps": args.hbm_peak_gbps, "iterations": args.iterations, "gamma": args.block_size,
               "launch_floor": floor, "results": records, "wall_s": time.perf_counter() - start}
     if not on_gpu:
         result["warning"] = "CPU interpret mode at tiny shapes: the timings mean nothing"

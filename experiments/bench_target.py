@@ -9,12 +9,11 @@ Builds a mid-size random Qwen3.5 text model in transformers, saves it, converts 
 and prints the JAX / PyTorch ratios and the JAX compile times (reported apart from run time). CPU
 figures compare the two frameworks on this machine only; they say nothing about a GPU.
 
-    python -m experiments.bench_target [--hidden 512 --layers 8 --prompt 256 --new-tokens 64 --out FILE]
+    python -m experiments.bench_target [--hidden 512 --layers 8 --prompt 256 --max-new-tokens 64 --out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
@@ -23,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from experiments.common import write_json
+from ready_jax import cli
+
+from .common import write_json
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -106,15 +107,15 @@ def bench_jax(target: rj.Target, prompts: np.ndarray, new_tokens: int, repeats: 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = cli.parser("experiments.bench_target", __doc__)
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size (heads of 64)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt length")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per sequence")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
 
@@ -127,15 +128,15 @@ def main(argv=None) -> None:
         target = rj.Target.from_hf(tmp, dtype=jnp.float32)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f} M parameters, {args.layers} layers, hidden {args.hidden}; batch {args.batch}, "
-          f"prompt {args.prompt}, {args.new_tokens} new tokens; torch threads {torch.get_num_threads()}, "
+          f"prompt {args.prompt}, {args.max_new_tokens} new tokens; torch threads {torch.get_num_threads()}, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
-    hf = bench_hf(model, prompts, args.new_tokens, args.repeats)
+    hf = bench_hf(model, prompts, args.max_new_tokens, args.repeats)
     # PyTorch's oneDNN depthwise conv1d is very slow for single-token decode on CPU; time PyTorch
     # without oneDNN too, so the comparison is not only against that one kernel.
     with torch.backends.mkldnn.flags(enabled=False):
-        hf_plain = bench_hf(model, prompts, args.new_tokens, args.repeats)
-    ours = bench_jax(target, prompts, args.new_tokens, args.repeats)
+        hf_plain = bench_hf(model, prompts, args.max_new_tokens, args.repeats)
+    ours = bench_jax(target, prompts, args.max_new_tokens, args.repeats)
     logit_err = float(np.max(np.abs(hf["logits"] - ours["logits"])))
     same_tokens = bool(np.array_equal(hf["tokens"], ours["tokens"]))
 

@@ -1,32 +1,32 @@
-"""What every experiment records beside its figures: the environment, and a JSON writer."""
+"""What every experiment records beside its figures (its environment, in one JSON file) and its plots, and
+how a script reaches the converters beside it."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import platform
-import subprocess
+from types import ModuleType
 
-import jax
-
-
-def environment() -> dict:
-    """jax version, device, machine and the git commit (with a flag when the tree has changes)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-
-    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain"))}
+from ready_jax.provenance import environment
 
 
-def write_json(path: str | None, data: dict) -> None:
-    """Write ``data`` (plus :func:`environment`) to ``path``; nothing when path is None."""
+def convert_module(name: str) -> ModuleType:
+    """The converter module ``convert.<name>`` beside these scripts, however they were installed: top-level
+    ``convert`` when run from the repository (``python -m experiments.X``), ``ready_jax.convert`` when
+    installed from a wheel (pyproject.toml maps both folders into the ``ready_jax`` namespace)."""
+    parent = __package__.rpartition(".")[0]
+    return importlib.import_module(f"{parent}.convert.{name}" if parent else f"convert.{name}")
+
+
+def write_json(path: str | os.PathLike | None, data: dict) -> None:
+    """Write ``data`` (paths in it as strings) plus ``environment`` (:func:`ready_jax.provenance.environment`) to
+    ``path``; nothing when path is None."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**data, "environment": environment()}, f, indent=2)
+        json.dump({**data, "environment": environment()}, f, indent=2, default=os.fspath)
     print(f"wrote {path}")
 
 

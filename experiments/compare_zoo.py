@@ -8,7 +8,7 @@ committed per verification round, the target's own included; per prompt kind too
 rounds in which all drafts survive, tokens/s of the compiled program (compile time separate) and
 the speedup over AR measured in the same run. Weights are shipped in bf16 and computed in fp32.
 
-    python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--new-tokens 96] [--out results/zoo.json]
+    python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--max-new-tokens 96] [--out results/zoo.json]
 
 On CPU the speedup mostly reflects how many target passes are saved against the drafter's own cost,
 which on a tiny target is not small; tau is the hardware-independent figure.
@@ -16,7 +16,6 @@ which on a tiny target is not small; tau is the hardware-independent figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import data
-from ready_jax.checkpoint import load_target
+from ready_jax import cli, data
+
+from .common import write_json
 
 DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))
 
@@ -59,34 +59,38 @@ def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.Genera
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--zoo", default="zoo")
+    parser = cli.parser("experiments.compare_zoo", __doc__)
+    parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="the target and drafters directory")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (half code, half prose)")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (the fastest is kept)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="which held-out prompts")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
     zoo = Path(args.zoo)
 
     start = time.perf_counter()
-    target = load_target(zoo / "target", dtype=jnp.float32)
+    target = rj.Target.load(zoo / "target", dtype=jnp.float32)
     prompts = held_out_prompts(zoo / "target", args.prompts, args.prompt_tokens, args.seed)
     ids = np.asarray([p["ids"] for p in prompts], np.int32)               # [B, prompt_tokens]
     kinds = np.asarray([p["kind"] for p in prompts])
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "
-          f"of {args.prompt_tokens} tokens, {args.new_tokens} new tokens each, greedy")
+          f"of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens each, greedy")
 
-    ar, ar_compile = timed(target, ids, args.new_tokens, None, args.repeats)
+    progress = cli.Progress("compare_zoo", 1 + len(DRAFTERS), "methods timed")
+    ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
+    progress.update(detail="autoregressive done")
     results = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0,
                                       identical_to_ar=True)}
     for name, folder in DRAFTERS:
         drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
-        out, compile_seconds = timed(target, ids, args.new_tokens, drafter, args.repeats)
+        out, compile_seconds = timed(target, ids, args.max_new_tokens, drafter, args.repeats)
         results[name] = dict(summarize(out, kinds), compile_seconds=compile_seconds,
                              speedup=ar.run_seconds / out.run_seconds,
                              identical_to_ar=bool(np.array_equal(out.tokens, ar.tokens)))
+        progress.update(detail=f"{name} done")
+    progress.close()
 
     print(f"{'method':<16}{'tau':>6}{'tau code':>10}{'tau prose':>10}{'all survive':>13}{'tok/s':>9}"
           f"{'speedup':>9}{'compile s':>11}  same as AR")
@@ -100,11 +104,8 @@ def main(argv=None) -> None:
     sample, tokenizer = prompts[0], Tokenizer.from_file(str(zoo / "target" / "tokenizer.json"))
     print(f"\nprompt [{sample['kind']}: {sample['name']}] ...{sample['text'][-120:]!r}\n"
           f"AR continuation: {tokenizer.decode(ar.tokens[0][ar.tokens[0] >= 0].tolist())!r}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "prompts": [
-            {k: p[k] for k in ("kind", "name")} for p in prompts], "results": results,
-            "wall_seconds": time.perf_counter() - start}, indent=1))
+    write_json(args.out, {"settings": vars(args), "prompts": [{k: p[k] for k in ("kind", "name")} for p in prompts],
+                          "results": results, "wall_seconds": time.perf_counter() - start})
     if not all(r["identical_to_ar"] for r in results.values()):
         raise SystemExit("a speculative output differs from autoregressive greedy decoding")
 

@@ -10,7 +10,6 @@ the depth, on whatever backend jax uses here.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -20,19 +19,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 import ready_jax as rj
-from experiments.bench_generate import PRESETS, target_config
-from experiments.common import write_json
 from ready_jax import cache as cache_lib
+from ready_jax import cli
 from ready_jax import target as target_lib
 
+from .common import write_json
+from .presets import PRESETS
 
-def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block: int, prompt: int, dtype) -> dict:
+
+def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block_size: int, prompt: int, dtype) -> dict:
+    """Trace + lower and compile seconds of decode, verify (anchor + ``block_size`` drafts) and prefill."""
     model = nnx.eval_shape(lambda: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, params = nnx.split(model)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, capacity, dtype))
     steps = {
         "decode": (functools.partial(target_lib.extend, graphdef, form="recurrent"), 1),
-        f"verify_{block}": (functools.partial(target_lib.verify, graphdef), block),
+        f"verify_{block_size + 1}": (functools.partial(target_lib.verify, graphdef), block_size + 1),
         f"prefill_{prompt}": (functools.partial(target_lib.extend, graphdef, form="chunked"), prompt),
     }
     out = {}
@@ -47,22 +49,22 @@ def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block: i
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-27b")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--capacity", type=int, default=4096)
-    parser.add_argument("--block", type=int, default=8, help="verify block length (gamma + 1)")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--out")
+    parser = cli.parser("experiments.compile_time", __doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-27b", help="target geometry")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    parser.add_argument("--capacity", type=int, default=4096, help="cache capacity in tokens")
+    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (verify: anchor + drafts)")
+    parser.add_argument("--prompt", type=int, default=512, help="prefill length")
+    parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
-    full = target_config(preset)
+    full = preset.target
     quarter = dataclasses.replace(full, num_hidden_layers=full.num_hidden_layers // 4,
                                   layer_types=full.layer_types[:full.num_hidden_layers // 4])
-    dtype = jnp.dtype(preset["dtype"])
+    dtype = jnp.dtype(preset.dtype)
     results = {}
     for config in (quarter, full):
-        times = compile_seconds(config, args.batch, args.capacity, args.block, args.prompt, dtype)
+        times = compile_seconds(config, args.batch, args.capacity, args.block_size, args.prompt, dtype)
         results[f"{config.num_hidden_layers}_layers"] = times
         print(f"{config.num_hidden_layers:3d} layers: " + ", ".join(
             f"{name} {t['trace_lower_s'] + t['compile_s']:.1f} s" for name, t in times.items()))

@@ -19,7 +19,7 @@ Three parts, in one run:
   (draft + verify + commit + context append + reader prepare, replay rollback), with each kind's
   reader round as a fraction of it.
 
-Default: the ``cpu`` preset of ``bench_generate`` (8 layers, hidden 512, 8 GDN value heads of 64 x 64,
+Default: the ``cpu`` preset (``experiments.presets``) (8 layers, hidden 512, 8 GDN value heads of 64 x 64,
 2 KV heads of dim 64; a random target and drafters), prefixes 128 ... 16384, round shares at prompts of
 128 and 2048 tokens; a few minutes on 2 cores. CPU figures compare the two readers with each other.
 
@@ -31,7 +31,6 @@ The plot needs matplotlib (``pip install -e .[plots]``); without it the plot is 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
@@ -39,9 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from experiments.bench_generate import PRESETS, median_seconds, reader_round_fn, round_breakdown, target_config
-from experiments.common import pyplot, save_figure, write_json
-from ready_jax.reader import KV, STATE
+from ready_jax import cli
+from ready_jax.drafter_config import KV, STATE
+
+from .bench_generate import median_seconds, reader_round_fn, round_breakdown
+from .common import pyplot, save_figure, write_json
+from .presets import PRESETS
 
 KINDS = (STATE, KV)
 STATE_BYTES = 4  # recurrent states are float32 in the cache whatever the activation dtype
@@ -126,29 +128,28 @@ def plot(path: str | None, paper: dict, local: dict, measured: dict, preset: str
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.cost_model", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
     parser.add_argument("--prefixes", default="128,256,512,1024,2048,4096,8192,16384",
                         help="committed tokens for the latency sweep")
     parser.add_argument("--round-prompts", default="128,2048", help="prompt lengths for the reader's share of a round")
-    parser.add_argument("--block", type=int, default=7, help="drafts per round (gamma)")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma)")
+    parser.add_argument("--rank", type=int, default=8, help="reader rank")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="weights, caches and prompts")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
-    dtype = jnp.dtype(preset["dtype"])
+    dtype = jnp.dtype(preset.dtype)
     prefixes = [int(t) for t in args.prefixes.split(",")]
-    config = target_config(preset)
+    config = preset.target
     paper_preset = PRESETS["qwen3.5-27b"]
 
     grid = sorted({2**k for k in range(4, max(prefixes).bit_length())} | set(prefixes))
-    paper = analytic(target_config(paper_preset), args.rank, paper_preset["drafter_layers"],
-                     paper_preset["dtype"], grid)
-    local = analytic(config, args.rank, preset["drafter_layers"], dtype, grid)
+    paper = analytic(paper_preset.target, args.rank, paper_preset.drafter_layers, paper_preset.dtype, grid)
+    local = analytic(config, args.rank, preset.drafter_layers, dtype, grid)
     for name, a in (("Qwen3.5-27B", paper), (f"{args.preset} preset", local)):
         c, s, k = a["crossover_tokens"], a["state_reader"], a["kv_reader"]
         print(f"{name}: state reader {s['pairs']} pairs of {s['state'][0]}x{s['state'][1]} states (layers "
@@ -158,11 +159,11 @@ def main(argv=None) -> None:
               f"{c['bytes']:.0f} in bytes (this reader vs the KV-read baseline; "
               f"{c['bytes_with_parameters']:.0f} counting each reader's parameters)")
 
-    drafters = {kind: rj.Drafter.init(config, rj.DrafterConfig(
-        block_size=args.block, num_layers=preset["drafter_layers"], markov_rank=256,
-        reader=rj.ReaderConfig(rank=args.rank, kind=kind)), seed=1, dtype=dtype) for kind in KINDS}
+    readers = {kind: rj.ReaderConfig(rank=args.rank, kind=kind) for kind in KINDS}
+    drafters = {kind: rj.Drafter.init(config, preset.drafter(args.block_size, reader), seed=1, dtype=dtype)
+                for kind, reader in readers.items()}
     measured = {"prefixes": prefixes, **{f"{kind}_s": [] for kind in KINDS}}
-    print(f"reader round (prepare + {args.block} reads), {args.preset} preset, median ms:")
+    print(f"reader round (prepare + {args.block_size} reads), {args.preset} preset, median ms:")
     for t in prefixes:
         cache = random_cache(config, args.batch, t, dtype, args.seed)
         for kind in KINDS:  # not interleaved: the KV read of a long prefix would evict the state read's data
@@ -191,7 +192,7 @@ def main(argv=None) -> None:
         print("(CPU: compare the two readers; absolute times say nothing about a GPU)")
     plot(args.plot, paper, local, measured, args.preset)
     write_json(args.out, {
-        "preset": args.preset, "block": args.block, "rank": args.rank, "batch": args.batch, "dtype": dtype.name,
+        "preset": args.preset, "block": args.block_size, "rank": args.rank, "batch": args.batch, "dtype": dtype.name,
         "repeats": args.repeats, "target_config": dataclasses.asdict(config),
         "note": "CPU shared with other jobs while measuring: ratios within this run count, absolute times are "
                 "indicative only" if jax.devices()[0].platform == "cpu" else "",

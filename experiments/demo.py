@@ -7,16 +7,15 @@ output is token-for-token the autoregressive one, and prints tau, the all-drafts
 tokens/s, speedup over AR and compile time. The drafters here are untrained, so they are rarely
 right: their rows show the loop's overhead; the scripted row shows what acceptance buys.
 
-    python -m experiments.demo [--layers 8] [--new-tokens 48] [--block 7]
+    python -m experiments.demo [--layers 8] [--max-new-tokens 48] [--block-size 7]
 """
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 import ready_jax as rj
+from ready_jax import cli
 
 GDN, ATTN = "linear_attention", "full_attention"
 
@@ -31,11 +30,11 @@ def demo_config(num_layers: int) -> rj.TargetConfig:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.demo", __doc__)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--block", type=int, default=7, help="drafts per round")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
+    parser.add_argument("--block-size", type=int, default=7, help="drafts per round")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = parser.parse_args(argv)
     if args.layers % 4:
         parser.error("--layers must be a multiple of 4")
@@ -46,21 +45,21 @@ def main(argv=None) -> None:
     prompts = [rng.integers(0, config.vocab_size, size=n) for n in (24, 17, 9, 30)]
     print(f"target: {config.num_hidden_layers} layers ({config.group_size}-layer group x {config.num_groups}), "
           f"hidden {config.hidden_size}, vocab {config.vocab_size}; 4 prompts of lengths "
-          f"{[len(p) for p in prompts]}, {args.new_tokens} new tokens each")
+          f"{[len(p) for p in prompts]}, {args.max_new_tokens} new tokens each")
 
-    first_compile = {"autoregressive": rj.generate(target, prompts, args.new_tokens).compile_seconds}
-    ar = rj.generate(target, prompts, args.new_tokens)  # compiled now: time the run alone
-    drafter_base = dict(block_size=args.block, num_layers=2, markov_rank=64)
+    first_compile = {"autoregressive": rj.generate(target, prompts, args.max_new_tokens).compile_seconds}
+    ar = rj.generate(target, prompts, args.max_new_tokens)  # compiled now: time the run alone
+    drafter_base = dict(block_size=args.block_size, num_layers=2, markov_rank=64)
     drafters = {
         "DSpark (untrained)": rj.Drafter.init(config, rj.DrafterConfig(**drafter_base), seed=1),
         "ReaDy (untrained)": rj.Drafter.init(config, rj.DrafterConfig(**drafter_base, reader=rj.ReaderConfig()),
                                              seed=1),
-        "scripted, 25% wrong": rj.ScriptedDrafter(np.maximum(ar.tokens, 0), args.block, error_rate=0.25),
+        "scripted, 25% wrong": rj.ScriptedDrafter(np.maximum(ar.tokens, 0), args.block_size, error_rate=0.25),
     }
     rows = [("autoregressive", ar, True)]
     for name, drafter in drafters.items():
-        first_compile[name] = rj.generate(target, prompts, args.new_tokens, drafter=drafter).compile_seconds
-        out = rj.generate(target, prompts, args.new_tokens, drafter=drafter)
+        first_compile[name] = rj.generate(target, prompts, args.max_new_tokens, drafter=drafter).compile_seconds
+        out = rj.generate(target, prompts, args.max_new_tokens, drafter=drafter)
         rows.append((name, out, bool(np.array_equal(out.tokens, ar.tokens))))
 
     print(f"\n{'':22s} {'tau':>5s} {'all-survive':>11s} {'tok/s':>8s} {'vs AR':>6s} {'compile s':>9s}  same as AR")

@@ -26,7 +26,6 @@ measured GPU footprint.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
@@ -37,13 +36,14 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from experiments.bench_generate import PRESETS, target_config
-from experiments.common import write_json
 from ready_jax import cache as cache_lib
+from ready_jax import cli, generation
 from ready_jax import drafter as drafter_lib
-from ready_jax import generation
 from ready_jax import sharding as sharding_lib
 from ready_jax import target as target_lib
+
+from .common import write_json
+from .presets import PRESETS
 
 GIB = 2**30
 
@@ -102,7 +102,7 @@ def _line(name: str, r: dict) -> str:
 
 
 def tiny_zoo(batch: int, prompt_len: int, new_tokens: int) -> dict:
-    target, drafter = rj.Target.load("zoo/target"), rj.Drafter.load("zoo/ready")
+    target, drafter = rj.Target.load(cli.repo_path("zoo", "target")), rj.Drafter.load(cli.repo_path("zoo", "ready"))
     prompts = np.random.default_rng(0).integers(3, target.config.vocab_size, (batch, prompt_len))
     out = {}
     for name, d in (("ar", None), ("ready", drafter)):
@@ -112,7 +112,7 @@ def tiny_zoo(batch: int, prompt_len: int, new_tokens: int) -> dict:
 
 
 def qwen35_27b_config(layers: int) -> rj.TargetConfig:
-    base = target_config(PRESETS["qwen3.5-27b"])
+    base = rj.TargetConfig.qwen3_5_27b()
     return dataclasses.replace(base, num_hidden_layers=layers, layer_types=base.layer_types[:layers])
 
 
@@ -150,16 +150,18 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
     """
     config = qwen35_27b_config(layers)
     sources = tuple(i for i in (layers // 2 - 2, layers - 2) if config.layer_types[i] == "linear_attention")
-    drafter_config = rj.DrafterConfig(block_size=7, num_layers=5, reader=rj.ReaderConfig(
-        source_layers=sources, rank=8, inject_layers=(-1,))).resolve(config)
-    out = {"layers": layers, "drafter": {"block_size": 7, "num_layers": 5, "source_layers": list(sources), "rank": 8}}
+    drafter_config = PRESETS["qwen3.5-27b"].drafter(7, rj.ReaderConfig(source_layers=sources, rank=8,
+                                                                       inject_layers=(-1,))).resolve(config)
+    out = {"layers": layers, "drafter": {"block_size": drafter_config.block_size,
+                                         "num_layers": drafter_config.num_layers, "source_layers": list(sources),
+                                         "rank": drafter_config.reader.rank}}
     for dtype in (jnp.bfloat16, jnp.float32):
         target = rj.Target(nnx.eval_shape(lambda d=dtype: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=d)))
         drafter = rj.Drafter(nnx.eval_shape(lambda d=dtype: drafter_lib.DrafterModel(drafter_config,
                                                                                     rngs=nnx.Rngs(0), dtype=d)))
         if mesh is not None:
             layout = sharding_lib.Layout(sharding_lib.make_mesh(*mesh))
-            target, drafter = sharding_lib.shard_target(target, layout), sharding_lib.shard_drafter(drafter, layout)
+            target, drafter = rj.shard_target(target, layout), rj.shard_drafter(drafter, layout)
         prompts = np.zeros((batch, prompt_len), np.int32)
         for name, d in (("ar", None), ("ready", drafter)):
             run = f"{name}_{jnp.dtype(dtype).name}"
@@ -174,15 +176,15 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=1)
+    parser = cli.parser("experiments.memory", __doc__)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens of the 27B programs")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--skip-27b", action="store_true")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per sequence")
+    parser.add_argument("--skip-27b", action="store_true", help="skip the 27B generate programs")
     parser.add_argument("--skip-init", action="store_true", help="skip the 27B initialisation programs")
     parser.add_argument("--layers", type=int, default=64, help="depth of the 27B geometry (64; less for quick runs)")
     parser.add_argument("--mesh", default=None, help="DxM: compile the 27B programs for a data x model mesh")
-    parser.add_argument("--out")
+    parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     mesh = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else None
     if mesh is not None and math.prod(mesh) > jax.device_count():
@@ -191,14 +193,14 @@ def main(argv=None) -> None:
     results = {"backend": jax.default_backend(),
                "peak_definition": "argument + output + temp - alias bytes of the compiled program; peak_dedup "
                                   "also subtracts the shared embedding / LM head passed twice",
-               "tiny_zoo": tiny_zoo(args.batch, 64, args.new_tokens)}
+               "tiny_zoo": tiny_zoo(args.batch, 64, args.max_new_tokens)}
     if not args.skip_init:
         results["qwen3.5-27b_init"] = init_27b(args.layers)
     if not args.skip_27b:
-        results["qwen3.5-27b"] = abstract_27b(args.batch, args.prompt, args.new_tokens, args.layers, None)
+        results["qwen3.5-27b"] = abstract_27b(args.batch, args.prompt, args.max_new_tokens, args.layers, None)
         if mesh is not None:
             results[f"qwen3.5-27b_per_device_mesh_{args.mesh}"] = abstract_27b(args.batch, args.prompt,
-                                                                              args.new_tokens, args.layers, mesh)
+                                                                              args.max_new_tokens, args.layers, mesh)
     write_json(args.out, results)
 
 

@@ -31,7 +31,6 @@ context attention sees only the last ``--window`` target features.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -46,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from experiments.common import pyplot, save_figure, write_json
-from experiments.compare_zoo import held_out_prompts, summarize, timed
-from ready_jax import data
-from ready_jax.checkpoint import load_target
+from ready_jax import cli, data
+
+from .common import pyplot, save_figure, write_json
+from .compare_zoo import held_out_prompts, summarize, timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +95,13 @@ def run_name(arm: str, seed: int) -> str:
 def train_command(arm: Arm, seed: int, args) -> list[str]:
     runs = Path(args.runs)
     first = arm.base is None
-    cmd = [sys.executable, "-m", "experiments.train_drafter", "--variant", arm.variant, "--target", args.target,
-           "--corpus", args.corpus, "--seed", str(seed), "--distill-cache", str(runs / "distill.npz"),
+    cmd = [sys.executable, "-m", f"{__package__}.train_drafter", "--variant", arm.variant, "--target", str(args.target),
+           "--corpus", str(args.corpus), "--seed", str(seed), "--distill-cache", str(runs / "distill.npz"),
            "--sequences", str(args.sequences), "--steps", str(args.dspark_steps if first else args.extra_steps),
            "--lr", "2e-3" if first else "1e-3", "--warmup", "20" if first else "10",
            "--eval-every", "100000", "--checkpoint-every", "50", "--log-every", "50",
-           "--workdir", str(runs / "work" / run_name(arm.name, seed)), "--out", str(runs / run_name(arm.name, seed))]
+           "--workdir", str(runs / "work" / run_name(arm.name, seed)),
+           "--save-dir", str(runs / run_name(arm.name, seed))]
     if first:
         cmd += ["--num-layers", str(DRAFT_LAYERS)]
     else:
@@ -121,10 +121,13 @@ def train(args, table: tuple[Arm, ...]) -> None:
         todo.insert(0, todo.pop(first))
     running: dict[str, subprocess.Popen] = {}
     failed = []
+    progress = cli.Progress("table: training", len(todo), "runs finished", every_s=60)
     while todo or running:
+        finished = 0
         for name, proc in list(running.items()):
             if proc.poll() is not None:
                 del running[name]
+                finished += 1
                 print(f"{'done' if proc.returncode == 0 else 'FAILED'}: {name}", flush=True)
                 if proc.returncode:
                     failed.append(name)
@@ -137,13 +140,16 @@ def train(args, table: tuple[Arm, ...]) -> None:
             if base_failed:
                 todo.remove((arm, seed))
                 failed.append(run_name(arm.name, seed))
+                finished += 1
             elif base_ready:
                 todo.remove((arm, seed))
                 name = run_name(arm.name, seed)
                 log = open(runs / "logs" / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
                 print(f"start: {name}", flush=True)
                 running[name] = subprocess.Popen(train_command(arm, seed, args), stdout=log, stderr=subprocess.STDOUT)
+        progress.update(finished, detail=f"running {', '.join(running)}" if running else "")
         time.sleep(5)
+    progress.close()
     if failed:
         raise SystemExit(f"training failed for {failed}; see {runs / 'logs'}")
 
@@ -176,13 +182,13 @@ def ship(args) -> None:
 
 
 def relative(path) -> str:
-    """``path`` relative to the working directory (the repository root), as the manifest records it."""
-    return os.path.relpath(os.path.abspath(path))
+    """``path`` relative to the repository root, as the manifest records it."""
+    return os.path.relpath(os.path.abspath(path), cli.repo_root())
 
 
 def repo_relative(record):
-    """A manifest record with absolute paths under the working directory (as in recorded commands) made relative."""
-    root = os.path.abspath(".") + os.sep
+    """A manifest record with absolute paths under the repository root (as in recorded commands) made relative."""
+    root = str(cli.repo_root()) + os.sep
     if isinstance(record, dict):
         return {k: repo_relative(v) for k, v in record.items()}
     return record.replace(root, "") if isinstance(record, str) else record
@@ -202,8 +208,11 @@ def evaluate(args, target: rj.Target, table: tuple[Arm, ...]) -> dict:
     ids = np.asarray([p["ids"] for p in prompts], np.int32)
     kinds = np.asarray([p["kind"] for p in prompts])
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}), "
-          f"{args.prompt_tokens} tokens each, {args.new_tokens} new tokens, greedy")
-    ar, ar_compile = timed(target, ids, args.new_tokens, None, args.repeats)
+          f"{args.prompt_tokens} tokens each, {args.max_new_tokens} new tokens, greedy")
+    total = 1 + sum(len(args.seeds if arm.all_seeds else args.seeds[:1]) for arm in table)
+    progress = cli.Progress("table: evaluating", total, "runs (AR included)")
+    ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
+    progress.update()
     per_run = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0)}
     for arm in table:
         for seed in args.seeds if arm.all_seeds else args.seeds[:1]:
@@ -211,9 +220,10 @@ def evaluate(args, target: rj.Target, table: tuple[Arm, ...]) -> dict:
             path = runs / name
             if not (path / "model.safetensors").exists():
                 print(f"missing {path}: not evaluated")
+                progress.update()
                 continue
             drafter = rj.Drafter.load(path, dtype=jnp.float32)
-            out, compile_seconds = timed(target, ids, args.new_tokens, drafter, args.repeats)
+            out, compile_seconds = timed(target, ids, args.max_new_tokens, drafter, args.repeats)
             identical = bool(np.array_equal(out.tokens, ar.tokens))
             if not identical:
                 raise SystemExit(f"{name}: speculative output differs from autoregressive greedy decoding")
@@ -224,6 +234,8 @@ def evaluate(args, target: rj.Target, table: tuple[Arm, ...]) -> dict:
                                  val_tau_teacher_forced=trained.get("val_tau_teacher_forced"))
             print(f"{name:<26} tau {out.tau:5.2f}  survive {out.full_accept_rate:6.1%}  "
                   f"{out.tokens_per_second:7.1f} tok/s  {per_run[name]['speedup']:.2f}x", flush=True)
+            progress.update()
+    progress.close()
     return {"prompts": [{k: p[k] for k in ("kind", "name")} for p in prompts], "runs": per_run,
             "arms": aggregate(per_run, table, args.seeds), "gains": gains(per_run, args.seeds)}
 
@@ -294,30 +306,31 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("train", "ship", "evaluate"))
-    parser.add_argument("--target", default="zoo/target", help="trained target (project format, with tokenizer)")
-    parser.add_argument("--corpus", default="runs/corpus")
-    parser.add_argument("--runs", default="runs/table", help="drafters, their work dirs and logs")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = cli.parser("experiments.reproduce_table", __doc__)
+    parser.add_argument("step", choices=("train", "ship", "evaluate"), help="what to do (see above)")
+    parser.add_argument("--target", default=cli.repo_path("zoo", "target"),
+                        help="trained target (project format, with tokenizer)")
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
+    parser.add_argument("--runs", default=cli.repo_path("runs", "table"), help="drafters, their work dirs and logs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the main arms")
     parser.add_argument("--window", type=int, default=16, help="context window of the sliding-window arms")
     parser.add_argument("--jobs", type=int, default=2, help="trainings at a time")
     parser.add_argument("--sequences", type=int, default=256, help="self-distilled training sequences")
     parser.add_argument("--dspark-steps", type=int, default=300, help="steps of drafters trained from scratch")
     parser.add_argument("--extra-steps", type=int, default=200, help="steps of drafters continued from a DSpark")
     parser.add_argument("--prompts", type=int, default=24, help="held-out prompts, a third of each kind")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--prompt-seed", type=int, default=0)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per held-out prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
+    parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out prompts")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per drafter (the fastest is kept)")
-    parser.add_argument("--zoo", default="zoo", help="ship: the zoo directory to replace")
+    parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="ship: the zoo directory to replace")
     parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
     parser.add_argument("--plot", default=None, help="write a PNG of tau per arm here (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.step == "ship":
         ship(args)
         return
-    target = load_target(args.target, dtype=jnp.float32)
+    target = rj.Target.load(args.target, dtype=jnp.float32)
     table = arms(target.config, args.window)
     if args.step == "train":
         train(args, table)

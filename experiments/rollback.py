@@ -4,7 +4,7 @@ and ``rj.generate``).
 ``checkpoint``: verify keeps the recurrent state after every block position and commit selects one.
 ``replay``: verify keeps the state before the block and the block's delta-rule inputs, and commit
 recomputes the kept tokens' updates. For each number of drafts gamma (verify block = anchor + gamma
-tokens), on a random target of a ``bench_generate`` preset after a random prompt:
+tokens), on a random target of a preset (``experiments.presets``) after a random prompt:
 
 * median time of verify and of commit (keeping half the block), and their sum, the target's part of a
   round (``experiments.bench_generate.verify_commit_timings``);
@@ -15,7 +15,7 @@ tokens), on a random target of a ``bench_generate`` preset after a random prompt
 Default: the ``cpu`` preset (8 layers, hidden 512, 8 GDN value heads of 64 x 64), prompt 128, gamma
 1, 2, 4, 8, 16; a few minutes on 2 cores. CPU times compare the two strategies with each other.
 
-    python -m experiments.rollback [--preset cpu] [--blocks 1,2,4,8,16] [--out results/rollback_cpu.json] \\
+    python -m experiments.rollback [--preset cpu] [--block-sizes 1,2,4,8,16] [--out results/rollback_cpu.json] \\
         [--plot results/rollback_cpu.png]
 
 The plot needs matplotlib (``pip install -e .[plots]``); without it the plot is skipped.
@@ -23,7 +23,6 @@ The plot needs matplotlib (``pip install -e .[plots]``); without it the plot is 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
@@ -32,12 +31,14 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from experiments.bench_generate import PRESETS, target_config, verify_commit_timings
-from experiments.common import pyplot, save_figure, write_json
 from ready_jax import cache as cache_lib
+from ready_jax import cli
 from ready_jax import target as target_lib
+from ready_jax.modes import ROLLBACKS
 
-ROLLBACKS = target_lib.ROLLBACKS
+from .bench_generate import verify_commit_timings
+from .common import pyplot, save_figure, write_json
+from .presets import PRESETS
 
 
 def candidate_state_bytes(graphdef, params, cache: rj.TargetCache, block_bt, ids, rollback: str) -> int:
@@ -82,32 +83,31 @@ def plot(path: str | None, results: dict, preset: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.rollback", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
-    parser.add_argument("--blocks", default="1,2,4,8,16", help="drafts per round (gamma) to measure")
-    parser.add_argument("--prompt", type=int, help="prompt length (default: the preset's)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--block-sizes", default="1,2,4,8,16", help="drafts per round (gamma) to measure")
+    parser.add_argument("--prompt", type=int, help="prompt length (None: the preset's)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="weights, prompt and blocks")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
-    dtype = jnp.dtype(preset["dtype"])
-    gammas = [int(g) for g in args.blocks.split(",")]
-    prompt_len = args.prompt or preset["prompt"]
-    config = target_config(preset)
+    dtype = jnp.dtype(preset.dtype)
+    gammas = [int(g) for g in args.block_sizes.split(",")]
+    prompt_len = args.prompt or preset.prompt
+    config = preset.target
     # The hidden states a drafter would ask verify for (they are part of the real verify's work).
-    ids = rj.DrafterConfig(num_layers=preset["drafter_layers"]).resolve(config).target_layer_ids
+    ids = preset.drafter().resolve(config).target_layer_ids
 
     target = rj.Target.init(config, seed=args.seed, dtype=dtype)
     rng = np.random.default_rng(args.seed)
     prompts = jnp.asarray(rng.integers(0, config.vocab_size, size=(args.batch, prompt_len)))
     cache = target.prefill(target.init_cache(args.batch, prompt_len + max(gammas) + 1), prompts).cache
     paper_preset = PRESETS["qwen3.5-27b"]
-    paper = abstract_target(target_config(paper_preset), args.batch, 4096, jnp.dtype(paper_preset["dtype"]))
-    paper_ids = rj.DrafterConfig(num_layers=paper_preset["drafter_layers"]).resolve(
-        target_config(paper_preset)).target_layer_ids
+    paper = abstract_target(paper_preset.target, args.batch, 4096, jnp.dtype(paper_preset.dtype))
+    paper_ids = paper_preset.drafter().resolve(paper_preset.target).target_layer_ids
 
     keys = ("verify_s", "commit_s", "round_s", "temp_bytes", "output_bytes", "argument_bytes",
             "candidate_state_bytes", "candidate_state_bytes_qwen3.5-27b")

@@ -44,7 +44,6 @@ share one compiled program; compile time is excluded from ``wall_time`` and repo
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -57,10 +56,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from experiments.common import write_json
-from ready_jax.checkpoint import load_target
+from ready_jax import checkpoint, cli
 
-QUESTIONS = "../shared/data/spec_bench/question.jsonl"  # relative to the repository root
+from .common import convert_module, write_json
+
+QUESTIONS = cli.repo_path("..", "shared", "data", "spec_bench", "question.jsonl")
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -71,13 +71,13 @@ def _format(path: Path) -> str | None:
     config = path / "config.json"
     if not config.is_file():
         raise SystemExit(f"{path} has no config.json: not a checkpoint directory")
-    return json.loads(config.read_text()).get("format")
+    return checkpoint.checkpoint_format(path)
 
 
 def load_target_dir(path: Path, dtype) -> rj.Target:
     """The project's target format (``format: ready-jax-target``) or an HF checkpoint directory."""
     if _format(path) == "ready-jax-target":
-        return load_target(path, dtype=dtype)
+        return rj.Target.load(path, dtype=dtype)
     return rj.Target.from_hf(path, dtype=dtype)
 
 
@@ -85,25 +85,19 @@ def load_drafter_dir(path: Path, dtype) -> rj.Drafter:
     """The project's drafter format (``format: ready-jax-drafter``) or a DeepSpec DSpark checkpoint."""
     if _format(path) == "ready-jax-drafter":
         return rj.Drafter.load(path, dtype=dtype)
-    from convert.deepspec import load_deepspec
-    return load_deepspec(str(path), dtype=dtype)[0]  # generate uses the target's own embedding and LM head
+    # generate uses the target's own embedding and LM head
+    return convert_module("deepspec").load_deepspec(str(path), dtype=dtype)[0]
 
 
 # ---- questions and chat templates -------------------------------------------------------------------------
-def read_questions(path: str, categories: list[str] | None = None, limit: int | None = None,
+def read_questions(path: str | Path, categories: list[str] | None = None, limit: int | None = None,
                    per_category: int | None = None) -> list[dict]:
     """Spec-Bench questions in file order: of the given categories (``mt_bench`` names its 8), the first
     ``per_category`` of each category, at most ``limit`` in all."""
     questions = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            q = json.loads(line)
-            missing = {"question_id", "category", "turns"} - q.keys()
-            if missing:
-                raise SystemExit(f"{path}:{number}: a question needs {sorted(missing)}")
-            questions.append(q)
+    for where, q in read_jsonl(path, "question", ("question_id", "category", "turns")):
+        _check_question(q, where)
+        questions.append(q)
     if categories:
         present = {q["category"] for q in questions}
         expanded = {name: set(MT_BENCH if name == "mt_bench" else (name,)) for name in categories}
@@ -119,6 +113,46 @@ def read_questions(path: str, categories: list[str] | None = None, limit: int | 
                 kept.append(q)
         questions = kept
     return questions[:limit]
+
+
+def read_jsonl(path: str | Path, what: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(``"path:line"``, object) for each non-blank line of a JSON-lines file of ``what`` records, each holding
+    ``fields``; a missing or unreadable file, a line that is not a JSON object or one without a field exits
+    with a message naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise SystemExit(f"the {what} file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"cannot read the {what} file {path}: {e}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise SystemExit(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise SystemExit(f"{where}: each {what} must be a JSON object, got a JSON {type(record).__name__}")
+        missing = [k for k in fields if k not in record]
+        if missing:
+            raise SystemExit(f"{where}: each {what} needs {missing}")
+        records.append((where, record))
+    return records
+
+
+def _check_question(q: dict, where: str) -> None:
+    """Exit naming ``where`` unless ``q`` has an integer id, a category name and a list of turn texts."""
+    if isinstance(q["question_id"], bool) or not isinstance(q["question_id"], int):
+        raise SystemExit(f"{where}: question_id must be an integer, got {q['question_id']!r}")
+    if not isinstance(q["category"], str):
+        raise SystemExit(f"{where}: category must be a string, got {q['category']!r}")
+    turns = q["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise SystemExit(f"{where}: turns must be a non-empty list of strings, got {turns!r}")
 
 
 class ChatTemplate:
@@ -250,9 +284,18 @@ def answer_question(target, tokenizer, template: ChatTemplate, question: dict, m
 
 
 # ---- summary ----------------------------------------------------------------------------------------------
-def read_answers(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_answers(path: str | Path) -> list[dict]:
+    """Spec-Bench answers (one JSON object a line), checked for what :func:`summarize` reads."""
+    answers = []
+    for where, answer in read_jsonl(path, "answer", ("question_id", "category", "choices")):
+        choices = answer["choices"]
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise SystemExit(f"{where}: choices must be a non-empty list of objects, got {choices!r}")
+        missing = [k for k in ("turns", "new_tokens", "wall_time") if k not in choices[0]]
+        if missing:
+            raise SystemExit(f"{where}: each answer's first choice needs {missing}")
+        answers.append(answer)
+    return answers
 
 
 def _in_group(category: str, group: str) -> bool:
@@ -297,49 +340,54 @@ def write_answers(path: Path, answers: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.spec_bench", __doc__)
     parser.add_argument("--target", required=True, help="HF or project-format target directory")
     parser.add_argument("--drafter", help="project-format or DeepSpec drafter directory (none: autoregressive)")
-    parser.add_argument("--tokenizer", help="tokenizer.json (default: the target directory's)")
+    parser.add_argument("--tokenizer", help="tokenizer.json (None: the target directory's)")
     parser.add_argument("--questions", default=QUESTIONS, help="Spec-Bench question JSONL")
     parser.add_argument("--categories", help="comma-separated categories (mt_bench: its 8 categories)")
     parser.add_argument("--per-category", type=int, help="only the first N questions of each category")
     parser.add_argument("--limit", type=int, help="at most this many questions (after the other selections)")
-    parser.add_argument("--chat-template", choices=("chatml", "none", "hf"), default="chatml")
+    parser.add_argument("--chat-template", choices=("chatml", "none", "hf"), default="chatml",
+                        help="how turns become a prompt (see above)")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (Spec-Bench: 1024)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=4096)
+    parser.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt kept whole")
     parser.add_argument("--prompt-bucket", type=int, default=256,
                         help="pad prompts to a multiple of this many tokens (fewer compiles, a little more prefill)")
     parser.add_argument("--too-long", choices=("skip", "truncate"), default="skip",
                         help="a prompt over --max-prompt-tokens: skip its question, or keep its last tokens")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (plus the question id)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question first")
     parser.add_argument("--with-ar", action="store_true", help="also run the AR baseline, question by question")
     parser.add_argument("--baseline", help="AR answers (Spec-Bench JSONL) of an earlier run to compare against")
-    parser.add_argument("--model-id", help="default: <target>-<drafter or ar>-temp-<temperature>")
-    parser.add_argument("--out-dir", default="runs/spec_bench", help="answers and summary go here")
+    parser.add_argument("--model-id", help="answers' model id (None: <target>-<drafter or ar>-temp-<temperature>)")
+    parser.add_argument("--out-dir", default=cli.repo_path("runs", "spec_bench"), help="answers and summary go here")
     args = parser.parse_args(argv)
     if args.with_ar and args.baseline:
         parser.error("--with-ar and --baseline both give the baseline: pass one")
     if args.with_ar and not args.drafter:
         parser.error("--with-ar compares a drafter with AR: pass --drafter")
 
+    questions = read_questions(args.questions, args.categories.split(",") if args.categories else None, args.limit,
+                               args.per_category)
+    if not questions:
+        raise SystemExit(f"no questions selected from {args.questions}")
+    baseline = read_answers(args.baseline) if args.baseline else None
     dtype = jnp.dtype(args.dtype)
     target_dir = Path(args.target)
-    target = load_target_dir(target_dir, dtype)
+    try:
+        target = load_target_dir(target_dir, dtype)
+        drafter = load_drafter_dir(Path(args.drafter), dtype) if args.drafter else None
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     tokenizer_path = Path(args.tokenizer or target_dir / "tokenizer.json")
     if not tokenizer_path.is_file():
         raise SystemExit(f"no tokenizer at {tokenizer_path} (pass --tokenizer)")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     template = ChatTemplate(args.chat_template, tokenizer, tokenizer_path.parent)
     stops = stop_ids(target, tokenizer, target_dir, args.chat_template)
-    drafter = load_drafter_dir(Path(args.drafter), dtype) if args.drafter else None
-    questions = read_questions(args.questions, args.categories.split(",") if args.categories else None, args.limit,
-                               args.per_category)
-    if not questions:
-        raise SystemExit(f"no questions selected from {args.questions}")
 
     def model_id(drafter_path: str | None) -> str:
         return f"{target_dir.name}-{Path(drafter_path).name if drafter_path else 'ar'}-temp-{args.temperature:g}"
@@ -353,8 +401,10 @@ def main(argv=None) -> None:
     for _ in range(args.warmup):
         answer_question(target, tokenizer, template, questions[0], methods, args, stops)
     answers, skipped, notes = [[] for _ in methods], [], []
+    progress = cli.Progress("spec-bench", len(questions), "questions")
     for number, question in enumerate(questions, 1):
         result, messages = answer_question(target, tokenizer, template, question, methods, args, stops)
+        progress.update()
         notes += messages
         for message in messages:
             print(message)
@@ -367,13 +417,14 @@ def main(argv=None) -> None:
         print(f"[{number}/{len(questions)}] question {question['question_id']} ({question['category']}): "
               f"{sum(choice['new_tokens'])} tokens in {sum(choice['wall_time']):.2f} s, tau "
               f"{np.mean(choice['accept_lengths']) if choice['accept_lengths'] else float('nan'):.2f}")
+    progress.close()
     if not answers[0]:
         raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
 
     out_dir = Path(args.out_dir)
     for method, method_answers in zip(methods, answers, strict=True):
         write_answers(out_dir / f"{method.model_id}.jsonl", method_answers)
-    baseline = answers[1] if args.with_ar else read_answers(args.baseline) if args.baseline else None
+    baseline = answers[1] if args.with_ar else baseline
     summary = summarize(answers[0], baseline)
     print(f"{'category':<16}{'questions':>10}{'tau':>7}{'tok/s':>9}" + (f"{'AR tok/s':>10}{'speedup':>9}{'same':>6}"
                                                                         if baseline is not None else ""))

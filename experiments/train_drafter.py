@@ -8,18 +8,24 @@ Variants (the paper's comparison):
 - ``dspark-ft``: the control: continues the same DSpark checkpoint for the same steps, without state
   access, so ReaDy's gain over it is the reader's, not the extra training's.
 
-Training data is self-distilled: the target continues corpus prompts (``ready_jax.generate``); the
+Training data is self-distilled: the target continues corpus prompts (``ready_jax.generate``), the corpus
+encoded with the tokenizer the target ships (``tokenizer.json``, for the documents of its
+``corpus_manifest.json``) whatever this Python's stdlib; the
 target's features, logits and GDN states are recomputed at every step (see
 ``ready_jax.drafter_training``). Rerunning the same command resumes from the workdir's checkpoints.
+A workdir is never wiped: rerunning into one that holds a run with other settings (e.g. another
+``--num-layers``) exits with an error naming them and deletes nothing; rerun with the saved settings or
+give another ``--workdir``. A checkpoint whose hash record (``<workdir>/checkpoint_hashes/<step>.json``)
+is missing is kept and refused too, unless ``--resume-unverified``; only checkpoints proven damaged or
+cut short mid-save are deleted.
 
-    python -m experiments.train_drafter --variant dspark --target zoo/target --steps 400 --out zoo/dspark
-    python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 200 --out zoo/ready
-    python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 200 --out zoo/dspark_ft
+    python -m experiments.train_drafter --variant dspark --target zoo/target --steps 400 --save-dir zoo/dspark
+    python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 200 --save-dir zoo/ready
+    python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 200 --save-dir zoo/dspark_ft
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -32,9 +38,8 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import data, training
+from ready_jax import cli, data, modes, provenance, training
 from ready_jax import drafter_training as dt
-from ready_jax.checkpoint import load_target
 
 
 def build_drafter(args, target: rj.Target) -> rj.Drafter:
@@ -57,62 +62,70 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", required=True, choices=dt.VARIANTS)
-    parser.add_argument("--target", default="zoo/target", help="trained target (project format)")
-    parser.add_argument("--corpus", default="runs/corpus", help="corpus directory (built on first use)")
+    parser = cli.parser("experiments.train_drafter", __doc__)
+    parser.add_argument("--variant", required=True, choices=dt.VARIANTS, help="which drafter (see above)")
+    parser.add_argument("--target", default=cli.repo_path("zoo", "target"), help="trained target (project format)")
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
+                        help="corpus directory (built on first use, encoded with the target's tokenizer.json "
+                        "where its directory ships one)")
     parser.add_argument("--init-from", default=None, help="DSpark drafter to start from (ready, dspark-ft)")
-    parser.add_argument("--workdir", default=None, help="checkpoints and metrics (default runs/drafter_<variant>)")
-    parser.add_argument("--out", default=None, help="write the trained drafter here")
-    parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--workdir", default=None, help="checkpoints and metrics (None: runs/drafter_<variant>)")
+    parser.add_argument("--save-dir", default=None, help="write the trained drafter here")
+    parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="parameter dtype of the saved drafter")
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
     parser.add_argument("--seed", type=int, default=0, help="drafter initialisation and batch order")
-    parser.add_argument("--impl", default="xla", choices=("xla", "pallas"),
+    parser.add_argument("--impl", default="xla", choices=modes.IMPLS,
                         help="the teacher pass's Gated DeltaNet: XLA or the fused Pallas kernel (for GPUs)")
     parser.add_argument("--data-seed", type=int, default=0, help="which corpus prompts are self-distilled")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (x anchors per sequence)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=20, help="learning-rate warmup steps")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validations")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--resume-unverified", action="store_true",
+                        help="resume from the newest checkpoint even if its hash record is missing (it is "
+                        "restored if orbax reads it and the settings match, and its record is written anew)")
     # drafter shape (dspark) and reader (ready)
-    parser.add_argument("--block-size", type=int, default=7)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--markov-rank", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (dspark)")
+    parser.add_argument("--num-layers", type=int, default=2, help="draft layers (dspark)")
+    parser.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (dspark)")
     parser.add_argument("--context-window", type=int, default=None,
-                        help="draft attention sees only the last N committed context tokens (default: all)")
+                        help="draft attention sees only the last N committed context tokens (None: all)")
     parser.add_argument("--source-layers", type=int, nargs="+", default=None,
-                        help="target GDN layers the reader reads (default: nearest L/2-2 and L-2)")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--inject-layers", type=int, nargs="+", default=[-1])
-    parser.add_argument("--reader-kind", default="state", choices=("state", "kv"),
+                        help="target GDN layers the reader reads (None: nearest L/2-2 and L-2)")
+    parser.add_argument("--rank", type=int, default=8, help="reader rank (ready)")
+    parser.add_argument("--inject-layers", type=int, nargs="+", default=[-1],
+                        help="draft layers holding the reader (ready; negative counts from the end)")
+    parser.add_argument("--reader-kind", default="state", choices=modes.READER_KINDS,
                         help="read committed GDN states (ReaDy) or the attention layers' KV cache (baseline)")
     # self-distillation and anchors
     parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per distilled sequence, prompt included")
     parser.add_argument("--stride", type=int, default=8, help="tokens between anchors")
-    parser.add_argument("--distill-temperature", type=float, default=0.0)
+    parser.add_argument("--distill-temperature", type=float, default=0.0,
+                        help="the target's sampling temperature when distilling (0: greedy)")
     parser.add_argument("--distill-cache", default=None, help="where the distilled sequences are kept "
-                        "(default runs/distill_<data-seed>.npz; variants sharing it train on the same data; "
-                        "regenerated when the settings or the target's weights differ)")
+                        "(None: runs/distill_<data-seed>.npz; variants sharing it train on the same data; "
+                        "regenerated when the settings or the target's weights differ or it cannot be read; "
+                        "written at exactly this path, whatever its suffix)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    workdir = Path(args.workdir or f"runs/drafter_{args.variant}")
+    workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
     produced_by = training.run_provenance(workdir, "experiments.train_drafter", argv)
 
-    target = load_target(args.target, dtype=jnp.float32)  # the shipped (bf16) weights, computed in fp32
-    corpus = data.prepare_corpus(args.corpus)
-    shipped = Path(args.target) / "tokenizer.json"
-    if shipped.exists() and shipped.read_text() != (corpus.path / "tokenizer.json").read_text():
-        raise SystemExit(f"the corpus at {args.corpus} was tokenized differently from the target's {shipped}: "
-                         "prompts would be other tokens; give the corpus directory the target was trained on")
+    target = rj.Target.load(args.target, dtype=jnp.float32)  # the shipped (bf16) weights, computed in fp32
+    try:
+        corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
                                       temperature=args.distill_temperature, seed=args.data_seed)
+    distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
     start = time.perf_counter()
-    train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config,
-                                             args.distill_cache or f"runs/distill_{args.data_seed}.npz")
+    train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config, distill_cache)
     print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
           f"({time.perf_counter() - start:.0f} s)")
 
@@ -123,23 +136,27 @@ def main(argv=None) -> None:
           f"reader {drafter.config.reader}")
     optim = training.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
     loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
-                               checkpoint_every=args.checkpoint_every)
+                               checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
     meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
             "optim": dataclasses.asdict(optim), "distill": dataclasses.asdict(distill_config),
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from}
     start = time.perf_counter()
-    trained = dt.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
-                               batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
+    try:
+        trained = dt.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
+                                   batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
+    except training.ResumeError as e:
+        raise SystemExit(f"error: {e}") from None
     final = dt.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size, args.impl)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if args.out:
+    if args.save_dir:
         rj.Drafter(nnx.merge(trained.graphdef, training.cast(trained.params, jnp.dtype(args.export_dtype)))).save(
-            args.out)
-        training.record_artifacts(args.out, dict(produced_by, summary=summary))
-        print(f"wrote {args.out}")
+            args.save_dir)
+        export_command = provenance.command_line("experiments.train_drafter", argv)
+        training.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
+        print(f"wrote {args.save_dir}")
 
 
 if __name__ == "__main__":

@@ -3,14 +3,19 @@
 Builds (or reuses) the corpus directory (tokenizer, split manifest, token streams), trains with AdamW
 (warmup + cosine decay, gradient clipping) in fp32 on fixed-length windows, evaluates validation loss
 and perplexity, checkpoints with orbax (rerunning the same command resumes exactly), and with
-``--export`` writes the final weights in the project's target format (bf16 by default).
+``--save-dir`` writes the final weights in the project's target format (bf16 by default).
 
-    python -m experiments.train_target --workdir runs/target --steps 2000 --export zoo/target
+A workdir is never wiped: rerunning into one that holds a run with other settings (any option that
+changes the model, optimiser or data, e.g. ``--hidden``) exits with an error naming them and deletes
+nothing; rerun with the saved settings or give another ``--workdir``. A checkpoint whose hash record
+(``<workdir>/checkpoint_hashes/<step>.json``) is missing is kept and refused too, unless
+``--resume-unverified``; only checkpoints proven damaged or cut short mid-save are deleted.
+
+    python -m experiments.train_target --workdir runs/target --steps 2000 --save-dir zoo/target
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -24,35 +29,40 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import data, training
+from ready_jax import cli, data, modes, provenance, training
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", default="runs/corpus", help="corpus directory (built on first use)")
-    parser.add_argument("--workdir", default="runs/target", help="checkpoints and metrics.jsonl")
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8, help="a multiple of 4")
-    parser.add_argument("--intermediate", type=int, default=768)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--impl", default="xla", choices=("xla", "pallas"),
+    parser = cli.parser("experiments.train_target", __doc__)
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
+                        help="corpus directory (built on first use)")
+    parser.add_argument("--workdir", default=cli.repo_path("runs", "target"), help="checkpoints and metrics.jsonl")
+    parser.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size of the corpus")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
+    parser.add_argument("--intermediate", type=int, default=768, help="MLP size")
+    parser.add_argument("--steps", type=int, default=2000, help="training steps (the schedule's length)")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per step")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=100, help="learning-rate warmup steps")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
+    parser.add_argument("--impl", default="xla", choices=modes.IMPLS,
                         help="Gated DeltaNet forward: XLA or the fused Pallas kernel (for GPUs; interpreted on a CPU)")
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    parser.add_argument("--eval-every", type=int, default=250, help="steps between validations")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="end this run at this step (checkpointed; the schedule still spans --steps)")
+    parser.add_argument("--resume-unverified", action="store_true",
+                        help="resume from the newest checkpoint even if its hash record is missing (it is "
+                        "restored if orbax reads it and the settings match, and its record is written anew)")
     parser.add_argument("--val-windows", type=int, default=64, help="validation windows per evaluation")
-    parser.add_argument("--export", default=None, help="write the trained target here (project format)")
-    parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--save-dir", default=None, help="write the trained target here (project format)")
+    parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="parameter dtype of the saved target")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     produced_by = training.run_provenance(args.workdir, "experiments.train_target", argv)
@@ -80,24 +90,28 @@ def main(argv=None) -> None:
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
     loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
-                               checkpoint_every=args.checkpoint_every, stop_after=args.stop_after)
+                               checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
+                               resume_unverified=args.resume_unverified)
     start = time.perf_counter()
-    state = training.train_loop(training.TrainState.create(target.params, optimizer, args.seed), step_fn, batch_fn,
-                                loop, args.workdir, eval_fn=eval_fn, meta=meta)
+    try:
+        state = training.train_loop(training.TrainState.create(target.params, optimizer, args.seed), step_fn,
+                                    batch_fn, loop, args.workdir, eval_fn=eval_fn, meta=meta)
+    except training.ResumeError as e:
+        raise SystemExit(f"error: {e}") from None
     final = eval_fn(state.params)
     summary = {"steps": int(state.step), "params": num_params, "wall_seconds_this_run": time.perf_counter() - start,
                **final, "tokens_seen": int(state.step) * args.batch_size * args.seq_len}
     print(json.dumps(summary))
     Path(args.workdir, "summary.json").write_text(json.dumps(summary, indent=1))
-    if args.export:
+    if args.save_dir:
         rj.Target(nnx.merge(target.graphdef, training.cast(state.params, jnp.dtype(args.export_dtype)))).save(
-            args.export)
+            args.save_dir)
         # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
-        shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.export) / "tokenizer.json")
-        shutil.copy(Path(args.corpus) / "manifest.json", Path(args.export) / "corpus_manifest.json")
-        training.record_artifacts(args.export, dict(produced_by, export_command=training.provenance(
-            "experiments.train_target", argv)["command"], summary=summary))
-        print(f"wrote {args.export}")
+        shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
+        shutil.copy(Path(args.corpus) / "manifest.json", Path(args.save_dir) / "corpus_manifest.json")
+        export_command = provenance.command_line("experiments.train_target", argv)
+        training.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
+        print(f"wrote {args.save_dir}")
 
 
 if __name__ == "__main__":

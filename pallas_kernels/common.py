@@ -117,7 +117,7 @@ def lower_for_gpu(fn: Callable[..., Any], *args: Any, device_kind: str = GPU_DEV
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Triton-safe contractions (added with state_gather / state_reader)
+# Triton-safe contractions
 # --------------------------------------------------------------------------------------------------------------
 
 MIN_DOT_DIM = 16  # Triton's tl.dot contract: M, N, K >= 16. The Pallas -> Triton IR lowering does not check it

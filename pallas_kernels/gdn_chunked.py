@@ -1,39 +1,16 @@
-"""Gated DeltaNet prefill / training form as two Pallas (Triton) kernels, with the XLA reference beside it.
+"""Gated DeltaNet prefill / training form as two Pallas (Triton) kernels, differentiable.
 
-``gdn_chunked`` has the signature and semantics of ``ready_jax.gated_delta.gated_delta_chunked`` (see that
-module for the math): q, k ``[B, T, H_k, d_k]`` not yet normalised, v ``[B, T, H_v, d_v]``, g and beta
-``[B, T, H_v]`` fp32, initial_state ``[B, H_v, d_k, d_v]`` fp32 or None; it returns o ``[B, T, H_v, d_v]`` in v's
-dtype and the fp32 final state ``[B, H_v, d_k, d_v]``. Like the reference it is differentiable: the backward pass
-is the reference's (``jax.vjp`` of ``gated_delta_chunked``, recomputed from the inputs), so gradients with
-``impl="pallas"`` are the reference's gradients and only the forward pass is fused.
+Reference: ``ready_jax.ops.gated_delta.gated_delta_chunked``; :func:`gdn_chunked` takes its arguments and returns
+its results. q, k ``[B, T, H_k, d_k]`` not yet normalised, v ``[B, T, H_v, d_v]``, g, beta ``[B, T, H_v]``,
+initial_state ``[B, H_v, d_k, d_v]`` fp32 or None (zeros) -> o ``[B, T, H_v, d_v]`` in v's dtype and the fp32
+final state ``[B, H_v, d_k, d_v]``.
 
-The chunked algorithm (T cut into chunks of C tokens; the reference's docstring has the derivation) splits into
-a part that is parallel over chunks and a part that carries the state from chunk to chunk. One kernel each:
-
-1. ``prepare`` — grid ``(B, H_v, N)``, one program per chunk, fully parallel. From the chunk's q, k, v, g and beta
-   it forms, on chip, the cumulative log-decay gc, the decay matrix, the causal intra-chunk scores
-   ``attn = (q k^T) * decay`` and the strictly lower ``A = beta (k k^T) * decay``, inverts ``I + A`` and solves the
-   UT transform ``[u | w] = (I + A)^-1 [beta v | beta exp(gc) k]``. It writes u ``[C, d_v]``, w ``[C, d_k]`` and
-   attn ``[C, C]`` (fp32); the C x C intermediates other than attn never reach HBM.
-2. ``scan`` — grid ``(B, H_v, d_v / block_v)``, one program per (sequence, value head, block of value columns),
-   each owning its ``[d_k, block_v]`` fp32 state block in registers for the whole sequence (columns of the state
-   evolve independently). A loop over the N chunks reads q, k, g, u, w and attn of the chunk and does the
-   reference's ``chunk_step``: ``u -= w S``, ``o = (q exp(gc)) S + attn u``,
-   ``S = exp(gc_C) S + (k exp(gc_C - gc))^T u``.
-   The final state is written once, into initial_state's buffer (``input_output_aliases``).
-
-Numerics follow the reference: everything in fp32, every dot ``precision=HIGHEST`` (IEEE fp32 on Triton, not
-TF32), and the decay between tokens j < i summed directly over (j, i] (as a product with a triangular matrix of
-ones) rather than as the difference gc_i - gc_j of two large cumulative sums. The one regrouped step is the
-inverse of the unit-lower-triangular ``I + A``: the reference substitutes row by row, the kernel inverts recursively
-by blocks so that the work is 2 log2(C) dense C x C dots (``_unit_lower_inverse``).
-
-Triton needs power-of-2 tensors and dots with every dimension >= 16: d_k and d_v are zero-padded to powers of 2
-(zero key/query components and zero value columns change nothing that is kept), C is a power of 2 >= 16, and T
-is zero-padded to a multiple of C with g = beta = 0, which leaves the state unchanged (as in the reference).
-Contractions with a dimension < 16 (the tiny test models' d = 8) fall back to multiply-and-sum
-(``common.matmul``). The block sizes in ``GDNChunkedConfig`` are chosen from the kernels' register footprint,
-not tuned on a GPU.
+Two launches: ``gdn_chunked_prepare`` (per chunk, all chunks in parallel: decays, intra-chunk scores and the UT
+transform) and ``gdn_chunked_scan`` (per value-column block: the state carried over the chunks, written once into
+initial_state's buffer). Invariants: fp32 throughout, every dot ``precision=HIGHEST`` with M, N, K >= 16 (smaller
+contractions multiply and sum); chunks are powers of 2 >= 16 and T is padded with g = beta = 0, which leaves the
+state unchanged. Only the forward pass is fused: the gradient is the reference's pullback, recomputed from the
+inputs. On the GPU, intermediates of 2**31 elements or more are refused. Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -51,12 +28,9 @@ from pallas_kernels.common import (
     is_power_of_2,
     matmul,
     next_power_of_2,
-    resolve_interpret,
     triton_compiler_params,
 )
-
-_L2NORM_EPS = 1e-6  # as ready_jax.gated_delta (and HF's / FLA's l2norm)
-IMPLS = ("xla", "pallas")
+from ready_jax.ops.gated_delta import L2NORM_EPS, check_shapes, gated_delta_chunked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,33 +70,21 @@ def gdn_chunked(
     *,
     output_all_states: bool = False,
     chunk_size: int = 64,
-    impl: str = "xla",
-    interpret: bool | None = None,
+    interpret: bool = False,
     config: GDNChunkedConfig = GDNChunkedConfig(),  # noqa: B008  (frozen, hashable: a safe default)
 ) -> tuple[jax.Array, jax.Array]:
-    """Gated DeltaNet over a whole sequence: ``gated_delta_chunked``'s signature and semantics.
+    """The chunked form over a whole sequence; see the module docstring for shapes.
 
-    ``impl="xla"`` (the default) runs the reference ``ready_jax.gated_delta.gated_delta_chunked``;
-    ``impl="pallas"`` the two kernels (see the module docstring), with chunks of
-    ``min(chunk_size, max(16, next_power_of_2(T)))`` tokens (chunk_size a power of 2 >= 16). ``interpret``
-    (Pallas only): None picks interpret mode exactly when jax's default backend is the CPU. ``config``: block
-    sizes and launch parameters. Returns ``(o [B, T, H_v, d_v] in v's dtype, final state [B, H_v, d_k, d_v] fp32)``.
+    Chunks hold ``min(chunk_size, max(16, next_power_of_2(T)))`` tokens; chunk_size must be a power of 2 >= 16.
+    ``output_all_states`` must be False (only the final state exists, as in the reference). ``interpret``: run
+    in Pallas interpret mode (the only mode on a CPU). ``config``: block sizes and launch parameters.
     """
-    # Lazy: ready_jax imports this module, so importing ready_jax at module level would be a cycle.
-    from ready_jax.gated_delta import check_shapes, gated_delta_chunked
-
-    if impl == "xla":
-        return gated_delta_chunked(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
-                                   chunk_size=chunk_size)
-    if impl != "pallas":
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     if output_all_states:
         raise ValueError("gdn_chunked returns only the final state (it is for prefill and training); "
                          "use gdn_recurrent for the state after every token")
     if not isinstance(chunk_size, int) or not is_power_of_2(chunk_size) or chunk_size < MIN_DOT_DIM:
         raise ValueError(f"the Pallas kernel needs a power-of-2 chunk_size >= {MIN_DOT_DIM}; got {chunk_size!r}")
     check_shapes(q, k, v, g, beta, initial_state)
-    interpret = resolve_interpret(interpret)
     if not interpret:  # Triton computes element offsets in int32
         batch, seq_len, num_v_heads, v_dim = v.shape
         chunk = _kernel_chunk(chunk_size, seq_len)
@@ -157,8 +119,6 @@ def _differentiable_fwd(q, k, v, g, beta, initial_state, chunk_size, interpret, 
 
 def _differentiable_bwd(chunk_size, interpret, config, residuals, cotangents):
     """The reference's pullback at the same inputs, cotangents and chunk_size: exactly the XLA path's gradient."""
-    from ready_jax.gated_delta import gated_delta_chunked
-
     _, pullback = jax.vjp(functools.partial(gated_delta_chunked, chunk_size=chunk_size), *residuals)
     return pullback(cotangents)
 
@@ -172,9 +132,9 @@ _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
 def _l2norm_rows(x):
-    """Rows of x [C, d] L2-normalised in fp32, as gated_delta._l2norm."""
+    """Rows of x [C, d] L2-normalised in fp32, as the reference's _l2norm."""
     x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=1) + _L2NORM_EPS)[:, None]
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)[:, None]
 
 
 def _decay_sums(g):

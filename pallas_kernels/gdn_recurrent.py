@@ -1,44 +1,15 @@
-"""Gated DeltaNet decode / verify recurrence as one Pallas (Triton) kernel, with the XLA reference beside it.
+"""Gated DeltaNet decode / verify recurrence as one Pallas (Triton) kernel.
 
-``gdn_recurrent`` has exactly the signature and semantics of ``ready_jax.gated_delta.gated_delta_recurrent``
-(see that module for the math): q, k ``[B, T, H_k, d_k]`` not yet normalised, v ``[B, T, H_v, d_v]``, g and
-beta ``[B, T, H_v]`` fp32, initial_state ``[B, H_v, d_k, d_v]`` fp32 or None; it returns o ``[B, T, H_v, d_v]``
-in v's dtype and the fp32 final state ``[B, H_v, d_k, d_v]`` or, with ``output_all_states``, the state after
-every token ``[B, T, H_v, d_k, d_v]`` (the per-position checkpoints that speculative commit selects from).
-One extra keyword, ``include_initial_state`` (with output_all_states), prepends the state before the first token:
-``[B, T + 1, H_v, d_k, d_v]``, the candidate layout ``ready_jax.layers.GatedDeltaNet`` builds with a
-``concatenate`` (which re-reads and re-writes every state); the kernel writes it directly.
+Reference: ``ready_jax.ops.gated_delta.gated_delta_recurrent``; :func:`gdn_recurrent` takes its arguments and
+returns its results. q, k ``[B, T, H_k, d_k]`` not yet normalised, v ``[B, T, H_v, d_v]``, g, beta
+``[B, T, H_v]``, initial_state ``[B, H_v, d_k, d_v]`` fp32 or None (zeros) -> o ``[B, T, H_v, d_v]`` in v's
+dtype and fp32 states: the final state ``[B, H_v, d_k, d_v]``, or with ``output_all_states`` the state after
+every token ``[B, T, H_v, d_k, d_v]``. ``include_initial_state`` (with output_all_states) puts the state before
+the first token first: ``[B, T + 1, H_v, d_k, d_v]``, a verify pass's candidates.
 
-Why a kernel: at decode (T = 1) and verify (T <= 16) time the layer is pure memory traffic. Each value head's
-fp32 state (128 x 128 x 4 B = 64 KiB on Qwen3.5-27B, 3 MiB per layer for 48 heads) must be read and written
-once per step, while the arithmetic is a few rank-1 updates and matrix-vector products. XLA's unrolled
-reference can write the state back to HBM between its fusions (around each token's matrix-vector products);
-the kernel reads it once, keeps it on chip for all T tokens and writes it once (or once per token when every
-checkpoint is wanted). Triton also computes element offsets in int32, so the Pallas path refuses outputs of
-2**31 or more elements (e.g. per-token states for B * T >= 2731 sequence-tokens at 48 x 128 x 128).
-
-Kernel design. Grid ``(B, H_v, d_v / block_v)``: one program per (sequence, value head, block of value columns).
-Every column block of the state evolves independently (the recurrence mixes d_k rows, never d_v columns), so
-a program owns its ``[d_k, block_v]`` fp32 state block for the whole call:
-
-* on chip (registers): the state block ``[d_k, block_v]``, the T tokens' q_t, k_t ``[d_k]`` (L2-normalised,
-  q scaled by ``d_k ** -0.5``, all in fp32, recomputed by every program of the key head: O(T d_k), free), the
-  value slice v_t ``[block_v]`` and the scalars g_t, beta_t. All token inputs are loaded before the first
-  token is computed, so their memory latency is paid once, not once per token;
-* per token: ``S *= exp(g_t)``; ``u = beta_t (v_t - sum_k S[k, :] k_t[k])``; ``S += k_t[:, None] u[None, :]``;
-  ``o_t = sum_k S[k, :] q_t[k]`` — elementwise multiplies and reductions over d_k. There are no real matmuls
-  (Triton dots would also need K >= 16 and default to TF32), so everything stays exact fp32;
-* writes: o_t ``[block_v]`` per token in v's dtype; with ``output_all_states`` the state block after every
-  token into ``[B, T, H_v, d_k, d_v]`` (and no separate final state: it is the last of them; with
-  ``include_initial_state`` the block as read goes first, into ``[B, T + 1, ...]``); otherwise the
-  final state block once, into the same buffer as initial_state (``input_output_aliases``), so a jitted caller
-  that donates its cache updates the state in place. With initial_state None the kernel starts from zeros on
-  chip and reads no state at all.
-
-Triton needs power-of-2 tensor sizes: d_k is padded with zeros to the next power of 2 when it is not one
-(zero key/query components change neither the norms nor the recurrence; this costs a padded copy of the state,
-and real checkpoints use d_k = 128), and block_v is the largest power of 2 <= ``config.block_v`` dividing d_v.
-T need not be a power of 2 (each token is loaded on its own).
+Invariants: the state and all arithmetic are fp32, with no Triton dots (exact fp32, any d_k); the final state
+is written into initial_state's buffer, so a caller that donates it updates it in place; on the GPU, outputs of
+2**31 elements or more are refused (Triton's int32 offsets). Design and measurements: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -55,17 +26,14 @@ from pallas_kernels.common import (
     is_power_of_2,
     largest_power_of_2_divisor,
     next_power_of_2,
-    resolve_interpret,
     triton_compiler_params,
 )
-
-_L2NORM_EPS = 1e-6  # as ready_jax.gated_delta (and HF's / FLA's l2norm)
-IMPLS = ("xla", "pallas")
+from ready_jax.ops.gated_delta import L2NORM_EPS, check_shapes
 
 
 @dataclasses.dataclass(frozen=True)
 class GDNRecurrentConfig:
-    """Block sizes and Triton launch parameters of the Pallas kernel (static; part of the jit cache key).
+    """Block sizes and Triton launch parameters of the kernel (static; part of the jit cache key).
 
     block_v: value columns per program (upper bound; a power of 2). Smaller blocks mean more programs, which a
         latency-bound kernel wants: B = 1, 48 heads, d_v = 128 and block_v = 8 gives 768 programs on the H200's
@@ -98,40 +66,18 @@ def gdn_recurrent(
     *,
     output_all_states: bool = False,
     include_initial_state: bool = False,
-    impl: str = "xla",
-    interpret: bool | None = None,
+    interpret: bool = False,
     config: GDNRecurrentConfig = GDNRecurrentConfig(),  # noqa: B008  (frozen, hashable: a safe default)
 ) -> tuple[jax.Array, jax.Array]:
-    """Gated DeltaNet recurrence over a few tokens: ``gated_delta_recurrent``'s signature and semantics.
+    """The recurrence over a few tokens (T <= ~16) as one kernel launch; see the module docstring for shapes.
 
-    ``impl="xla"`` (the default) runs the reference ``ready_jax.gated_delta.gated_delta_recurrent``;
-    ``impl="pallas"`` the fused kernel (see the module docstring). ``interpret`` (Pallas only): None picks
-    interpret mode exactly when jax's default backend is the CPU. ``config``: the kernel's block sizes and
-    launch parameters.
-
-    Returns ``(o, states)``: o ``[B, T, H_v, d_v]`` in v's dtype; states fp32, the final state
-    ``[B, H_v, d_k, d_v]`` or, with ``output_all_states``, the state after every token ``[B, T, H_v, d_k, d_v]``.
-    ``include_initial_state`` (only with output_all_states; not in the reference's signature): prepend the state
-    before the first token (initial_state, or zeros), giving ``[B, T + 1, H_v, d_k, d_v]``.
-    The kernel updates the state in place when output_all_states is False and the caller donates
-    initial_state (otherwise XLA copies it first).
+    ``interpret``: run in Pallas interpret mode (the only mode on a CPU). ``config``: block sizes and launch
+    parameters. Raises ValueError on inputs the reference rejects, on include_initial_state without
+    output_all_states, and (compiled) on states of 2**31 elements or more.
     """
-    # Lazy: ready_jax imports this module, so importing ready_jax at module level would be a cycle.
-    from ready_jax.gated_delta import check_shapes, gated_delta_recurrent
-
     if include_initial_state and not output_all_states:
         raise ValueError("include_initial_state=True needs output_all_states=True")
-    if impl == "xla":
-
-        o, states = gated_delta_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states)
-        if include_initial_state:
-            first = jnp.zeros_like(states[:, 0]) if initial_state is None else initial_state.astype(jnp.float32)
-            states = jnp.concatenate([first[:, None], states], axis=1)
-        return o, states
-    if impl != "pallas":
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     check_shapes(q, k, v, g, beta, initial_state)
-    interpret = resolve_interpret(interpret)
     if not interpret:  # Triton computes element offsets in int32
         batch, seq_len, num_v_heads, v_dim = v.shape
         num_states = batch * ((seq_len + include_initial_state) if output_all_states else 1) * num_v_heads
@@ -158,8 +104,8 @@ def _gdn_kernel(*refs, seq_len: int, scale: float, has_state: bool, all_states: 
         q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s_ref = refs
     k_dim, block_v = q_ref.shape[-1], v_ref.shape[-1]
 
-    def l2norm(x):  # x [d_k] fp32; as gated_delta._l2norm
-        return x * lax.rsqrt(jnp.sum(x * x) + _L2NORM_EPS)
+    def l2norm(x):  # x [d_k] fp32; as the reference's _l2norm
+        return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
 
     # Issue every load before any arithmetic or store: one memory latency for the whole call, not one per token.
     state = s0_ref[...].astype(jnp.float32) if has_state else jnp.zeros((k_dim, block_v), jnp.float32)

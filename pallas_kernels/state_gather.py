@@ -1,39 +1,15 @@
-"""ReaDy gather + prepare as one Pallas (Triton) kernel, with the XLA reference beside it (DESIGN.md 3.1).
+"""ReaDy gather + prepare (DESIGN.md 3.1) as one Pallas (Triton) kernel.
 
-``state_gather(per_position, n_committed, U, V)`` has exactly the semantics of
-``ready_jax.reader.gather_prepare``: for every sequence b take the committed per-position GDN state
-``S = per_position[l, b, n_committed[b], h]`` (``d_k x d_v``) of every (source layer l, value head h) pair
-``m = l * H_v + h`` and compress it to ``C[b, m] = U_m^T S V_m`` (``r x r``, fp32) -> ``C [B, M, r, r]``.
+Reference: ``ready_jax.ops.reader.gather_prepare``; :func:`state_gather` takes its arguments and returns its
+result: for every sequence b and (source layer l, value head h) pair ``m = l * H_v + h``, the committed state
+``S = per_position[l, b, n_committed[b], h]`` (``d_k x d_v``) compressed to ``C[b, m] = U_m^T S V_m`` -> C
+``[B, M, r, r]`` fp32. per_position is one ``[L_src, B, T+1, H_v, d_k, d_v]`` array or a list of
+``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]`` arrays with static ``layers`` naming (array, index) per source layer,
+so the target cache's per-layer-position buffers are read in place; states may be fp32 or bf16.
 
-Why a kernel: this runs once per speculative round and is pure memory traffic. The verify pass leaves
-``T+1`` per-position states per layer and head; only one of them is wanted per sequence. XLA's reference
-gathers the selected states into a fresh ``[B, M, d_k, d_v]`` buffer (``M * 64 KiB`` fp32 at
-d_k = d_v = 128, written then read again) before two small einsums. The kernel reads each selected state
-exactly once, straight from the verify pass's buffers, keeps the ``r x d_v`` partial product on chip and
-writes only ``r x r`` numbers per pair: ``B * M * d_k * d_v`` numbers read, ``B * M * r * r`` written.
-
-Kernel design. Grid ``(B, ceil(M / block_m))``: one program per (sequence b, block of ``block_m`` pairs).
-
-* The committed position is selected in-kernel: ``n = clip(n_committed[b], 0, T)`` is a scalar load and
-  the state is read through pointer offsets ``x[layer, b, n, head, k0:k0+block_k, :]``. Pallas' Triton
-  lowering has no scalar prefetch (the TPU way of data-dependent block indices), and a BlockSpec index map
-  cannot read ``n_committed``; indexing the un-blocked ref with the loaded ``n`` costs nothing extra and the
-  other T positions are never touched.
-* Per pair a loop over ``d_k`` in chunks of ``block_k`` rows accumulates ``P = U_m^T S`` (``[r, d_v]`` fp32,
-  on chip), then ``C = P V_m``. States may be fp32 or bf16; everything is cast to fp32 after the load, so
-  accumulation is fp32 either way.
-* Rank ``r < 16`` (the default r = 8): Triton's dot needs M, N, K >= 16 and one of them would be r, so
-  both products are broadcast-multiply-and-sum in fp32 (``[block_k, r, d_v]`` and ``[r, d_v, r]`` values;
-  the kernel is memory-bound, CUDA-core FMAs are free). ``r >= 16``: both are ``tt.dot`` with
-  ``precision=HIGHEST`` (IEEE fp32, not TF32). Nothing is padded, so no extra bytes move.
-* The source layers need not be one stacked array: ``per_position`` may be a list of arrays and ``layers``
-  names (array, leading index) per source layer, so a caller passes the target cache's per-layer-position
-  buffers ``[G, B, T+1, H_v, d_k, d_v]`` as they are (stacking or slicing them first would copy every
-  per-position state, ``L_src * B * (T+1) * H_v * 64 KiB``, which is the traffic the kernel exists to avoid).
-
-Triton needs power-of-2 tensor sizes: r, d_v and the ``d_k`` chunk must be powers of 2 (every real GDN
-geometry is); other shapes raise ``ValueError`` on the Pallas path (use ``impl="xla"``). T, H_v, M and B are
-free (loops and scalar indices only).
+Invariants: only the committed position of each state is read (n is clamped to 0..T in the kernel), each once;
+only ``r x r`` numbers per pair are written; accumulation is fp32. r, d_v and the d_k chunk must be powers of 2
+(every real GDN geometry is); other shapes raise ValueError. Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -52,12 +28,9 @@ from pallas_kernels.common import (
     is_power_of_2,
     largest_power_of_2_divisor,
     matmul,
-    resolve_interpret,
     triton_compiler_params,
 )
-
-IMPLS = ("xla", "pallas")
-Layers = tuple[tuple[int, int], ...]
+from ready_jax.ops.reader import Layers, per_position_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,79 +57,6 @@ class GatherConfig:
                      for name in ("block_m", "num_stages") if getattr(self, name) < 1]
         if problems:
             raise ValueError("invalid GatherConfig: " + "; ".join(problems))
-
-
-# ---- the reference ----------------------------------------------------------------------------------------
-def _as_arrays(per_position) -> list[jax.Array]:
-    """Each source array as ``[L_i, B, T+1, H_v, d_k, d_v]`` (a 5-D array is one layer: a free reshape)."""
-    arrays = list(per_position) if isinstance(per_position, list | tuple) else [per_position]
-    out = []
-    for a in arrays:
-        if a.ndim not in (5, 6):
-            raise ValueError(f"per-position states must be [B, T+1, H, d_k, d_v] or [L, B, T+1, H, d_k, d_v]; "
-                             f"got shape {a.shape}")
-        out.append(a[None] if a.ndim == 5 else a)
-    return out
-
-
-def _resolve_layers(arrays: Sequence[jax.Array], layers: Sequence[tuple[int, int]] | None) -> Layers:
-    if layers is None:
-        return tuple((i, j) for i, a in enumerate(arrays) for j in range(a.shape[0]))
-    layers = tuple((int(i), int(j)) for i, j in layers)
-    bad = [(i, j) for i, j in layers if not (0 <= i < len(arrays) and 0 <= j < arrays[i].shape[0])]
-    if not layers or bad:
-        raise ValueError(f"layers must be non-empty (array, index) pairs inside per_position; bad: {bad or layers}")
-    return layers
-
-
-def state_gather_reference(per_position, n_committed: jax.Array, key_basis: jax.Array, value_basis: jax.Array,
-                           *, layers: Sequence[tuple[int, int]] | None = None) -> jax.Array:
-    """``reader.gather_prepare`` on the selected source layers -> C ``[B, M, r, r]`` fp32 (XLA path)."""
-    from ready_jax.reader import gather_prepare  # lazy: ready_jax may import this module (no import cycle)
-
-    arrays = _as_arrays(per_position)
-    layers = _resolve_layers(arrays, layers)
-    if len(arrays) == 1 and layers == tuple((0, j) for j in range(arrays[0].shape[0])):
-        return gather_prepare(arrays[0], n_committed, key_basis, value_basis)
-    return gather_prepare([arrays[i][j] for i, j in layers], n_committed, key_basis, value_basis)
-
-
-def gather_sources(source, source_layers: Sequence[int],
-                   n_committed: jax.Array | None = None) -> tuple[list[jax.Array], Layers, jax.Array]:
-    """``(per_position, layers, n_committed)`` for :func:`state_gather`, read from the target cache in place.
-
-    The drop-in for ``reader.committed_states`` (which stacks the source layers' states, a copy):
-    decoder layer l lives at ``source.layers[l % p]``, group ``l // p``, and layers at the same in-group
-    position share one ``[G, B, T+1, H_v, d_k, d_v]`` buffer, passed once. A verify ``Candidate`` needs
-    ``n_committed`` [B]; a committed ``TargetCache`` has one position per state (``[G, B, H_v, d_k, d_v]``
-    seen as ``[G, B, 1, ...]``, a free reshape) and n = 0.
-    """
-    from ready_jax.cache import Candidate, DeltaNetCache, DeltaNetCandidate  # lazy: no import cycle
-
-    positions = len(source.layers)
-    arrays: list[jax.Array] = []
-    where: dict[int, int] = {}   # in-group position -> index in arrays
-    layers = []
-    for layer in source_layers:
-        entry = source.layers[layer % positions]
-        if isinstance(entry, DeltaNetCandidate):
-            buffer = entry.states                         # [G, B, T+1, H_v, d_k, d_v]
-        elif isinstance(entry, DeltaNetCache):
-            buffer = entry.state[:, :, None]              # [G, B, 1, H_v, d_k, d_v]
-        else:
-            raise ValueError(f"target layer {layer} holds a {type(entry).__name__}, not per-position Gated "
-                             "DeltaNet states (state_gather reads DeltaNetCandidate / DeltaNetCache entries)")
-        if layer % positions not in where:
-            where[layer % positions] = len(arrays)
-            arrays.append(buffer)
-        layers.append((where[layer % positions], layer // positions))
-    if isinstance(source, Candidate):
-        if n_committed is None:
-            raise ValueError("reading from a verify Candidate needs n_committed (tokens kept per sequence)")
-        n = jnp.asarray(n_committed, jnp.int32)
-    else:
-        n = jnp.zeros_like(source.lengths)
-    return arrays, tuple(layers), n
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------------
@@ -226,12 +126,25 @@ def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
     return b, t1, h, d_k, d_v, m, r
 
 
+def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array, value_basis: jax.Array, *,
+                 layers: Sequence[tuple[int, int]] | None = None, interpret: bool = False,
+                 config: GatherConfig = GatherConfig()) -> jax.Array:  # noqa: B008  (frozen, hashable)
+    """Committed-state gather + rank-r compression as one launch; see the module docstring.
+
+    per_position: ``[L_src, B, T+1, H_v, d_k, d_v]``, or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]``
+    arrays; n_committed ``[B]`` int in 0..T; key_basis U ``[M, d_k, r]``; value_basis V ``[M, d_v, r]``;
+    layers: static ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every
+    array). ``interpret``: Pallas interpret mode (the only mode on a CPU). Returns C ``[B, M, r, r]`` fp32.
+    """
+    layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
+    return _state_gather_pallas(per_position, n_committed, key_basis, value_basis, layers=layers,
+                                interpret=interpret, config=config)
+
+
 @functools.partial(jax.jit, static_argnames=("layers", "interpret", "config"))
-def state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, layers: Layers | None = None,
-                        interpret: bool = False, config: GatherConfig = GatherConfig()) -> jax.Array:
-    """The Pallas kernel (see the module docstring); same arguments and result as the reference."""
-    arrays = _as_arrays(per_position)
-    layers = _resolve_layers(arrays, layers)
+def _state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, layers: Layers | None,
+                         interpret: bool, config: GatherConfig) -> jax.Array:
+    arrays, layers = per_position_arrays(per_position, layers)
     n_committed = jnp.asarray(n_committed, jnp.int32)
     b, t1, h, d_k, d_v, m, r = _check_shapes(arrays, layers, n_committed, key_basis, value_basis)
     block_k = min(config.block_k, largest_power_of_2_divisor(d_k))
@@ -242,8 +155,8 @@ def state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, la
     if use_dot and block_k < MIN_DOT_DIM:
         unsupported.append(f"d_k = {d_k} (rank >= 16 needs d_k chunks of >= 16 rows)")
     if unsupported:
-        raise ValueError(f"state_gather(impl='pallas') needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
-                         "Use impl='xla' for this geometry.")
+        raise ValueError(f"state_gather needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
+                         "Use the reference (impl='xla') for this geometry.")
     block_m = min(config.block_m, m)
     kernel = functools.partial(
         _gather_kernel, num_arrays=len(arrays), layers=layers, num_heads=h, num_pairs=m, block_m=block_m,
@@ -260,28 +173,3 @@ def state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, la
         cost_estimate=cost,
         name="state_gather",
     )(n_committed, *arrays, key_basis, value_basis)
-
-
-def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array, value_basis: jax.Array, *,
-                 layers: Sequence[tuple[int, int]] | None = None, impl: str = "xla", interpret: bool | None = None,
-                 config: GatherConfig = GatherConfig()) -> jax.Array:
-    """Committed-state gather + rank-r compression: ``C[b, m] = U_m^T S[l, b, n_committed[b], h] V_m``.
-
-    per_position: ``[L_src, B, T+1, H_v, d_k, d_v]`` fp32 or bf16 (index n = state after n block tokens), or
-        a list of ``[B, T+1, H_v, d_k, d_v]`` / ``[L_i, B, T+1, H_v, d_k, d_v]`` arrays.
-    n_committed: ``[B]`` int32 in 0..T, block tokens kept per sequence (the Pallas kernel clamps it).
-    key_basis U ``[M, d_k, r]``, value_basis V ``[M, d_v, r]``, M = L_src * H_v pairs, layer-major.
-    layers: static ``((array, index), ...)`` naming the source layers in pair order; default every leading
-        index of every array, in order. Lets a caller read the target cache's ``[G, B, T+1, ...]`` buffers
-        without slicing (copying) them.
-    impl: ``"xla"`` (the default: ``reader.gather_prepare``) or ``"pallas"``.
-    interpret: run the Pallas kernel in interpret mode; None: exactly when jax's default backend is the CPU.
-    Returns C ``[B, M, r, r]`` fp32.
-    """
-    layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
-    if impl == "xla":
-        return state_gather_reference(per_position, n_committed, key_basis, value_basis, layers=layers)
-    if impl != "pallas":
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    return state_gather_pallas(per_position, n_committed, key_basis, value_basis, layers=layers,
-                               interpret=resolve_interpret(interpret), config=config)

@@ -1,41 +1,16 @@
-"""ReaDy state read as fused Pallas (Triton) kernels, with the XLA reference beside it (DESIGN.md 3.2).
+"""ReaDy state read (DESIGN.md 3.2) as two fused Pallas (Triton) kernels.
 
-``state_reader(h, C, W_q, W_o, w_norm, eps)`` has exactly the semantics of ``ready_jax.reader.read``:
-``a = h W_q`` viewed ``[M, r]`` per draft position, ``y_m = C_m^T a_m``, and
-``h + W_o(rmsnorm(concat_m y_m))`` (Qwen3 RMSNorm: ``x / rms(x) * w`` in fp32, cast back to h's dtype).
+Reference: ``ready_jax.ops.reader.read``; :func:`state_reader` takes its arguments and returns its result:
+``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed ``[M, r]`` per draft position. h ``[B, G, d]``,
+compressed C ``[B, M, r, r]`` (``state_gather``'s output), w_q ``[d, M r]``, w_o ``[M r, d]``, norm_weight
+``[M r]``, eps a static float -> ``[B, G, d]`` in ``result_type(h, w_o)``.
 
-Why kernels: the read runs at every draft step on ``B * gamma`` rows (7 to ~64) and its cost is streaming
-the two projections (``d x M r`` each: 7.9 MB in bf16 for Qwen3.5-27B at r = 8, 126 MB at r = 128). XLA's
-reference is five ops (two GEMMs, a batched matvec, the norm, the residual add), each a launch and a round
-trip of the intermediates through HBM. Here the whole read is two launches: everything between the two GEMMs
-happens in the first one's epilogue and the norm scaling and the residual in the second one's prologue and
-epilogue. (It cannot be one launch: the RMSNorm needs the complete ``M r`` vector of a row before W_o, and
-W_q's and W_o's columns are split over different programs.)
-
-Kernel 1, ``reader_query``: grid ``(B, M / block_m)``, one program per (sequence b, block of ``block_m``
-pairs = ``block_m * r`` columns of W_q).
-
-* ``a = h[b] W_q[:, cols]`` (``[G, block_m r]``): a loop over d in chunks of ``block_d``, ``tt.dot`` with
-  fp32 accumulation (``precision=HIGHEST`` for f32). The G rows are padded to a power of 2 >= 16 (Triton's
-  dot needs M >= 16; G = gamma <= 16 gives 16) by the BlockSpec overhanging h: those rows are masked loads
-  of garbage that only ever reach masked stores, since rows never mix until W_o, which is row-wise too.
-* ``y_m = C[b, m]^T a_m``: r < 16 (r = 8): broadcast-multiply-and-sum over ``[G, block_m, r, r]`` (a dot
-  would contract over r; Triton needs K >= 16). r >= 16: ``block_m = 1`` and one ``tt.dot``.
-* Writes y (rounded to h's dtype, as the reference rounds it before the norm) and this block's partial sum
-  of squares per row ``[B, M / block_m, G_pad]`` for the norm.
-
-Kernel 2, ``reader_out``: grid ``(B, d / block_out)``, one program per (sequence, block of output columns).
-
-* Sums the partial sums of squares -> ``1 / rms`` per row; a loop over the ``M r`` axis in chunks of
-  ``block_n``: normalise, multiply by the norm weight (rounded like the reference), ``tt.dot`` with
-  ``W_o[chunk, cols]``; adds the residual h and writes ``[G, block_out]`` (padded rows masked).
-
-Rounding follows the reference exactly: a in ``result_type(h, W_q)``, y and the normalised vector in h's
-dtype, ``W_o``'s product in ``result_type(h, W_o)``; all accumulation in fp32. So fp32 inputs agree to fp32
-rounding and bf16 inputs to about one bf16 ulp of the intermediates.
-
-Triton needs power-of-2 tiles: r must be a power of 2 (M, d, B and G are free: blocks are the largest powers
-of 2 dividing them, rows are padded). Other ranks raise ``ValueError`` on the Pallas path (use ``impl="xla"``).
+Two launches (the RMSNorm needs a row's whole ``M r`` vector before W_o): ``reader_query`` (``a = h W_q``,
+``y = C^T a``, partial sums of squares) and ``reader_out`` (norm, ``W_o``, residual). Invariants: rounding
+happens where the reference rounds (a in ``result_type(h, W_q)``, y and the normalised vector in h's dtype), all
+accumulation is fp32, so fp32 inputs agree to fp32 rounding and bf16 inputs to about one bf16 ulp; no Triton dot
+contracts over a rank < 16. r must be a power of 2 (other ranks raise ValueError); B, G, d and M are free.
+Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -54,11 +29,8 @@ from pallas_kernels.common import (
     largest_power_of_2_divisor,
     matmul,
     next_power_of_2,
-    resolve_interpret,
     triton_compiler_params,
 )
-
-IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +62,6 @@ class ReaderKernelConfig:
             problems.append(f"num_stages must be >= 1; got {self.num_stages}")
         if problems:
             raise ValueError("invalid ReaderKernelConfig: " + "; ".join(problems))
-
-
-def state_reader_reference(h, compressed, w_q, w_o, norm_weight, eps: float) -> jax.Array:
-    """``reader.read`` (the XLA path)."""
-    from ready_jax.reader import read  # lazy: ready_jax may import this module (no import cycle)
-
-    return read(h, compressed, w_q, w_o, norm_weight, eps)
 
 
 # ---- kernel 1: a = h W_q, y = C^T a, partial sums of squares -------------------------------------------------
@@ -147,9 +112,14 @@ def _out_kernel(h_ref, y_ref, ss_ref, w_ref, wo_ref, o_ref, *, block_n: int, num
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
-def state_reader_pallas(h, compressed, w_q, w_o, norm_weight, eps: float, *, interpret: bool = False,
-                        config: ReaderKernelConfig = ReaderKernelConfig()) -> jax.Array:
-    """The two Pallas kernels (see the module docstring); same arguments and result as the reference."""
+def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                 eps: float, *, interpret: bool = False,
+                 config: ReaderKernelConfig = ReaderKernelConfig()) -> jax.Array:  # noqa: B008  (frozen, hashable)
+    """The state read as two launches; see the module docstring for shapes.
+
+    ``eps``: the RMSNorm epsilon (static). ``interpret``: Pallas interpret mode (the only mode on a CPU).
+    ``config``: block sizes and launch parameters.
+    """
     b, g, d = h.shape
     _, m, r, _ = compressed.shape
     n = m * r
@@ -162,8 +132,8 @@ def state_reader_pallas(h, compressed, w_q, w_o, norm_weight, eps: float, *, int
     if problems:
         raise ValueError("state_reader: " + "; ".join(problems))
     if not is_power_of_2(r):
-        raise ValueError(f"state_reader(impl='pallas') needs a power-of-2 rank for Triton tiles; got {r}. "
-                         "Use impl='xla' for this rank.")
+        raise ValueError(f"state_reader needs a power-of-2 rank for Triton tiles; got {r}. "
+                         "Use the reference (impl='xla') for this rank.")
     q_dtype = jnp.result_type(h.dtype, w_q.dtype)
     o_dtype = jnp.result_type(h.dtype, w_o.dtype)
     g_pad = max(MIN_DOT_DIM, next_power_of_2(g))
@@ -212,21 +182,3 @@ def state_reader_pallas(h, compressed, w_q, w_o, norm_weight, eps: float, *, int
         name="reader_out",
     )(h, y, ss, norm_weight, w_o)
 
-
-def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
-                 eps: float, *, impl: str = "xla", interpret: bool | None = None,
-                 config: ReaderKernelConfig = ReaderKernelConfig()) -> jax.Array:
-    """``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed ``[M, r]`` (``reader.read``).
-
-    h: ``[B, G, d]``; compressed C: ``[B, M, r, r]`` (``state_gather``'s output); w_q: ``[d, M r]``;
-    w_o: ``[M r, d]``; norm_weight: ``[M r]``; eps: the RMSNorm epsilon (a Python float: static).
-    impl: ``"xla"`` (the default: ``reader.read``) or ``"pallas"``.
-    interpret: run the Pallas kernels in interpret mode; None: exactly when jax's default backend is the CPU.
-    Returns ``[B, G, d]`` in ``result_type(h, w_o)``.
-    """
-    if impl == "xla":
-        return state_reader_reference(h, compressed, w_q, w_o, norm_weight, eps)
-    if impl != "pallas":
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    return state_reader_pallas(h, compressed, w_q, w_o, norm_weight, float(eps),
-                               interpret=resolve_interpret(interpret), config=config)

@@ -1,15 +1,35 @@
-"""ready-jax: ReaDy speculative decoding for hybrid linear-attention targets, in JAX / Flax / Pallas."""
+"""ready-jax: ReaDy speculative decoding for hybrid linear-attention targets, in JAX / Flax / Pallas.
 
-from . import debug, sharding
-from .cache import Candidate, TargetCache, commit, init_cache
-from .config import TargetConfig
-from .drafter import ContextCache, Drafter, DrafterConfig, DraftOutput, SharedWeights
-from .generation import GenerateOutput, ScriptedDrafter, generate
-from .reader import ReaderConfig
-from .sharding import Layout, make_mesh, shard_drafter, shard_target
-from .target import StepOutput, Target, TargetModel
+The public names below are imported on first use, so ``import ready_jax`` is cheap and importing one
+layer (``ready_jax.ops``, ``ready_jax.config``) never loads the layers above it.
+"""
 
-__all__ = ["Candidate", "ContextCache", "DraftOutput", "Drafter", "DrafterConfig", "GenerateOutput", "Layout",
-           "ReaderConfig", "ScriptedDrafter", "SharedWeights", "StepOutput", "Target", "TargetCache", "TargetConfig",
-           "TargetModel", "commit", "debug", "generate", "init_cache", "make_mesh", "shard_drafter", "shard_target",
-           "sharding"]
+import importlib
+
+_PUBLIC = {
+    "Candidate": "cache", "ContextCache": "cache", "TargetCache": "cache", "commit": "cache", "init_cache": "cache",
+    "TargetConfig": "config",
+    "DrafterConfig": "drafter_config", "ReaderConfig": "drafter_config",
+    "Drafter": "drafter", "DraftOutput": "drafter", "SharedWeights": "drafter",
+    "GenerateOutput": "generation", "ScriptedDrafter": "generation", "generate": "generation",
+    "Layout": "sharding", "make_mesh": "sharding",
+    "StepOutput": "target", "Target": "target", "TargetModel": "target",
+    "shard_target": "target", "shard_drafter": "drafter",
+}
+_SUBMODULES = ("debug", "sharding")
+
+__all__ = sorted([*_PUBLIC, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

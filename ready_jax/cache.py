@@ -19,8 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn_recurrent import gdn_recurrent
-
+from . import dispatch
 from .config import FULL_ATTENTION, TargetConfig
 
 
@@ -97,6 +96,42 @@ class Candidate:
     layers: tuple[DeltaNetCandidate | DeltaNetReplay | AttentionCache, ...]
     lengths: jax.Array  # [B] committed lengths *before* the block
 
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def block_length(self) -> int | None:
+        """T, the verified block's length (None for a stack without Gated DeltaNet layers, whose attention
+        entries do not record it)."""
+        for entry in self.layers:
+            if isinstance(entry, DeltaNetCandidate):
+                return entry.states.shape[2] - 1
+            if isinstance(entry, DeltaNetReplay):
+                return entry.k.shape[2]
+        return None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContextCache:
+    """The drafter's cache: context K/V of every draft layer for the committed tokens. Slot s holds position s.
+
+    ``lengths[b]`` committed tokens are visible; that is also the position of sequence b's next anchor.
+    """
+
+    k: jax.Array        # [L_draft, B, S_max, H_kv, hd] after k_norm and RoPE
+    v: jax.Array        # [L_draft, B, S_max, H_kv, hd]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> TargetCache:
     """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens each.
@@ -163,7 +198,7 @@ def _replay_state(entry: DeltaNetReplay, n: jax.Array, impl: str) -> jax.Array:
     keep = (jnp.arange(entry.k.shape[2])[None, :] < n[:, None])[None, :, :, None]   # [1, B, T, 1]
     g, beta = jnp.where(keep, entry.g, 0.0), jnp.where(keep, entry.beta, 0.0)
     # The read-out o is not needed (XLA drops it); k stands in for q.
-    run = lambda k, v, g, beta, s: gdn_recurrent(k, k, v, g, beta, s, impl=impl)[1]  # noqa: E731
+    run = lambda k, v, g, beta, s: dispatch.gated_delta_recurrent(k, k, v, g, beta, s, impl=impl)[1]  # noqa: E731
     return jax.vmap(run)(entry.k, entry.v, g, beta, entry.state)
 
 

@@ -1,10 +1,16 @@
-"""The project's own checkpoint format: ``config.json`` plus one ``model.safetensors``.
+"""The project's own checkpoint format, and the one path every model is read through.
 
-Tensor names are the NNX state paths joined by dots (``groups.layers.3.self_attn.q_proj.kernel``),
-stacked group parameters keep their leading ``G`` axis. Loading checks that every expected tensor is
-present with the right shape and that nothing unexpected is in the file, and reports all problems
-at once. Only safetensors are read: nothing here unpickles. safetensors is imported where files are read
-or written, so that ``import ready_jax`` needs only jax, flax, optax and numpy (all a bare GPU box has).
+A checkpoint is a directory with ``config.json`` and ``model.safetensors``. Tensor names are the NNX
+state paths joined by dots (``groups.layers.3.self_attn.q_proj.kernel``); stacked group parameters keep
+their leading ``G`` axis. ``config.json`` holds ``format`` (which model), the same name as HF's ``model_type`` with
+an ``architectures`` entry (so HF tooling reports what the directory is; checkpoints written before these two
+fields load all the same), ``format_version``, ``dtype``,
+the model's config under its section name, ``weights_sha256`` and ``sha256``: the hash of the whole
+record (the config fields and the weights' hash), so an edited config field or a flipped weight byte is
+refused at load. Loading also checks that every expected tensor is present with the right shape and that
+nothing unexpected is in the file, and reports all problems at once. Only safetensors are read: nothing
+here unpickles. safetensors is imported where files are read or written, so that ``import ready_jax``
+needs only jax, flax, optax and numpy (all a bare GPU box has).
 """
 
 from __future__ import annotations
@@ -14,17 +20,20 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import TargetConfig
+from . import sharding
+from .config import native_marker, read_json, refuse_native_checkpoint
 
-FORMAT = "ready-jax-target"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+KNOWN_FORMAT_VERSIONS = (1, 2)  # 1: before the config was hashed (weights only, when recorded)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -66,23 +75,29 @@ def state_from_flat(params: nnx.State, flat: dict[str, np.ndarray], *, what: str
     return params
 
 
-def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.State, dtype) -> None:
-    """``config.json`` ({format, format_version, dtype, weights_sha256, <section>: config}) + ``model.safetensors``.
+def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.State, dtype, *,
+                     overwrite: bool = False) -> None:
+    """Write ``model.safetensors`` and ``config.json`` (see the module docstring) into directory ``path``.
 
-    Each file is written under a temporary name and renamed into place, the weights first, so a crash
-    never leaves a truncated file, and a config.json paired with other weights (a crash between the
-    two renames over an older checkpoint) fails :func:`read_checkpoint`'s sha256 check.
+    ``path`` may be missing, empty, or a checkpoint of the same ``fmt`` (which is replaced); anything else
+    (another kind of checkpoint, a directory with other files) is refused unless ``overwrite=True``, so a
+    save never silently replaces what it did not write. Each file is written under a temporary name and
+    renamed into place, the weights first: a crash never leaves a truncated file, and a config.json paired
+    with other weights (a crash between the two renames) fails :func:`read_checkpoint`'s hash check.
+    Files get the permissions the umask gives any new file.
     """
+    _check_writable(os.fspath(path), fmt, overwrite)
     os.makedirs(path, exist_ok=True)
-    # bf16 arrays convert to ml_dtypes.bfloat16 numpy arrays, which safetensors stores natively.
+    # bf16 arrays convert to ml_dtypes.bfloat16 numpy arrays, which safetensors stores natively. No header
+    # metadata: its order is not stable, and the same weights must give the same file and hash.
     flat = {k: np.asarray(v) for k, v in flat_state(params).items()}
-    dtype_name = jnp.dtype(dtype).name
     weights_path = os.path.join(path, "model.safetensors")
     from safetensors.numpy import save_file
 
-    replace_atomically(weights_path, lambda tmp: save_file(flat, tmp, metadata={"format": fmt, "dtype": dtype_name}))
-    meta = {"format": fmt, "format_version": FORMAT_VERSION, "dtype": dtype_name,
+    replace_atomically(weights_path, lambda tmp: save_file(flat, tmp))
+    meta = {"format": fmt, **native_marker(fmt), "format_version": FORMAT_VERSION, "dtype": jnp.dtype(dtype).name,
             "weights_sha256": _sha256(weights_path), section: config}
+    meta["sha256"] = record_sha256(meta)
 
     def write_config(tmp):
         with open(tmp, "w") as f:
@@ -91,29 +106,68 @@ def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.Sta
     replace_atomically(os.path.join(path, "config.json"), write_config)
 
 
+def record_sha256(meta: dict) -> str:
+    """sha256 of a checkpoint record: every field but ``sha256`` itself, as canonical JSON (the weights
+    enter through ``weights_sha256``)."""
+    fields = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def checkpoint_format(path) -> str | None:
+    """The ``format`` a directory's config.json names (``None``: not a project checkpoint, or unreadable)."""
+    try:
+        meta = read_json(os.path.join(os.fspath(path), "config.json"))
+    except (OSError, ValueError):
+        return None
+    return meta.get("format") if isinstance(meta, dict) else None
+
+
+def _check_writable(path: str, fmt: str, overwrite: bool) -> None:
+    if overwrite or not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise FileExistsError(f"cannot save a {fmt} checkpoint to {path}: it is a file (pass overwrite=True "
+                              "to replace it)")
+    if not os.listdir(path):
+        return
+    found = checkpoint_format(path)
+    if found == fmt:
+        return
+    what = f"a {found} checkpoint" if found else "a directory that is not a checkpoint"
+    raise FileExistsError(f"cannot save a {fmt} checkpoint to {path}: it holds {what} (files: "
+                          f"{', '.join(sorted(os.listdir(path))[:5])}); choose another directory or pass "
+                          "overwrite=True to replace it")
+
+
 def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict[str, np.ndarray], object]:
     """(the ``section`` config dict, {path: array}, dtype) of a checkpoint written by :func:`write_checkpoint`.
 
-    Missing files, another format (``hint`` says what to run instead), an unreadable config, truncated
-    or corrupted weights (checked against the sha256 in config.json when it records one) are errors
-    that name the file and the problem.
+    Missing files, another format (``hint`` says what to run instead), an unknown ``format_version``, an
+    unreadable config, truncated or corrupted weights and a config whose fields were edited (both checked
+    against the recorded hashes) are errors that name the file and the problem. A version-1 checkpoint,
+    which recorded no config hash, loads with a warning to re-save it.
     """
     config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     for p in (config_path, weights_path):
         if not os.path.exists(p):
             raise FileNotFoundError(f"not a {fmt} checkpoint: {p} is missing")
-    try:
-        with open(config_path) as f:
-            meta = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {config_path}: it is not valid JSON ({e})") from e
+    meta = read_json(config_path)
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        refuse_native_checkpoint({"format": found}, config_path, f"a {fmt} checkpoint")  # the other kind: say so
         raise ValueError(f"{config_path} is not a {fmt} checkpoint (format={found!r}); {hint}")
-    missing = [k for k in (section, "dtype") if k not in meta]
+    version = meta.get("format_version")
+    if version not in KNOWN_FORMAT_VERSIONS:
+        raise ValueError(f"{config_path} has format_version {version!r}; this version of ready-jax reads "
+                         f"{KNOWN_FORMAT_VERSIONS} (a newer ready-jax wrote it, or the file was edited)")
+    missing = [k for k in (section, "dtype") + (("weights_sha256", "sha256") if version >= 2 else ())
+               if k not in meta]
     if missing:
         raise ValueError(f"{config_path} lacks {missing}: the file is incomplete or was edited")
-    if meta["dtype"] not in _DTYPES:
+    if version >= 2 and record_sha256(meta) != meta["sha256"]:
+        raise ValueError(f"{config_path} does not match its recorded sha256: a field was edited after saving "
+                         "(re-save the model through the API to change its config)")
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in _DTYPES:
         raise ValueError(f"{config_path} names dtype {meta['dtype']!r}; supported: {sorted(_DTYPES)}")
     from safetensors.numpy import load_file
 
@@ -124,7 +178,50 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
     if "weights_sha256" in meta and _sha256(weights_path) != meta["weights_sha256"]:
         raise ValueError(f"cannot read {weights_path}: its sha256 differs from the one {config_path} records "
                          "(the weights are corrupted, or the config belongs to other weights)")
+    if version < 2:
+        warnings.warn(f"{path} is a format-version-1 checkpoint: its config is not integrity-checked"
+                      + ("" if "weights_sha256" in meta else " and neither are its weights")
+                      + "; load and save it once to add the hashes", stacklevel=3)
     return meta[section], flat, _DTYPES[meta["dtype"]]
+
+
+def load_model(path, fmt: str, section: str, hint: str, config_from_dict: Callable[[dict], Any],
+               build: Callable[[Any, Any], nnx.Module], *, dtype=None,
+               layout: sharding.Layout | None = None) -> nnx.Module:
+    """The one load path: read a checkpoint, build the model's structure without initialising it, and put
+    every tensor in place: on the default device, or with ``layout`` straight onto its shards of the mesh
+    (never whole on one device).
+
+    ``config_from_dict`` turns the stored section into the model's config; ``build(config, dtype)`` makes
+    the module (called under ``nnx.eval_shape``). ``dtype`` defaults to the saved one.
+    """
+    dtype = None if dtype is None else check_dtype(dtype, _DTYPES)
+    raw, flat, saved_dtype = read_checkpoint(path, fmt, section, hint)
+    try:
+        config = config_from_dict(raw)
+        model = nnx.eval_shape(lambda: build(config, dtype or saved_dtype))
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"{os.path.join(path, 'config.json')} records an invalid {section} config ({e}): the "
+                         "file was edited or damaged") from e
+    graphdef, params = nnx.split(model)
+    put = None
+    if layout is not None:
+        shardings = {sharding.dotted_path(p): s for p, s in
+                     jax.tree_util.tree_flatten_with_path(sharding.param_shardings(params, layout, config))[0]}
+        put = lambda key, array: sharding.place(array, shardings[key])  # noqa: E731
+    state_from_flat(params, flat, what=f"checkpoint {path}", put=put)
+    return nnx.merge(graphdef, params)
+
+
+def check_dtype(dtype, supported) -> jnp.dtype:
+    """``dtype`` as a jnp dtype if it names one of ``supported`` (dtype names); a ValueError listing them otherwise."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = repr(dtype)
+    if name not in supported:
+        raise ValueError(f"dtype {name} is not supported; use one of {sorted(supported)}")
+    return jnp.dtype(name)
 
 
 def replace_atomically(dst: str, write: Callable[[str], None]) -> None:
@@ -133,6 +230,7 @@ def replace_atomically(dst: str, write: Callable[[str], None]) -> None:
     tmp = f"{dst}.tmp-{os.getpid()}"
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):
@@ -149,10 +247,17 @@ def write_atomically(dst: str, write: Callable[[str], None]) -> None:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.", suffix=".partial", dir=parent)
     try:
         write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
         os.rename(tmp, dst)  # atomic; also replaces an empty dst directory
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _sha256(path: str) -> str:
@@ -161,20 +266,3 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def save_target(target, path) -> None:
-    write_checkpoint(path, FORMAT, "target", target.config.to_dict(), target.params, target.dtype)
-
-
-def load_target(path, dtype=None):
-    from .target import Target, TargetModel
-
-    config, flat, saved_dtype = read_checkpoint(
-        path, FORMAT, "target", "convert HF checkpoints with `python -m convert.hf_target` or Target.from_hf")
-    config = TargetConfig.from_dict(config)
-    dtype = dtype or saved_dtype
-    model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, params = nnx.split(model)
-    state_from_flat(params, flat, what=f"checkpoint {path}")
-    return Target(nnx.merge(graphdef, params))

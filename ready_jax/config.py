@@ -5,13 +5,17 @@ Qwen3-Next (``qwen3_next``, sparse MoE with a sigmoid-gated shared expert, dense
 ``mlp_only_layers``). Reading is strict: a field that would change the math and is not implemented
 (a rope scaling type, sliding windows, another activation, ...) raises, and so does a field this
 module has never heard of, because silently ignoring it could change what the model computes.
+The project's own checkpoints (:data:`NATIVE_CHECKPOINTS`) are named as such, with how to load them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import types
+import typing
 from typing import Any
 
 LINEAR_ATTENTION = "linear_attention"
@@ -40,6 +44,51 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
                     "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                     "linear_value_head_dim")
 _ROPE_FIELDS = frozenset({"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"})
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeKind:
+    """One kind of the project's own checkpoints: what it is, and how to load or export it."""
+
+    what: str           # "target" or "drafter"
+    architecture: str   # its HF ``architectures`` entry
+    load: str           # the call that loads it
+    layout: str         # the PyTorch layout it exports to
+    export: str         # the command that exports it
+
+
+# The project's checkpoint formats (config.json's ``format``). :func:`native_marker` writes each as HF's
+# ``model_type`` and ``architectures`` too, so that HF tooling names what such a directory is.
+NATIVE_CHECKPOINTS = {
+    "ready-jax-target": NativeKind("target", "ReadyJaxTarget", "rj.Target.load", "HF's layout",
+                                   "python -m convert.hf_target SRC DST --export-hf"),
+    "ready-jax-drafter": NativeKind("drafter", "ReadyJaxDrafter", "rj.Drafter.load", "DeepSpec's layout",
+                                    "python -m convert.deepspec SRC DST --export --target T"),
+}
+
+
+def native_marker(fmt: str) -> dict[str, Any]:
+    """The HF fields that mark a checkpoint of format ``fmt`` (a key of :data:`NATIVE_CHECKPOINTS`)."""
+    return {"model_type": fmt, "architectures": [NATIVE_CHECKPOINTS[fmt].architecture]}
+
+
+def refuse_native_checkpoint(meta: Any, where: str, expected: str) -> None:
+    """Raise a ValueError if ``meta`` (a parsed config.json) is one of the project's own checkpoints, by its
+    ``format`` (every format version) or its ``model_type`` marker: ``where`` is that kind of checkpoint, not
+    ``expected`` ("an HF one"), and the message says how to load or export it. Return None otherwise."""
+    if not isinstance(meta, dict):
+        return
+    name = next((v for k in ("format", "model_type") if isinstance(v := meta.get(k), str) and v in NATIVE_CHECKPOINTS),
+                None)
+    if name is None:
+        return
+    kind = NATIVE_CHECKPOINTS[name]
+    raise ValueError(f"{where} is a ready-jax {kind.what} checkpoint, not {expected}: load it with `{kind.load}`, "
+                     f"or export it to {kind.layout} with `{kind.export}`")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +130,14 @@ class TargetConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        problems = []
+        problems = field_type_problems(self)
+        if problems:
+            raise TypeError("invalid TargetConfig: " + "; ".join(problems))
+        for name in ("layer_types", "eos_token_ids", "mlp_only_layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        problems = _range_problems(self)
+        if problems:
+            raise ValueError("invalid TargetConfig: " + "; ".join(problems))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             problems.append(f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -163,28 +219,124 @@ class TargetConfig:
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
+    # ---- presets -----------------------------------------------------------------------------------
+    @classmethod
+    def qwen3_5_27b(cls) -> TargetConfig:
+        """Qwen3.5-27B's text model, as its Hugging Face ``config.json`` gives it: 64 layers (3 Gated DeltaNet :
+        1 gated attention), hidden 5120, MLP 17408, vocabulary 248320, 24 query / 4 KV heads of 256, 16 key /
+        48 value GDN heads of 128, context 262144. The sizes are what the benchmarks on random weights need;
+        RoPE and EOS fields keep this class's defaults."""
+        return cls(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, layer_types=_hybrid_layers(64),
+                   linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                   linear_value_head_dim=128, max_position_embeddings=262_144)
+
+    @classmethod
+    def cpu(cls) -> TargetConfig:
+        """The CPU benchmarks' target (no released model): Qwen3.5-27B's layer pattern scaled down until
+        ``experiments.bench_generate`` runs in minutes on 2 cores: 8 layers, hidden 512, 8 query / 2 KV heads
+        of 64, 4 key / 8 value GDN heads of 64 x 64."""
+        return cls(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=64, layer_types=_hybrid_layers(8),
+                   linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                   linear_value_head_dim=64, max_position_embeddings=262_144)
+
+    @classmethod
+    def tiny(cls) -> TargetConfig:
+        """The test suite's target (no released model): two groups of 3 Gated DeltaNet + 1 attention layer, every
+        size as small as still exercises grouped heads (4 query / 2 KV, 2 key / 4 value GDN heads, all of 8)
+        and partial RoPE (half of each head), so CPU tests run fast."""
+        return cls(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, layer_types=_hybrid_layers(8), linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   partial_rotary_factor=0.5)
+
     # ---- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
-        d = dict(d)
-        for key in ("layer_types", "eos_token_ids", "mlp_only_layers"):
-            if key in d:
-                d[key] = tuple(d[key])
         return cls(**d)
 
     @classmethod
     def from_hf(cls, config: str | os.PathLike | dict[str, Any]) -> TargetConfig:
-        """Build from an HF ``config.json`` (a path to the file or its directory, or the parsed dict)."""
+        """Build from an HF ``config.json`` (a path to the file or its directory, or the parsed dict).
+
+        One of the project's own checkpoints is refused with a message saying what it is and how to load it."""
+        path = "this config"
         if not isinstance(config, dict):
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            with open(path) as f:
-                config = json.load(f)
+            config = read_json(path)
+        if not isinstance(config, dict):
+            raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an HF config object")
+        refuse_native_checkpoint(config, path, "an HF one")
         return _from_hf_dict(config)
+
+
+def _range_problems(config: TargetConfig) -> list[str]:
+    """Sizes below 1 (0 for the MoE fields), and RoPE / norm constants that are not finite positive numbers."""
+    problems = [f"{name} {getattr(config, name)} must be >= 1" for name in _SIZE_FIELDS if getattr(config, name) < 1]
+    problems += [f"{name} {getattr(config, name)} must be >= 0" for name in _MOE_FIELDS if getattr(config, name) < 0]
+    problems += [f"{name} {getattr(config, name)} must be a finite number > 0"
+                 for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
+                 if not (math.isfinite(getattr(config, name)) and getattr(config, name) > 0)]
+    if any(i < 0 for i in config.eos_token_ids):
+        problems.append(f"eos_token_ids {list(config.eos_token_ids)} must be >= 0")
+    return problems
+
+
+def field_type_problems(config) -> list[str]:
+    """The fields of dataclass ``config`` whose value does not have the field's annotated type (``tuple[X, ...]``
+    takes a list too, a ``float`` an int, a nested config its dict; a bool is no int)."""
+    hints = typing.get_type_hints(type(config))
+    return [f"{f.name} must be {_type_name(hints[f.name])}, got {type(value).__name__} {value!r}"
+            for f in dataclasses.fields(config) if not _has_type(value := getattr(config, f.name), hints[f.name])]
+
+
+def _has_type(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if origin is typing.Literal:  # a string outside the choices is a ValueError of __post_init__'s own
+        return isinstance(value, str)
+    if origin is tuple:
+        return isinstance(value, tuple | list) and all(_has_type(v, args[0]) for v in value)
+    if hint in (int, float):
+        return isinstance(value, int | float if hint is float else int) and not isinstance(value, bool)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint | dict)
+    return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return f"one of {args}"
+    if origin is tuple:
+        return f"a list of {_type_name(args[0])}"
+    return {type(None): "None", float: "a number"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The parsed JSON file at ``path``; a missing file or invalid JSON is an error that names the file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: it is not valid JSON ({e})") from e
+
+
+def _hybrid_layers(num_layers: int) -> tuple[str, ...]:
+    """Qwen3.5's layer pattern: three Gated DeltaNet layers, then one gated attention layer, repeated."""
+    return (LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION) * (num_layers // 4)
 
 
 def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:

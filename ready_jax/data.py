@@ -16,7 +16,9 @@ target learns something a drafter can then predict.
   everywhere.
 - **Tokenizer**: byte-level BPE (``tokenizers``) trained on the train split only, with special tokens
   ``<|endoftext|>`` (EOS, id 0: ends every document), ``<|mask|>`` (id 1: the drafter's block filler,
-  never produced by the corpus) and ``<|pad|>`` (id 2).
+  never produced by the corpus) and ``<|pad|>`` (id 2). A corpus for an existing model
+  (:func:`prepare_model_corpus`) uses the tokenizer the model ships instead, since a tokenizer trained
+  on another Python's stdlib would give other tokens.
 - **Token streams**: each split is its documents' ids, each followed by EOS, concatenated in
   document order. Training windows are the stream's non-overlapping ``length + 1``-token slices,
   visited in a fresh seeded permutation every epoch; which windows a batch holds is a pure function
@@ -31,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
 import sysconfig
 from collections.abc import Sequence
@@ -38,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from . import cli
 
 EOS_TOKEN, MASK_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|mask|>", "<|pad|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN)
@@ -48,6 +53,9 @@ TOPICS_FILE = "pydoc_data/topics.py"
 SPLIT_RULE = "bucket = int(sha256(name)[:8], 16) % 100; 0-89 train, 90-94 validation, 95-99 test"
 CODE, PROSE = "code", "prose"
 MIXED = "mixed"  # a prompt kind, not a document kind: code files read from a docstring or comment block
+# What a trained target ships beside its checkpoint: the corpus's tokenizer and its manifest.
+MODEL_TOKENIZER, MODEL_CORPUS_MANIFEST = "tokenizer.json", "corpus_manifest.json"
+_ENCODE_CHUNK = 64  # documents per encode_batch call: the unit of the progress count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,16 +127,27 @@ def train_tokenizer(docs: Sequence[Document], vocab_size: int = 4096) -> Tokeniz
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
-    ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
-    if ids != [EOS_ID, MASK_ID, PAD_ID]:
-        raise AssertionError(f"special tokens got ids {ids}")
+    check_special_tokens(tokenizer, "the trained tokenizer")
     return tokenizer
 
 
-def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
-    """One int32 stream: each document's ids followed by EOS, in document order."""
-    encoded = tokenizer.encode_batch([d.text for d in docs])
-    parts = [np.asarray(e.ids + [EOS_ID], np.int32) for e in encoded]
+def check_special_tokens(tokenizer: Tokenizer, what: str) -> None:
+    """Raise ValueError unless ``tokenizer`` holds EOS, MASK and PAD at ids 0, 1 and 2 (``what`` names it)."""
+    ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    if ids != [EOS_ID, MASK_ID, PAD_ID]:
+        raise ValueError(f"{what} gives the special tokens {list(SPECIAL_TOKENS)} ids {ids}, not "
+                         f"{[EOS_ID, MASK_ID, PAD_ID]}")
+
+
+def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document],
+                     progress: cli.Progress | None = None) -> np.ndarray:
+    """One int32 stream: each document's ids followed by EOS, in document order; ``progress`` counts the documents."""
+    parts = []
+    for start in range(0, len(docs), _ENCODE_CHUNK):
+        chunk = docs[start:start + _ENCODE_CHUNK]
+        parts += [np.asarray(e.ids + [EOS_ID], np.int32) for e in tokenizer.encode_batch([d.text for d in chunk])]
+        if progress is not None:
+            progress.update(len(chunk))
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
@@ -154,33 +173,85 @@ def manifest_documents(record: dict, split: str) -> list[Document]:
     return [d for d in collect_documents() if d.name in wanted]
 
 
-def prepare_corpus(path: str | os.PathLike, vocab_size: int = 4096, root: str | os.PathLike | None = None) -> Corpus:
+def prepare_corpus(path: str | os.PathLike, vocab_size: int = 4096, root: str | os.PathLike | None = None, *,
+                   tokenizer_file: str | os.PathLike | None = None, like: dict | None = None) -> Corpus:
     """Build the corpus directory at ``path``, or reuse it if it was built with the same settings.
 
-    A directory built from another stdlib (another Python) or vocabulary size is an error rather than
-    silently rebuilt: its tokenizer may be the one a trained model depends on.
+    The tokenizer is trained on the train split, or with ``tokenizer_file`` (a model's ``tokenizer.json``)
+    is that file, copied byte for byte; its vocabulary must then have ``vocab_size`` tokens and the special
+    tokens at their ids. With ``like`` (a corpus manifest, such as the one a model ships) only the documents
+    it lists are kept. A directory built from another stdlib (another Python), vocabulary size or tokenizer
+    file is an error rather than silently rebuilt: its tokenizer may be the one a trained model depends on.
+    Building prints progress to stderr.
     """
     path = Path(path)
     manifest_path = path / "manifest.json"
     if manifest_path.exists():
         existing = json.loads(manifest_path.read_text())
         wanted = {"vocab_size": vocab_size, "stdlib": stdlib_label(root)}
-        differs = {k: (existing.get(k), v) for k, v in wanted.items() if existing.get(k) != v}
+        built = {k: existing.get(k) for k in wanted}
+        if tokenizer_file is not None:
+            wanted["tokenizer_sha256"] = _sha256(tokenizer_file)
+            built["tokenizer_sha256"] = _sha256(path / "tokenizer.json")
+        differs = {k: (built[k], v) for k, v in wanted.items() if built[k] != v}
         if differs:
             raise ValueError(f"{path} holds a corpus built with other settings (built, wanted): {differs}; "
                              "use another corpus directory")
         return Corpus(path, Tokenizer.from_file(str(path / "tokenizer.json")), existing)
-    splits = split_documents(collect_documents(root))
-    tokenizer = train_tokenizer(splits["train"], vocab_size)
+    splits = split_documents(_listed(collect_documents(root), like))
+    progress = cli.Progress(f"corpus {path}", sum(map(len, splits.values())), "documents encoded")
+    tokenizer = None if tokenizer_file is None else _shipped_tokenizer(tokenizer_file, vocab_size)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path / "tokenizer.json"))
-    record = manifest(splits, root) | {"vocab_size": vocab_size}
+    if tokenizer is None:
+        progress.note(f"training a {vocab_size}-token BPE tokenizer on {len(splits['train'])} documents")
+        tokenizer = train_tokenizer(splits["train"], vocab_size)
+        tokenizer.save(str(path / "tokenizer.json"))
+    else:
+        shutil.copyfile(tokenizer_file, path / "tokenizer.json")
+    record = manifest(splits, root) | {"vocab_size": vocab_size, "tokenizer_sha256": _sha256(path / "tokenizer.json")}
     for split, docs in splits.items():
-        stream = encode_documents(tokenizer, docs)
+        stream = encode_documents(tokenizer, docs, progress)
         np.save(path / f"{split}.npy", stream)
         record[f"{split}_tokens"] = int(stream.size)
     manifest_path.write_text(json.dumps(record, indent=1))  # written last: its presence means "complete"
+    progress.close()
     return Corpus(path, tokenizer, record)
+
+
+def prepare_model_corpus(path: str | os.PathLike, model_dir: str | os.PathLike, vocab_size: int) -> Corpus:
+    """:func:`prepare_corpus` at ``path`` for the model in ``model_dir`` (whose vocabulary has ``vocab_size``
+    tokens): encoded with the model's shipped ``tokenizer.json`` and limited to the documents of its
+    ``corpus_manifest.json`` where the directory has them, so prompts are the tokens the model was trained on
+    whatever this Python's stdlib; with a newly trained tokenizer where it has none."""
+    model_dir = Path(model_dir)
+    tokenizer_file, manifest_file = model_dir / MODEL_TOKENIZER, model_dir / MODEL_CORPUS_MANIFEST
+    like = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+    return prepare_corpus(path, vocab_size, tokenizer_file=tokenizer_file if tokenizer_file.exists() else None,
+                          like=like)
+
+
+def _listed(docs: list[Document], like: dict | None) -> list[Document]:
+    """The documents a corpus manifest ``like`` lists (all of ``docs`` without one); its split rule must be ours."""
+    if like is None:
+        return docs
+    if like.get("split_rule") != SPLIT_RULE:
+        raise ValueError(f"the corpus manifest splits documents by {like.get('split_rule')!r}, not {SPLIT_RULE!r}")
+    names = {d["name"] for split in like["splits"].values() for d in split}
+    return [d for d in docs if d.name in names]
+
+
+def _shipped_tokenizer(tokenizer_file: str | os.PathLike, vocab_size: int) -> Tokenizer:
+    """The tokenizer in ``tokenizer_file``, checked to have ``vocab_size`` tokens and the special tokens' ids."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(f"{tokenizer_file} has {tokenizer.get_vocab_size()} tokens, not the {vocab_size} of the "
+                         "model's vocabulary: it is not that model's tokenizer")
+    check_special_tokens(tokenizer, str(tokenizer_file))
+    return tokenizer
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,207 +38,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.state_gather import gather_sources, state_gather
-
-from .cache import Candidate, TargetCache
-from .checkpoint import flat_state, read_checkpoint, state_from_flat, write_checkpoint
+from . import checkpoint, dispatch, sharding
+from .cache import Candidate, ContextCache, TargetCache
 from .config import TargetConfig
+from .drafter_config import KV, STATE, DrafterConfig
 from .layers import MLP, apply_rope, linear
-from .reader import (
-    KV,
-    STATE,
-    KVReader,
-    Qwen3RMSNorm,
-    ReaderConfig,
-    StateReader,
-    committed_states,
-    source_kv,
-)
+from .modes import Impl
+from .reader import KVReader, Qwen3RMSNorm, StateReader, gather_sources, source_kv
 
 FORMAT = "ready-jax-drafter"
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (DeepSpec's threshold)
-_SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "vocab_size", "num_target_layers")
-
-
-# ---- configuration ----------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig:
-    """Hyper-parameters of a DSpark / ReaDy drafter.
-
-    ``target_layer_ids`` count the target's decoder layers from 0: id ``l`` is the residual-stream
-    output of decoder layer ``l`` (after its MLP residual, before the final norm), i.e. HF
-    ``output_hidden_states[l + 1]`` and ``ready_jax.target`` ``hidden_layers=(l,)``. This is exactly
-    DeepSpec's convention (``extract_context_feature`` takes ``hidden_states[l + 1]``), so DeepSpec
-    configs carry over unchanged. DeepSpec's ``-1`` (the embedding output, ``hidden_states[0]``) is not
-    supported: the target's step functions do not return it. The ids must be strictly increasing.
-    None picks DeepSpec's default spread: ``num_layers`` ids from 1 to ``L - 3`` (1, 9, 17, 25, 33
-    for a 36-layer target).
-
-    Size fields left None are taken from the target in :meth:`resolve` (``hidden_size`` and
-    ``vocab_size`` *must* equal the target's: the embedding and LM head are the target's). A resolved
-    config is self-contained: a saved drafter loads without its target. ``mask_token_id`` defaults
-    to ``vocab_size - 1``; DeepSpec uses a reserved token of the tokenizer (151669 for Qwen3).
-    ``markov_rank = 0`` drops the Markov head; ``confidence_with_markov`` feeds ``W1[x_{k-1}]`` to the
-    confidence head as well (DeepSpec's ``confidence_head_with_markov``).
-
-    ``context_window = w`` lets block queries see only the last ``w`` committed context tokens (the
-    block itself stays fully visible), the sliding-window context of memory-bounded deployments;
-    None (DeepSpec's default) sees the whole committed context. The cache still holds every slot,
-    so results equal a ring buffer of ``w`` slots.
-    """
-
-    block_size: int = 7
-    num_layers: int = 5
-    target_layer_ids: tuple[int, ...] | None = None
-    mask_token_id: int | None = None
-    markov_rank: int = 256
-    confidence_head: bool = True
-    confidence_with_markov: bool = True
-    context_window: int | None = None
-    reader: ReaderConfig | None = None
-    hidden_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-    rms_norm_eps: float | None = None
-    rope_theta: float | None = None
-    vocab_size: int | None = None
-    num_target_layers: int | None = None
-
-    def __post_init__(self):
-        if self.target_layer_ids is not None:
-            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if isinstance(self.reader, dict):
-            object.__setattr__(self, "reader", ReaderConfig.from_dict(self.reader))
-        problems = []
-        if self.block_size < 1:
-            problems.append(f"block_size {self.block_size} must be >= 1")
-        if self.num_layers < 1:
-            problems.append(f"num_layers {self.num_layers} must be >= 1")
-        if self.markov_rank < 0:
-            problems.append(f"markov_rank {self.markov_rank} must be >= 0")
-        if self.context_window is not None and self.context_window < 1:
-            problems.append(f"context_window {self.context_window} must be >= 1 (or None: the whole context)")
-        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
-            problems.append("confidence_with_markov needs a Markov head (markov_rank > 0)")
-        problems += [f"{name} {getattr(self, name)} must be >= 1" for name in _SIZE_FIELDS
-                     if getattr(self, name) is not None and getattr(self, name) < 1]
-        ids = self.target_layer_ids
-        if ids is not None:
-            if not ids or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
-                problems.append(f"target_layer_ids {ids} must be non-empty and strictly increasing")
-            if -1 in ids:
-                problems.append("target_layer_ids -1 (DeepSpec's embedding-output feature) is not supported: "
-                                "the target returns decoder-layer outputs only")
-            top = self.num_target_layers
-            bad = [i for i in ids if i < -1 or (top is not None and i >= top)]
-            if bad:
-                problems.append(f"target_layer_ids {bad} are outside the target's decoder layers"
-                                + (f" 0..{top - 1}" if top is not None else ""))
-        if self.num_attention_heads and self.num_key_value_heads and \
-                self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads {self.num_key_value_heads}")
-        if self.head_dim is not None and self.head_dim % 2:
-            problems.append(f"head_dim {self.head_dim} must be even (RoPE)")
-        if self.mask_token_id is not None and self.vocab_size is not None and \
-                not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                            f"0..{self.vocab_size - 1}")
-        if problems:
-            raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
-
-    def resolve(self, target: TargetConfig) -> DrafterConfig:
-        """Fill unset sizes from ``target`` and check the drafter fits it; raise one ValueError otherwise.
-
-        Idempotent: resolving a resolved config checks it against the target.
-        """
-        from_target = dict(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
-                           num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-                           intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-                           rope_theta=target.rope_theta, vocab_size=target.vocab_size,
-                           num_target_layers=target.num_hidden_layers)
-        problems = []
-        shared = {"hidden_size": "the drafter shares the target's embedding and LM head",
-                  "vocab_size": "the drafter shares the target's embedding and LM head",
-                  "num_target_layers": "target_layer_ids index the target's layers"}
-        for name, why in shared.items():
-            mine = getattr(self, name)
-            if mine is not None and mine != from_target[name]:
-                problems.append(f"drafter {name} {mine} does not match the target's {from_target[name]} "
-                                f"({why})")
-        reader = None
-        if self.reader is not None:
-            try:
-                reader = self.reader.resolve(target, self.num_layers)
-            except ValueError as e:
-                problems.append(str(e))
-        if problems:
-            raise ValueError("DrafterConfig does not fit the target: " + "; ".join(problems))
-        filled = {k: v if getattr(self, k) is None else getattr(self, k) for k, v in from_target.items()}
-        ids = self.target_layer_ids or default_target_layer_ids(target.num_hidden_layers, self.num_layers)
-        mask = self.mask_token_id if self.mask_token_id is not None else target.vocab_size - 1
-        return dataclasses.replace(self, **filled, target_layer_ids=ids, mask_token_id=mask, reader=reader)
-
-    @property
-    def resolved(self) -> bool:
-        fields = [getattr(self, f) for f in (*_SIZE_FIELDS, "rms_norm_eps", "rope_theta", "target_layer_ids",
-                                             "mask_token_id")]
-        return None not in fields and (self.reader is None or self.reader.resolved)
-
-    @property
-    def gamma(self) -> int:
-        """Drafts per block: one per block position (DeepSpec's convention)."""
-        return self.block_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
-        return cls(**d)
-
-
-def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """DeepSpec / DFlash's spread: ``count`` layers evenly from 1 to ``L - 3`` (rounded, deduplicated)."""
-    if count == 1:
-        return (num_target_layers // 2,)
-    start = min(1, num_target_layers - 1)
-    end = max(start, num_target_layers - 3)
-    return tuple(sorted({round(start + i * (end - start) / (count - 1)) for i in range(count)}))
 
 
 # ---- pytrees that cross the step boundary ---------------------------------------------------------------
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ContextCache:
-    """Context K/V of every draft layer for the committed tokens. Slot s holds position s.
-
-    ``lengths[b]`` committed tokens are visible; that is also the position of sequence b's next anchor.
-    """
-
-    k: jax.Array        # [L_draft, B, S_max, H_kv, hd] after k_norm and RoPE
-    v: jax.Array        # [L_draft, B, S_max, H_kv, hd]
-    lengths: jax.Array  # [B] int32
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SharedWeights:
@@ -480,13 +298,13 @@ def append_context(graphdef, params, context: ContextCache, hidden: jax.Array,
 
 
 def prepare_reader(graphdef, params, source: TargetCache | Candidate,
-                   n_committed: jax.Array | None = None, impl: str = "xla") -> tuple:
+                   n_committed: jax.Array | None = None, impl: Impl = "xla") -> tuple:
     """Per-round reader input from the target's cache, one entry per inject layer (ascending).
 
     ``source`` is a committed ``TargetCache``, or a verify ``Candidate`` plus ``n_committed`` [B] (the
     block tokens being committed), which reads the same states without waiting for the commit.
-    State reader: ``C [B, M, r, r]`` per inject layer; KV baseline: a ``KVReadState``. ``impl="pallas"``
-    gathers and compresses with the fused ``state_gather`` kernel, straight from the cache buffers.
+    State reader: ``C [B, M, r, r]`` per inject layer, gathered and compressed by ``dispatch.state_gather``
+    with ``impl`` (the Pallas kernel reads the cache buffers in place); KV baseline: a ``KVReadState``.
     """
     model = nnx.merge(graphdef, params)
     rc = model.config.reader
@@ -500,13 +318,9 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
             keys, values = source_kv(source, rc.source_layers)
             lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
             return tuple(r.prepare(keys, values, lengths) for r in readers)
-        if impl == "pallas":
-            arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
-            return tuple(state_gather(arrays, n, r.key_basis[...], r.value_basis[...], layers=layers,
-                                      impl="pallas") for r in readers)
-        # Select the committed states once; each inject layer compresses them with its own bases.
-        picked = committed_states(source, rc.source_layers, n_committed)
-        return tuple(r.prepare(picked) for r in readers)
+        arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
+        return tuple(dispatch.state_gather(arrays, n, r.key_basis[...], r.value_basis[...], layers=layers,
+                                           impl=impl) for r in readers)
 
 
 def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead | None, key: jax.Array | None,
@@ -584,6 +398,8 @@ class Drafter:
     def init(cls, target_config: TargetConfig, config: DrafterConfig | None = None, seed: int = 0,
              dtype=jnp.float32) -> Drafter:
         """Random drafter for ``target_config`` (unset sizes come from it; the reader's W_o is zero)."""
+        if not isinstance(target_config, TargetConfig):
+            raise TypeError(f"target_config must be a TargetConfig, got {type(target_config).__name__}")
         config = (config or DrafterConfig()).resolve(target_config)
         return cls(DrafterModel(config, rngs=nnx.Rngs(seed), dtype=dtype))
 
@@ -593,26 +409,31 @@ class Drafter:
         """Build from ``{dotted NNX path: array}``; every parameter must be present with its shape."""
         model = nnx.eval_shape(lambda: DrafterModel(config, rngs=nnx.Rngs(0), dtype=dtype))
         graphdef, params = nnx.split(model)
-        state_from_flat(params, flat, what=what)
+        checkpoint.state_from_flat(params, flat, what=what)
         return cls(nnx.merge(graphdef, params))
 
     def flat_params(self) -> dict[str, jax.Array]:
-        return flat_state(self.params)
+        return checkpoint.flat_state(self.params)
 
     def check_target(self, target_config: TargetConfig) -> None:
         """Raise ValueError if this drafter does not fit ``target_config`` (sizes, layers, reader sources)."""
         self.config.resolve(target_config)
 
     # ---- checkpoint ------------------------------------------------------------------------------------
-    def save(self, path) -> None:
-        """``config.json`` + ``model.safetensors`` (see ``ready_jax.checkpoint``)."""
-        write_checkpoint(path, FORMAT, "drafter", self.config.to_dict(), self.params, self.dtype)
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """``config.json`` + ``model.safetensors`` (``ready_jax.checkpoint``); refuses a directory holding
+        anything but a drafter checkpoint unless ``overwrite``."""
+        checkpoint.write_checkpoint(path, FORMAT, "drafter", self.config.to_dict(), self.params, self.dtype,
+                                    overwrite=overwrite)
 
     @classmethod
-    def load(cls, path, dtype=None) -> Drafter:
-        config, flat, saved_dtype = read_checkpoint(
-            path, FORMAT, "drafter", "convert DeepSpec checkpoints with `python -m convert.deepspec`")
-        return cls.from_state(DrafterConfig.from_dict(config), flat, dtype or saved_dtype, what=f"checkpoint {path}")
+    def load(cls, path, dtype=None, layout: sharding.Layout | None = None) -> Drafter:
+        """Load a drafter checkpoint in ``dtype`` (default: as saved); with ``layout``, every weight goes
+        straight onto its shards of that mesh."""
+        return cls(checkpoint.load_model(
+            path, FORMAT, "drafter", "convert DeepSpec checkpoints with `python -m convert.deepspec`",
+            DrafterConfig.from_dict, lambda config, dtype: DrafterModel(config, rngs=nnx.Rngs(0), dtype=dtype),
+            dtype=dtype, layout=layout))
 
     # ---- jitted steps (module-level jits keyed on the static graphdef: equal drafters share compiles) ----
     def init_context(self, batch_size: int, capacity: int) -> ContextCache:
@@ -637,6 +458,13 @@ class Drafter:
     def prepare_reader(self, source: TargetCache | Candidate, n_committed=None, impl: str = "xla") -> tuple:
         n = None if n_committed is None else jnp.asarray(n_committed, jnp.int32)
         return _prepare_jit(self.graphdef, self.params, source, n, impl)
+
+
+def shard_drafter(drafter: Drafter, layout: sharding.Layout) -> Drafter:
+    """The drafter with its weights placed on the mesh."""
+    layout = sharding.as_layout(layout)
+    return Drafter(nnx.merge(drafter.graphdef, sharding.place(
+        drafter.params, sharding.param_shardings(drafter.params, layout, drafter.config))))
 
 
 _append_jit = jax.jit(append_context, static_argnums=0, donate_argnames=("context",))

@@ -37,7 +37,8 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -46,13 +47,16 @@ import numpy as np
 from flax import nnx
 
 from . import cache as cache_lib
-from . import data, training
+from . import cli, data, training
 from . import target as target_lib
-from .checkpoint import flat_state
+from .cache import ContextCache
+from .checkpoint import flat_state, replace_atomically
 from .config import TargetConfig
-from .drafter import ContextCache, Drafter, DrafterConfig, DrafterModel, SharedWeights
+from .drafter import Drafter, DrafterModel, SharedWeights
+from .drafter_config import KV, STATE, DrafterConfig, ReaderConfig
 from .generation import generate
-from .reader import KV, STATE, KVReadState, ReaderConfig, committed_states, source_kv
+from .ops.reader import KVReadState
+from .reader import committed_states, source_kv
 from .target import Target
 
 CE_WEIGHT, TV_WEIGHT = 0.1, 0.9
@@ -62,13 +66,16 @@ VARIANTS = ("dspark", "dspark-ft", "ready")
 
 # ---- data ----------------------------------------------------------------------------------------------------
 def distill(target: Target, prompts: np.ndarray, new_tokens: int, *, batch_size: int = 64,
-            temperature: float = 0.0, seed: int = 0) -> np.ndarray:
-    """Prompts [N, P] continued by the target for ``new_tokens`` (no EOS stop) -> sequences [N, P + new_tokens]."""
+            temperature: float = 0.0, seed: int = 0, progress: cli.Progress | None = None) -> np.ndarray:
+    """Prompts [N, P] continued by the target for ``new_tokens`` (no EOS stop) -> sequences [N, P + new_tokens];
+    ``progress`` counts the sequences."""
     out = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         gen = generate(target, chunk, new_tokens, temperature=temperature, seed=seed + i, eos_token_ids=())
         out.append(np.concatenate([chunk, gen.tokens], axis=1))
+        if progress is not None:
+            progress.update(len(chunk))
     return np.concatenate(out).astype(np.int32)
 
 
@@ -322,27 +329,55 @@ class DistillConfig:
     seed: int = 0
 
 
-def distilled_data(target: Target, corpus, config: DistillConfig, path) -> tuple[np.ndarray, np.ndarray]:
-    """(train [N, T], validation [N_val, T]) sequences; generated once and kept at ``path`` (an .npz).
+def distilled_data(target: Target, corpus, config: DistillConfig, path,
+                   log: Callable[[str], None] = print) -> tuple[np.ndarray, np.ndarray]:
+    """(train [N, T], validation [N_val, T]) sequences; generated once and kept at ``path`` (npz data, at
+    exactly that path whatever its suffix).
 
     Train prompts are seeded random corpus windows of the train split, validation prompts the first
-    windows of the validation split, so drafter validation never sees a training document.
+    windows of the validation split, so drafter validation never sees a training document. The cache is
+    written whole or not at all (a temporary file renamed over ``path``); one that cannot be read, or
+    that was made with other settings or another target, is regenerated, with a note to ``log``.
+    Generating prints progress to stderr.
     """
     path = Path(path)
     key = _distill_key(config, target)
-    if path.exists():
-        saved = np.load(path)
-        if saved["config"].tobytes() == key:
-            return saved["train"], saved["validation"]
+    cached = _read_distilled(path, key, log)
+    if cached is not None:
+        return cached
     new = config.seq_len - config.prompt_len
     train_prompts = data.Windows(corpus.tokens("train"), config.prompt_len - 1).batch(
         config.seed, 0, config.num_sequences)
     val_prompts = data.Windows(corpus.tokens("validation"), config.prompt_len - 1).ordered(config.val_sequences)
-    train = distill(target, train_prompts, new, temperature=config.temperature, seed=config.seed)
-    validation = distill(target, val_prompts, new, temperature=config.temperature, seed=config.seed + 1)
+    with cli.Progress("self-distillation", len(train_prompts) + len(val_prompts), "sequences") as progress:
+        train = distill(target, train_prompts, new, temperature=config.temperature, seed=config.seed,
+                        progress=progress)
+        validation = distill(target, val_prompts, new, temperature=config.temperature, seed=config.seed + 1,
+                             progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=train, validation=validation, config=np.frombuffer(key, np.uint8))
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a name
+            np.savez(f, train=train, validation=validation, config=np.frombuffer(key, np.uint8))
+
+    replace_atomically(str(path), write)
     return train, validation
+
+
+def _read_distilled(path: Path, key: bytes, log: Callable[[str], None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sequences kept at ``path`` if they were made for ``key``; None (with a note) if they were not,
+    or if the file cannot be read; None if there is no file."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as saved:
+            if saved["config"].tobytes() != key:
+                log(f"distillation cache {path} was made with other settings or another target: regenerating it")
+                return None
+            return saved["train"], saved["validation"]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        log(f"distillation cache {path} cannot be read ({type(e).__name__}: {e}): regenerating it")
+        return None
 
 
 def _distill_key(config: DistillConfig, target: Target) -> bytes:

@@ -14,8 +14,10 @@ sequence (EOS or ``max_new_tokens``) keeps running in the batch but commits and 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,17 +28,18 @@ import numpy as np
 from flax import nnx
 
 from . import cache as cache_lib
-from . import debug, speculative
+from . import debug, modes, speculative
 from . import drafter as drafter_lib
 from . import sharding as sharding_lib
 from . import target as target_lib
-from .cache import TargetCache
+from .cache import ContextCache, TargetCache
 from .config import TargetConfig
-from .drafter import Drafter, DrafterConfig, SharedWeights
-from .target import Target
+from .drafter import Drafter, SharedWeights
+from .drafter_config import DrafterConfig
+from .modes import Impl, Rollback
+from .target import INT32_MAX, Target, check_flag, check_int
 
 PAD = -1  # fills GenerateOutput.tokens after a sequence ended
-IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +66,10 @@ class GenerateOutput:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verification round, counting the target's own (AR: 1.0)."""
-        return float(self.accept_lengths[self._active].mean())
+        """Mean tokens committed per verification round, counting the target's own (AR: 1.0); NaN when no
+        round ran (``max_new_tokens=1``: the prefill produced the only token)."""
+        active = self.accept_lengths[self._active]
+        return float(active.mean()) if active.size else math.nan
 
     @property
     def acceptance_histogram(self) -> np.ndarray:
@@ -75,12 +80,15 @@ class GenerateOutput:
     def per_position_acceptance(self) -> np.ndarray:
         """[gamma]: fraction of rounds in which draft k+1 was accepted."""
         accepted = self.accept_lengths[self._active] - 1
+        if not accepted.size:
+            return np.full((self.block_size,), math.nan)
         return np.array([(accepted > k).mean() for k in range(self.block_size)])
 
     @property
     def full_accept_rate(self) -> float:
-        """Fraction of rounds in which every draft survived."""
-        return float((self.accept_lengths[self._active] - 1 == self.block_size).mean())
+        """Fraction of rounds in which every draft survived (NaN when no round ran)."""
+        active = self.accept_lengths[self._active]
+        return float((active - 1 == self.block_size).mean()) if active.size else math.nan
 
     @property
     def tokens_per_second(self) -> float:
@@ -124,8 +132,8 @@ class _Settings:
     capacity: int
     temperature: float
     eos_ids: tuple[int, ...]
-    rollback: str
-    impl: str
+    rollback: Rollback
+    impl: Impl
     layout: sharding_lib.Layout | None = None  # the target's mesh: carries are pinned to it
     check_finite: bool = False                 # ready_jax.debug's NaN / Inf checks
 
@@ -146,7 +154,25 @@ class _Settings:
         return self.learned and self.drafter_config.reader is not None
 
 
-def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key, s: _Settings):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    """The ``lax.while_loop`` carry: everything one round reads and the next needs."""
+
+    cache: TargetCache        # the target's committed cache (prompt + every kept token but the anchor)
+    anchor: jax.Array         # [B] int32 the last kept token, which the target has not run yet
+    generated: jax.Array      # [B] int32 tokens kept so far (the anchor included)
+    key: jax.Array            # PRNG key of the next round
+    round: jax.Array          # int32 rounds run so far
+    buffer: jax.Array         # [B, max_new_tokens + gamma + 1] int32 kept tokens, PAD after them
+    done: jax.Array           # [B] bool: EOS kept or max_new_tokens reached
+    accepted: jax.Array       # [max_new_tokens, B] int32 tokens committed per round, 0 = idle
+    context: ContextCache | None = None  # a learned drafter's context K/V
+    reader: tuple | None = None          # a reader's per-round input, one entry per inject layer
+
+
+def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
+             s: _Settings) -> LoopState:
     """Prefill, the first token, and the loop's initial carry."""
     batch = prompts.shape[0]
     dtype = target_params["embed_tokens"]["embedding"].dtype
@@ -158,21 +184,20 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
     last = out.logits[:, 0]                                                                # [B, V]
     anchor = speculative.sample_token(last, s.temperature, first_key)
     generated = jnp.ones((batch,), jnp.int32)
-    carry = {
-        "cache": sharding_lib.constrain(out.cache, s.layout), "anchor": anchor, "generated": generated, "key": key,
-        "round": jnp.int32(0),
-        "buffer": jnp.full((batch, s.max_new_tokens + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
-        "done": _is_eos(anchor, s.eos_ids) | (generated >= s.max_new_tokens),
-        "accepted": jnp.zeros((s.max_new_tokens, batch), jnp.int32),   # per round: tokens committed, 0 = idle
-    }
+    context = reader = None
     if s.learned:
         context = sharding_lib.constrain(drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype),
                                          s.layout)
-        carry["context"] = sharding_lib.constrain(
+        context = sharding_lib.constrain(
             drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden, prompt_lengths), s.layout)
     if s.has_reader:
-        carry["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, impl=s.impl)
-    return carry
+        reader = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, impl=s.impl)
+    return LoopState(
+        cache=sharding_lib.constrain(out.cache, s.layout), anchor=anchor, generated=generated, key=key,
+        round=jnp.int32(0),
+        buffer=jnp.full((batch, s.max_new_tokens + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
+        done=_is_eos(anchor, s.eos_ids) | (generated >= s.max_new_tokens),
+        accepted=jnp.zeros((s.max_new_tokens, batch), jnp.int32), context=context, reader=reader)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -181,38 +206,39 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def _round(carry, target_def, target_params, drafter_def, drafter_params, shared, s: _Settings):
+def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_params, shared,
+           s: _Settings) -> LoopState:
     """One round: (draft ->) verify -> accept -> commit -> append."""
-    key, draft_key, accept_key = jax.random.split(carry["key"], 3)
-    done, anchor = carry["done"], carry["anchor"]
-    new = dict(carry, key=key, round=carry["round"] + 1)
+    key, draft_key, accept_key = jax.random.split(carry.key, 3)
+    done, anchor = carry.done, carry.anchor
+    context, reader = carry.context, carry.reader
     if s.drafter_config is None:
         with jax.named_scope("decode"):
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
-            step = target_lib.extend(target_def, target_params, carry["cache"], anchor[:, None],
+            step = target_lib.extend(target_def, target_params, carry.cache, anchor[:, None],
                                      jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl,
                                      check_finite=s.check_finite)
         n_accepted = jnp.zeros_like(anchor)
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
-        keep, new["done"] = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry["generated"],
-                                                        s.max_new_tokens, done)
-        new["cache"] = step.cache
+        keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
+                                                     s.max_new_tokens, done)
+        cache = step.cache
     else:
         with jax.named_scope("draft"):
             if s.learned:
-                draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, carry["context"], anchor,
-                                                carry.get("reader"), draft_key, temperature=s.temperature,
+                draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, context, anchor,
+                                                reader, draft_key, temperature=s.temperature,
                                                 impl=s.impl)
                 draft_tokens, draft_probs = draft.tokens, draft.probs
                 if s.check_finite:
                     debug.check_finite(draft.logits, "drafter logits")
             else:
-                draft_tokens = _scripted_drafts(drafter_params, carry["generated"], s, draft_key)
+                draft_tokens = _scripted_drafts(drafter_params, carry.generated, s, draft_key)
                 draft_probs = jax.nn.one_hot(draft_tokens, s.target_config.vocab_size, dtype=jnp.float32)
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
-            ver = target_lib.verify(target_def, target_params, carry["cache"], block, hidden_layers=s.hidden_layers,
+            ver = target_lib.verify(target_def, target_params, carry.cache, block, hidden_layers=s.hidden_layers,
                                     rollback=s.rollback, impl=s.impl, check_finite=s.check_finite)
         with jax.named_scope("accept"):
             if s.temperature == 0.0:
@@ -224,26 +250,24 @@ def _round(carry, target_def, target_params, drafter_def, drafter_params, shared
         # Commit the anchor and the drafts before the last kept token (which becomes the next anchor):
         # n + 1 block tokens normally, fewer when an EOS or max_new_tokens cuts the round short, none
         # once done. The committed cache then always holds the prompt plus all kept tokens but the last.
-        keep, new["done"] = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry["generated"],
-                                                        s.max_new_tokens, done)
+        keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
+                                                     s.max_new_tokens, done)
         with jax.named_scope("commit"):
-            new["cache"] = cache_lib.commit(ver.cache, keep, s.impl)
+            cache = cache_lib.commit(ver.cache, keep, s.impl)
             if s.learned:
-                new["context"] = drafter_lib.append_context(drafter_def, drafter_params, carry["context"],
-                                                            ver.hidden, keep)
+                context = drafter_lib.append_context(drafter_def, drafter_params, context, ver.hidden, keep)
         if s.has_reader:
             with jax.named_scope("reader_prepare"):
                 # Read from the candidate (before commit) when it holds per-position states.
-                source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (new["cache"], None)
-                new["reader"] = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, impl=s.impl)
-    new["cache"] = sharding_lib.constrain(new["cache"], s.layout)
-    if "context" in new:
-        new["context"] = sharding_lib.constrain(new["context"], s.layout)
-    new["buffer"] = speculative.write_tokens(carry["buffer"], carry["generated"], emitted)
-    new["generated"] = carry["generated"] + keep
-    new["anchor"] = bonus
-    new["accepted"] = carry["accepted"].at[carry["round"]].set(jnp.where(done, 0, keep))
-    return new
+                source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (cache, None)
+                reader = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, impl=s.impl)
+    if context is not None:
+        context = sharding_lib.constrain(context, s.layout)
+    return LoopState(
+        cache=sharding_lib.constrain(cache, s.layout), anchor=bonus, generated=carry.generated + keep, key=key,
+        round=carry.round + 1, buffer=speculative.write_tokens(carry.buffer, carry.generated, emitted),
+        done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)), context=context,
+        reader=reader)
 
 
 def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: _Settings, key: jax.Array) -> jax.Array:
@@ -264,12 +288,12 @@ def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key
         carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
                          settings)
     carry = jax.lax.while_loop(
-        lambda c: ~jnp.all(c["done"]),
+        lambda c: ~jnp.all(c.done),
         lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, settings), carry)
-    tokens = (carry["buffer"], carry["generated"], carry["accepted"], carry["round"])
+    tokens = (carry.buffer, carry.generated, carry.accepted, carry.round)
     if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
         tokens = jax.lax.with_sharding_constraint(tokens, settings.layout.replicated)
-    return *tokens, carry["cache"]
+    return *tokens, carry.cache
 
 
 def _checked_program(*args, target_def, drafter_def, settings: _Settings):
@@ -280,12 +304,13 @@ def _checked_program(*args, target_def, drafter_def, settings: _Settings):
 
 _program_jit = jax.jit(_program, static_argnames=("target_def", "drafter_def", "settings"))
 _checked_jit = jax.jit(_checked_program, static_argnames=("target_def", "drafter_def", "settings"))
-_compiled: dict = {}
+_compiled: collections.OrderedDict = collections.OrderedDict()  # settings and shapes -> executable, LRU
+MAX_COMPILED_PROGRAMS = 32  # each holds its machine code; a long-lived process must not keep every one
 
 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
              temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
-             capacity: int | None = None, rollback: str = "replay", impl: str = "xla",
+             capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
              check_finite: bool = False, prompt_bucket: int = 1) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
 
@@ -298,11 +323,11 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     different lengths share one compiled program (padding is masked: the tokens do not change;
     prefill does up to m - 1 tokens of extra work). ``rollback`` picks how rejected drafts are undone
     (``target.verify``): both are exact; ``"replay"`` is the default because its verify candidate does
-    not grow with the block size, and it measured as fast (``experiments/rollback``). ``impl="pallas"``
+    not grow with the block size (the README compares their cost). ``impl="pallas"``
     runs the fused Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
     (interpreted on a CPU: correct but slow); the tokens are the same.
 
-    A target placed on a mesh (``ready_jax.sharding.shard_target``) runs the whole program there:
+    A target placed on a mesh (``rj.shard_target``) runs the whole program there:
     prompts split over the ``data`` axis, the drafter placed like the target, caches kept in their
     shards; the tokens equal single-device generation. ``check_finite=True`` compiles a debug
     program that raises ``FloatingPointError`` naming the first layer (or the logits) holding a NaN /
@@ -350,29 +375,26 @@ class Program:
 
 def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
-            capacity: int | None = None, rollback: str = "replay", impl: str = "xla",
+            capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
             check_finite: bool = False, prompt_bucket: int = 1) -> Program:
     """Check :func:`generate`'s arguments and build its :class:`Program` (same arguments, same errors)."""
-    if prompt_bucket < 1:
-        raise ValueError(f"prompt_bucket must be >= 1, got {prompt_bucket}")
+    prompt_bucket = check_int(prompt_bucket, "prompt_bucket", 1, INT32_MAX)
     prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size, prompt_bucket)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if rollback not in target_lib.ROLLBACKS:
-        raise ValueError(f"rollback must be one of {target_lib.ROLLBACKS}, got {rollback!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", 1, INT32_MAX)
+    seed = check_int(seed, "seed", -(2**63), 2**63 - 1)
+    temperature = effective_temperature(temperature)
+    modes.check(rollback, modes.ROLLBACKS, "rollback")
+    modes.check(impl, modes.IMPLS, "impl")
+    check_flag(check_finite, "check_finite")
+    if capacity is not None:
+        capacity = check_int(capacity, "capacity", 1, INT32_MAX)
     drafter_config, drafter_params, drafter_def = None, None, None
     if isinstance(drafter, Drafter):
         drafter.check_target(target.config)
         drafter_config, drafter_params, drafter_def = drafter.config, drafter.params, drafter.graphdef
     elif isinstance(drafter, ScriptedDrafter):
-        reference = np.asarray(drafter.reference)
-        if reference.ndim != 2 or reference.shape[0] != len(lengths):
-            raise ValueError(f"ScriptedDrafter.reference must be [B={len(lengths)}, N], got {reference.shape}")
-        drafter_config, drafter_params = drafter.config, jnp.asarray(reference, jnp.int32)
+        drafter_config = drafter.config
+        drafter_params = _scripted_reference(drafter, len(lengths), target.config.vocab_size)
     elif drafter is not None:
         raise TypeError(f"drafter must be a Drafter, a ScriptedDrafter or None, got {type(drafter).__name__}")
     gamma = 0 if drafter is None else drafter_config.block_size
@@ -381,7 +403,10 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     if needed > capacity:
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
-    eos = tuple(target.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    if capacity > INT32_MAX:
+        raise ValueError(f"the prompts, max_new_tokens and the verify block need a cache of {capacity} slots; "
+                         f"positions are int32, so at most {INT32_MAX}")
+    eos = target.config.eos_token_ids if eos_token_ids is None else _check_eos(eos_token_ids, target.config.vocab_size)
     layout = target.layout
     settings = _Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
                          impl, layout, bool(check_finite))
@@ -395,6 +420,48 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     return Program(settings, target.graphdef, drafter_def, args)
 
 
+def effective_temperature(temperature) -> float:
+    """The sampling temperature ``generate`` uses for ``temperature``: a real number >= 0, where anything
+    below ``GREEDY_BELOW`` (1e-5, DeepSpec's threshold, which the drafter applies too) means greedy (0.0).
+
+    Dividing logits by a temperature that small would overflow float32 and sample garbage; at that
+    temperature sampling is argmax in all but ties anyway."""
+    temperature = _real(temperature, "temperature")
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    return 0.0 if temperature < drafter_lib.GREEDY_BELOW else temperature
+
+
+def _real(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _check_eos(eos_token_ids, vocab_size: int) -> tuple[int, ...]:
+    if isinstance(eos_token_ids, str) or not isinstance(eos_token_ids, Sequence | np.ndarray):
+        raise TypeError(f"eos_token_ids must be a sequence of token ids, got {type(eos_token_ids).__name__} "
+                        f"{eos_token_ids!r}")
+    return tuple(check_int(i, "eos_token_ids", 0, vocab_size - 1) for i in eos_token_ids)
+
+
+def _scripted_reference(drafter: ScriptedDrafter, batch: int, vocab_size: int) -> jax.Array:
+    """A :class:`ScriptedDrafter`'s fields checked, and its reference tokens as int32 [B, N]."""
+    check_int(drafter.block_size, "ScriptedDrafter.block_size", 1, INT32_MAX)
+    check_int(drafter.seed, "ScriptedDrafter.seed", 0, 2**32 - 1)  # folded into the key as a uint32
+    rate = _real(drafter.error_rate, "ScriptedDrafter.error_rate")
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"ScriptedDrafter.error_rate must lie in [0, 1], got {rate}")
+    reference = _as_array(drafter.reference, "ScriptedDrafter.reference")
+    if reference.ndim != 2 or reference.shape[0] != batch or reference.shape[1] == 0:
+        raise ValueError(f"ScriptedDrafter.reference must be [B={batch}, N] with N >= 1, got {reference.shape}")
+    if not np.issubdtype(reference.dtype, np.integer):
+        raise ValueError(f"ScriptedDrafter.reference must hold integer token ids, got {reference.dtype}")
+    if reference.min() < 0 or reference.max() >= vocab_size:
+        raise ValueError(f"ScriptedDrafter.reference has token ids outside the vocabulary 0..{vocab_size - 1}")
+    return jnp.asarray(reference, jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
     executable: object
@@ -406,9 +473,12 @@ def compiled_program(program: Program) -> _Compiled:
     shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(program.args))
     cache_key = (program.target_def, program.drafter_def, program.settings, shapes)
     if cache_key in _compiled:
+        _compiled.move_to_end(cache_key)
         return _Compiled(_compiled[cache_key], 0.0)
     start = time.perf_counter()
     _compiled[cache_key] = program.lower().compile()
+    while len(_compiled) > MAX_COMPILED_PROGRAMS:
+        _compiled.popitem(last=False)
     return _Compiled(_compiled[cache_key], time.perf_counter() - start)
 
 
@@ -436,16 +506,16 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
 def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """[B, T] array or list of 1-D arrays -> right-padded [B, T_max rounded up to ``bucket``] int32, lengths [B]."""
     if isinstance(prompt_ids, list | tuple):
-        rows = [np.asarray(p) for p in prompt_ids]
-        if not rows:
-            raise ValueError("no prompts given")
+        rows = [_as_array(p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
         if any(r.ndim != 1 for r in rows):
             raise ValueError("a list of prompts must hold 1-D token arrays")
     else:
-        array = np.asarray(prompt_ids)
+        array = _as_array(prompt_ids, "prompt_ids")
         if array.ndim != 2:
             raise ValueError(f"prompt_ids must be [B, T] or a list of 1-D arrays, got shape {array.shape}")
         rows = list(array)
+    if not rows:
+        raise ValueError("no prompts given")
     lengths = np.array([len(r) for r in rows], np.int32)
     if lengths.min() == 0:
         raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs at least one token")
@@ -458,3 +528,11 @@ def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarr
     for i, r in enumerate(rows):
         prompts[i, :len(r)] = r
     return prompts, lengths
+
+
+def _as_array(value, name: str) -> np.ndarray:
+    """``value`` through numpy, or a ValueError naming ``name`` (a ragged nested list, for one)."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} is not an array of token ids ({e})") from None

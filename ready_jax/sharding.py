@@ -24,14 +24,15 @@ replicated on that axis. Example: Qwen3.5-27B's 4 KV heads on an 8-way model axi
 device. A batch that does not divide by the data axis is replicated too. Sharding never changes
 results beyond floating-point summation order: XLA partitions any placement correctly.
 
-**Use.** ``layout = Layout(make_mesh(data=2, model=4))``; ``shard_target`` / ``shard_drafter`` place
-the weights (``load_target`` / ``load_drafter`` read a checkpoint straight into place, never holding
-it whole on one device); a sharded target's ``init_cache`` and step functions keep the cache
-placed, and ``rj.generate`` runs the whole program on the mesh when given a sharded target.
-:func:`make_train_step` is the data-parallel (optionally also tensor-parallel) training step.
-Multi-host: call ``jax.distributed.initialize(...)`` first in every process; ``make_mesh`` then
-spans every process's devices, and placement builds global arrays from each process's copy of the
-host data.
+**Use.** ``layout = Layout(make_mesh(data=2, model=4))``; ``rj.shard_target`` / ``rj.shard_drafter`` place
+the weights (``Target.load(path, layout=...)`` / ``Drafter.load`` read a checkpoint straight into place,
+never holding it whole on one device); a sharded target's ``init_cache`` and step functions keep the
+cache placed, and ``rj.generate`` runs the whole program on the mesh when given a sharded target.
+``training.make_train_step(..., layout=...)`` is the data-parallel (optionally also tensor-parallel)
+training step. This module holds only the axis rules and placement.
+Multi-host: call :func:`initialize_distributed` first in every process; ``make_mesh`` then spans
+every process's devices, and placement builds global arrays from each process's copy of the host
+data.
 """
 
 from __future__ import annotations
@@ -44,19 +45,21 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import checkpoint
-from . import drafter as drafter_lib
-from .cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, TargetCache
-from .checkpoint import read_checkpoint, state_from_flat
+from .cache import (
+    AttentionCache,
+    Candidate,
+    ContextCache,
+    DeltaNetCache,
+    DeltaNetCandidate,
+    DeltaNetReplay,
+    TargetCache,
+)
+from .cache import init_cache as make_cache
 from .config import TargetConfig
-from .drafter import ContextCache, Drafter, DrafterConfig, DrafterModel
-
-# ready_jax.target imports this module (a Target keeps its layout), so Target is imported where used.
+from .drafter_config import DrafterConfig
 
 DATA, MODEL = "data", "model"
 Axes = tuple[str | None, ...]
@@ -109,6 +112,32 @@ PARAM_AXES: tuple[tuple[str, Axes], ...] = (
     (r"fc\.kernel", (None, "embed")),
 )
 _COMPILED_AXES = tuple((re.compile(r"(^|\.)" + pattern + "$"), axes) for pattern, axes in PARAM_AXES)
+
+
+# ---- processes -------------------------------------------------------------------------------------------
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int, *,
+                           cpu_devices: int | None = None, local_device_ids: Sequence[int] | None = None,
+                           heartbeat_timeout_seconds: int = 100, initialization_timeout: int = 300) -> None:
+    """Join this process to a multi-process jax run (one process per host) through
+    ``jax.distributed.initialize``; call it in every process before anything else uses jax.
+
+    Process 0 hosts the coordinator at ``coordinator_address`` (``"host:port"``). ``cpu_devices`` sets
+    how many CPU devices this process contributes (CPU-only runs, e.g. several processes on one
+    machine); cross-process CPU collectives go through gloo (jax's default, pinned here).
+    ``local_device_ids`` restricts the accelerators this process uses. ``initialization_timeout``
+    bounds the wait for every process to join. When a process dies, jax's coordination service
+    terminates every other one (SIGABRT) with a fatal log line saying that another task died: at once
+    when process 0 (the coordinator) dies, within ``heartbeat_timeout_seconds`` otherwise (naming the
+    dead process), so survivors never wait at a collective forever (a CPU collective already talking to
+    the dead process may fail first, raising ``Gloo all-reduce failed: ... Connection reset by peer``).
+    """
+    if cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               local_device_ids=None if local_device_ids is None else list(local_device_ids),
+                               initialization_timeout=initialization_timeout,
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
 
 
 # ---- mesh and layout -------------------------------------------------------------------------------------
@@ -167,7 +196,7 @@ class Layout:
         return self.sharding(("batch",) + (None,) * (len(shape) - 1), shape)
 
 
-def _as_layout(layout: Layout | Mesh) -> Layout:
+def as_layout(layout: Layout | Mesh) -> Layout:
     return layout if isinstance(layout, Layout) else Layout(layout)
 
 
@@ -199,7 +228,7 @@ def axis_counts(config: TargetConfig | DrafterConfig) -> dict[str, int]:
 def param_shardings(params, layout: Layout | Mesh, config: TargetConfig | DrafterConfig):
     """NamedShardings shaped like ``params`` (an NNX state, or any tree whose dict-key paths end in
     parameter paths, e.g. an optax state over them)."""
-    layout, counts = _as_layout(layout), axis_counts(config)
+    layout, counts = as_layout(layout), axis_counts(config)
 
     def one(path, leaf):
         name = dotted_path(path)
@@ -210,12 +239,13 @@ def param_shardings(params, layout: Layout | Mesh, config: TargetConfig | Drafte
 
 def place(tree, shardings):
     """``tree`` on the devices of ``shardings`` (a matching tree). Multi-host safe: each process gives the
-    same host values and keeps only its own shards. ``ShapeDtypeStruct`` leaves (abstract weights, for
-    lowering without allocating) get the sharding attached instead."""
+    same host values (or process-local arrays) and keeps only its own shards; arrays already spanning
+    several processes are resharded on the devices (a no-op when already placed so). ``ShapeDtypeStruct``
+    leaves (abstract weights, for lowering without allocating) get the sharding attached instead."""
     def put(x, sharding):
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        if jax.process_count() == 1:
+        if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return jax.device_put(x, sharding)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding))
@@ -223,58 +253,6 @@ def place(tree, shardings):
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(put, tree, shardings)
-
-
-def shard_target(target, layout: Layout | Mesh):
-    """The target with its weights placed on the mesh; its caches and steps then stay placed too."""
-    from .target import Target
-
-    layout = _as_layout(layout)
-    params = place(target.params, param_shardings(target.params, layout, target.config))
-    return Target(nnx.merge(target.graphdef, params), layout=layout)
-
-
-def shard_drafter(drafter, layout: Layout | Mesh):
-    """The drafter with its weights placed on the mesh."""
-    params = place(drafter.params, param_shardings(drafter.params, _as_layout(layout), drafter.config))
-    return Drafter(nnx.merge(drafter.graphdef, params))
-
-
-def _load_into_place(path, fmt_reader: Callable, build_model: Callable, layout: Layout, what: str) -> Any:
-    """Read a project checkpoint and put every tensor straight onto its shards (never whole on one device)."""
-    config, flat, dtype = fmt_reader(path)
-    model = nnx.eval_shape(lambda: build_model(config, dtype))
-    graphdef, params = nnx.split(model)
-    shardings = {dotted_path(p): s for p, s in
-                 jax.tree_util.tree_flatten_with_path(param_shardings(params, layout, config))[0]}
-    state_from_flat(params, flat, what=what, put=lambda key, array: place(array, shardings[key]))
-    return nnx.merge(graphdef, params)
-
-
-def load_target(path, layout: Layout | Mesh):
-    """``Target.load`` with every weight read straight into its place on the mesh."""
-    from .target import Target, TargetModel
-
-    def reader(p):
-        config, flat, dtype = read_checkpoint(
-            p, checkpoint.FORMAT, "target", "convert HF checkpoints with `python -m convert.hf_target`")
-        return TargetConfig.from_dict(config), flat, dtype
-
-    layout = _as_layout(layout)
-    model = _load_into_place(path, reader, lambda c, d: TargetModel(c, rngs=nnx.Rngs(0), dtype=d), layout,
-                             f"checkpoint {path}")
-    return Target(model, layout=layout)
-
-
-def load_drafter(path, layout: Layout | Mesh):
-    """``Drafter.load`` with every weight read straight into its place on the mesh."""
-    def reader(p):
-        config, flat, dtype = read_checkpoint(
-            p, drafter_lib.FORMAT, "drafter", "convert DeepSpec checkpoints with `python -m convert.deepspec`")
-        return DrafterConfig.from_dict(config), flat, dtype
-
-    return Drafter(_load_into_place(path, reader, lambda c, d: DrafterModel(c, rngs=nnx.Rngs(0), dtype=d),
-                                    _as_layout(layout), f"checkpoint {path}"))
 
 
 # ---- caches ----------------------------------------------------------------------------------------------------
@@ -300,7 +278,7 @@ def cache_shardings(cache, layout: Layout | Mesh):
     """NamedShardings shaped like a cache pytree (``TargetCache``, ``Candidate``, ``ContextCache``, or a
     tuple of them; arrays or ``ShapeDtypeStruct`` leaves). Head dimensions are explicit here, so a
     head count that does not divide the model axis replicates the heads."""
-    layout = _as_layout(layout)
+    layout = as_layout(layout)
 
     def walk(node):
         if node is None:
@@ -330,9 +308,7 @@ def constrain(cache, layout: Layout | None):
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype, layout: Layout):
     """An empty target cache created directly in its shards (never whole on one device)."""
-    from .cache import init_cache as make
-
-    build = functools.partial(make, config, batch_size, capacity, dtype)
+    build = functools.partial(make_cache, config, batch_size, capacity, dtype)
     return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), layout))()
 
 
@@ -341,7 +317,7 @@ def train_state_shardings(state, layout: Layout | Mesh, config: TargetConfig | D
     """Shardings for a ``training.TrainState``: parameters and optimiser moments replicated (pure data
     parallelism), or with ``config`` laid out by the parameter rules (tensor parallelism as well);
     scalars (step, PRNG key, optimiser counts) replicated."""
-    layout = _as_layout(layout)
+    layout = as_layout(layout)
     if config is None:
         return jax.tree.map(lambda _: layout.replicated, state)
     counts = axis_counts(config)
@@ -355,22 +331,9 @@ def train_state_shardings(state, layout: Layout | Mesh, config: TargetConfig | D
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, layout: Layout | Mesh,
-                    state_shardings, batch_shardings) -> Callable:
-    """The same step as ``training.make_train_step`` (state donated), compiled for the mesh: the batch
-    split as ``batch_shardings`` says (usually its leading axis over ``data``), the state kept as
-    ``state_shardings``. XLA's partitioner turns the batch-mean loss into per-device partial
-    gradients plus one all-reduce, so the result equals the single-device step up to summation order.
-    """
-    from .training import train_step
-
-    return jax.jit(train_step(loss_fn, optimizer), in_shardings=(state_shardings, batch_shardings),
-                   out_shardings=(state_shardings, _as_layout(layout).replicated), donate_argnums=0)
-
-
 def batch_shardings(batch: Any, layout: Layout | Mesh, split: Callable[[str], bool] = lambda name: True):
     """Shardings for a batch pytree: leaves whose dotted path ``split`` accepts go over ``data`` on their
     leading axis, the rest are replicated (e.g. frozen weights riding in the batch)."""
-    layout = _as_layout(layout)
+    layout = as_layout(layout)
     return jax.tree_util.tree_map_with_path(
         lambda path, x: layout.batch(np.shape(x)) if split(dotted_path(path)) else layout.replicated, batch)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -25,11 +26,15 @@ import numpy as np
 from flax import nnx
 
 from . import cache as cache_lib
-from . import debug
+from . import checkpoint, debug, hf_format, modes
 from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
 from .config import FULL_ATTENTION, TargetConfig
 from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
+from .modes import Form, Impl, Rollback
+
+FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
+INT32_MAX = 2**31 - 1  # cache positions and counts are int32
 
 
 class DecoderLayer(nnx.Module):
@@ -94,8 +99,8 @@ class TargetModel(nnx.Module):
             return self.embed_tokens.attend(h)
         return self.lm_head(h)
 
-    def run_layers(self, h, layers_cache, starts, num_new, *, form: str, hidden_layers: Sequence[int],
-                   impl: str = "xla", check_finite: bool = False):
+    def run_layers(self, h, layers_cache, starts, num_new, *, form: Form, hidden_layers: Sequence[int],
+                   impl: Impl = "xla", check_finite: bool = False):
         """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D]).
 
         Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
@@ -159,6 +164,9 @@ class StepOutput:
 
 
 def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(hidden_layers, str) or not isinstance(hidden_layers, Sequence | np.ndarray) or not all(
+            _is_int(i) for i in hidden_layers):
+        raise TypeError(f"hidden_layers must be a sequence of decoder-layer indices, got {hidden_layers!r}")
     layers = tuple(int(i) for i in hidden_layers)
     bad = [i for i in layers if not 0 <= i < config.num_hidden_layers]
     if bad:
@@ -169,7 +177,7 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 
 
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
-           form: str = "chunked", hidden_layers: Sequence[int] = (), impl: str = "xla",
+           form: Form = "chunked", hidden_layers: Sequence[int] = (), impl: Impl = "xla",
            check_finite: bool = False, logits_at: jax.Array | None = None) -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
@@ -178,10 +186,16 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``impl``:
     ``"xla"`` or ``"pallas"`` (the fused Gated DeltaNet kernels of either form).
     ``check_finite``: the checks of ``ready_jax.debug`` (run the function through ``debug.checked``).
+    Contract (checked on the host by :class:`Target`, and in here only under ``check_finite``): token ids lie
+    in ``0..vocab_size-1`` and ``0 <= num_new[b] <= T``; outside it the result is undefined.
     ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
     prompt token's, and [B, T, V] float32 logits of long prompts outweigh the cache.
     """
     model = nnx.merge(graphdef, params)
+    if check_finite:
+        debug.check_in_range(tokens, 0, model.config.vocab_size - 1, "token ids")
+        if num_new is not None:
+            debug.check_in_range(num_new, 0, tokens.shape[1], "num_new")
     with jax.named_scope("embed"):
         h = model.embed_tokens(tokens)
     if check_finite:
@@ -198,11 +212,8 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     return StepOutput(logits, hidden, TargetCache(layers=layers, lengths=cache.lengths + n))
 
 
-ROLLBACKS = ("checkpoint", "replay")
-
-
 def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_layers: Sequence[int] = (),
-           rollback: str = "checkpoint", impl: str = "xla", check_finite: bool = False) -> StepOutput:
+           rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
     """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
 
     ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
@@ -210,9 +221,10 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
     commit selects one; with ``"replay"`` it holds the state before the block and the block's
     delta-rule inputs, and commit recomputes the kept tokens' updates. Both give the same cache.
     """
-    if rollback not in ROLLBACKS:
-        raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
+    modes.check(rollback, modes.ROLLBACKS, "rollback")
     model = nnx.merge(graphdef, params)
+    if check_finite:
+        debug.check_in_range(block, 0, model.config.vocab_size - 1, "token ids")
     h = model.embed_tokens(block)
     if check_finite:
         debug.check_finite(h, "token embeddings")
@@ -275,8 +287,8 @@ class Target:
     split once here; the jitted steps merge them inside the trace, so no Python walks the module
     graph per token.
 
-    ``layout`` (set by ``ready_jax.sharding.shard_target``): the mesh the weights are placed on; caches
-    are then created on it and step outputs pinned to it, so the next step finds them in place.
+    ``layout`` (set by :func:`shard_target` or ``Target.load(..., layout=)``): the mesh the weights are placed
+    on; caches are then created on it and step outputs pinned to it, so the next step finds them in place.
     """
 
     def __init__(self, model: TargetModel, layout: sharding_lib.Layout | None = None):
@@ -289,31 +301,54 @@ class Target:
     def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32) -> Target:
         """Random weights, made by jitted programs (eagerly, every parameter shape would compile its own
         random-number program) that each return at most ``INIT_PROGRAM_BYTES`` (see :func:`init_state`)."""
+        if not isinstance(config, TargetConfig):
+            raise TypeError(f"config must be a TargetConfig, got {type(config).__name__}")
         build = lambda key: TargetModel(config, rngs=nnx.Rngs(key), dtype=dtype)  # noqa: E731
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(jax.random.key(0))))
         return cls(nnx.merge(graphdef, init_state(build, seed)))
 
     @classmethod
     def from_hf(cls, path, dtype=jnp.float32) -> Target:
-        """Load an HF checkpoint directory (config.json + safetensors or ``pytorch_model*.bin``)."""
-        from convert.hf_target import load_hf_target
-        return load_hf_target(path, dtype=dtype)
+        """Load an HF Qwen3.5 / Qwen3-Next directory (config.json + safetensors or ``pytorch_model*.bin``)
+        through the strict key table of ``ready_jax.hf_format``; ``dtype`` is float32 or bfloat16. A project
+        checkpoint is refused with a message naming it and how to load it (``TargetConfig.from_hf``)."""
+        path = os.fspath(path)
+        dtype = checkpoint.check_dtype(dtype, hf_format.DTYPES)
+        try:
+            config = hf_format.read_hf_config(path)
+        except (TypeError, ArithmeticError) as e:
+            raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid HF config ({e})") from e
+        what = f"HF checkpoint {path}"
+        flat = hf_format.convert_hf_state(config, hf_format.read_hf_tensors(path), param_shapes(config), dtype,
+                                          what=what)
+        model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype))
+        graphdef, params = nnx.split(model)
+        checkpoint.state_from_flat(params, flat, what=what)
+        return cls(nnx.merge(graphdef, params))
 
     @classmethod
-    def load(cls, path, dtype=None) -> Target:
-        """Load the project's own checkpoint format (see :meth:`save`), in ``dtype`` (default: as saved)."""
-        from .checkpoint import load_target
-        return load_target(path, dtype)
+    def load(cls, path, dtype=None, layout: sharding_lib.Layout | None = None) -> Target:
+        """Load the project's own checkpoint format (see :meth:`save`), in ``dtype`` (default: as saved);
+        with ``layout``, every weight goes straight onto its shards of that mesh."""
+        model = checkpoint.load_model(
+            path, FORMAT, "target", "convert HF checkpoints with `python -m convert.hf_target` or Target.from_hf",
+            TargetConfig.from_dict, lambda config, dtype: TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype),
+            dtype=dtype, layout=layout)
+        return cls(model, layout=layout)
 
-    def save(self, path) -> None:
-        from .checkpoint import save_target
-        save_target(self, path)
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """``config.json`` + ``model.safetensors`` (``ready_jax.checkpoint``); refuses a directory holding
+        anything but a target checkpoint unless ``overwrite``."""
+        checkpoint.write_checkpoint(path, FORMAT, "target", self.config.to_dict(), self.params, self.dtype,
+                                    overwrite=overwrite)
 
     @property
     def model(self) -> TargetModel:
         return nnx.merge(self.graphdef, self.params)
 
     def init_cache(self, batch_size: int, capacity: int) -> TargetCache:
+        batch_size = check_int(batch_size, "batch_size", 1, INT32_MAX)
+        capacity = check_int(capacity, "capacity", 1, INT32_MAX)
         if self.layout is not None:
             return sharding_lib.init_cache(self.config, batch_size, capacity, self.dtype, self.layout)
         return cache_lib.init_cache(self.config, batch_size, capacity, self.dtype)
@@ -354,61 +389,160 @@ class Target:
                        donate_argnums=(1,))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
-                impl: str = "xla", check_finite: bool = False) -> StepOutput:
+                impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
         """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all).
 
         ``impl`` (here and in :meth:`decode` / :meth:`verify`): ``"xla"`` or ``"pallas"`` (the fused kernels).
         ``check_finite`` (here and in :meth:`decode` / :meth:`verify`): raise ``FloatingPointError``
         naming the first layer whose output or state holds a NaN / Inf (``ready_jax.debug``).
         """
+        layers = self._check_step(cache, hidden_layers, impl, check_finite)
         tokens = self._check_tokens(tokens, cache)
         if num_new is not None:
-            num_new = jnp.asarray(num_new, jnp.int32)
-        return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked",
-                                     hidden_layers=_check_layers(self.config, hidden_layers), impl=impl,
-                                     check_finite=check_finite))
+            num_new = _check_counts(num_new, cache.batch_size, tokens.shape[1], "num_new", "prompt tokens per row")
+        return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked", hidden_layers=layers,
+                                     impl=impl, check_finite=check_finite))
 
     def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = (),
-               impl: str = "xla", check_finite: bool = False) -> StepOutput:
+               impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
         """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]."""
-        tokens = self._check_tokens(jnp.asarray(tokens).reshape(-1, 1), cache)
-        return _checked(self._extend(self.params, cache, tokens, None, form="recurrent",
-                                     hidden_layers=_check_layers(self.config, hidden_layers), impl=impl,
-                                     check_finite=check_finite))
+        layers = self._check_step(cache, hidden_layers, impl, check_finite)
+        tokens = _int_array(tokens, "tokens")
+        if tokens.shape not in ((cache.batch_size,), (cache.batch_size, 1)):
+            raise ValueError(f"decode takes one token per row: tokens must be [B={cache.batch_size}], got shape "
+                             f"{tokens.shape}")
+        tokens = self._check_tokens(tokens.reshape(-1, 1), cache)
+        return _checked(self._extend(self.params, cache, tokens, None, form="recurrent", hidden_layers=layers,
+                                     impl=impl, check_finite=check_finite))
 
     def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),
-               rollback: str = "checkpoint", impl: str = "xla", check_finite: bool = False) -> StepOutput:
-        block = self._check_tokens(block, cache)
+               rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
+        layers = self._check_step(cache, hidden_layers, impl, check_finite)
+        modes.check(rollback, modes.ROLLBACKS, "rollback")
+        block = self._check_tokens(block, cache, "block")
         donated, kept = _split_layers(cache.layers, states=rollback == "replay")
-        return _checked(self._verify(self.params, donated, kept, cache.lengths, block,
-                                     hidden_layers=_check_layers(self.config, hidden_layers), rollback=rollback,
-                                     impl=impl, check_finite=check_finite))
+        return _checked(self._verify(self.params, donated, kept, cache.lengths, block, hidden_layers=layers,
+                                     rollback=rollback, impl=impl, check_finite=check_finite))
 
     @staticmethod
     def commit(candidate: Candidate, n_accepted) -> TargetCache:
+        """Keep the first ``n_accepted[b]`` (0..T) block tokens of each row of a verify ``candidate``."""
+        if not isinstance(candidate, Candidate):
+            raise TypeError(f"commit takes the Candidate that Target.verify returned (its .cache), got "
+                            f"{type(candidate).__name__}")
+        _check_live(candidate, "candidate")
+        n_accepted = _check_counts(n_accepted, candidate.batch_size, candidate.block_length, "n_accepted",
+                                   "verified block tokens")
         donated, kept = _split_layers(candidate.layers, states=True)
         return _commit_jit(donated, kept, candidate.lengths, jnp.asarray(n_accepted, jnp.int32))
 
     def forward(self, input_ids) -> jax.Array:
         """Full-sequence logits [B, T, V] from an empty cache (no padding)."""
-        input_ids = jnp.asarray(input_ids)
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        input_ids = _int_array(input_ids, "input_ids")
+        if input_ids.ndim != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be [B, T] with B, T >= 1, got shape {input_ids.shape}")
         cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
         return self.prefill(cache, input_ids).logits
 
-    def _check_tokens(self, tokens, cache: TargetCache) -> jax.Array:
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2 or tokens.shape[0] != cache.batch_size:
-            raise ValueError(f"tokens must be [B={cache.batch_size}, T], got shape {tokens.shape}")
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+    def _check_step(self, cache: TargetCache, hidden_layers, impl: Impl, check_finite: bool) -> tuple[int, ...]:
+        """What every step checks besides its tokens: a live TargetCache, the mode and flag, the hidden layers."""
+        modes.check(impl, modes.IMPLS, "impl")
+        check_flag(check_finite, "check_finite")
+        if isinstance(cache, Candidate):
+            raise TypeError("cache is a verify Candidate: keep its accepted tokens with Target.commit(candidate, n) "
+                            "first")
+        if not isinstance(cache, TargetCache):
+            raise TypeError(f"cache must be a TargetCache (from init_cache or a step's .cache), got "
+                            f"{type(cache).__name__}")
+        _check_live(cache, "cache")
+        return _check_layers(self.config, hidden_layers)
+
+    def _check_tokens(self, tokens, cache: TargetCache, name: str = "tokens") -> jax.Array:
+        tokens = _int_array(tokens, name)
+        if tokens.ndim != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] == 0:
+            raise ValueError(f"{name} must be [B={cache.batch_size}, T] with T >= 1, got shape {tokens.shape}")
+        if tokens.size and not isinstance(tokens, jax.core.Tracer):
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1} (the vocabulary), got "
+                                 f"ids from {low} to {high}")
         # The KV buffers would silently clamp an out-of-range write, so check on the host first.
         longest = int(jnp.max(cache.lengths)) + tokens.shape[1]
         if longest > cache.capacity:
             raise ValueError(f"{tokens.shape[1]} new tokens after {longest - tokens.shape[1]} committed exceed "
                              f"the cache capacity of {cache.capacity} tokens")
-        return tokens.astype(jnp.int32)
+        return jnp.asarray(tokens, jnp.int32)
+
+
+def shard_target(target: Target, layout: sharding_lib.Layout) -> Target:
+    """The target with its weights placed on the mesh; its caches and steps then stay placed too."""
+    layout = sharding_lib.as_layout(layout)
+    params = sharding_lib.place(target.params, sharding_lib.param_shardings(target.params, layout, target.config))
+    return Target(nnx.merge(target.graphdef, params), layout=layout)
+
+
+def param_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
+    """{dotted parameter path: shape} of a target with ``config``, without running its initialisers."""
+    model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=jnp.float32))
+    return {k: tuple(v.shape) for k, v in checkpoint.flat_state(nnx.split(model)[1]).items()}
+
+
+def _check_counts(counts, batch_size: int, most: int | None, name: str, what: str) -> jax.Array:
+    """``counts`` as int32 [B], after checking on the host that each lies in 0..most (``most`` None: >= 0).
+
+    Inside jit (a traced value) nothing can be checked here: the contract is the same, and an out-of-range
+    count there gives undefined cache contents (``check_finite`` catches the NaNs it may cause)."""
+    array = _int_array(counts, name)
+    if array.shape != (batch_size,):
+        raise ValueError(f"{name} must have shape [B={batch_size}] (one count per row), got shape {array.shape}")
+    if not isinstance(array, jax.core.Tracer):
+        values = np.asarray(array)
+        bad = values[(values < 0) | (values > (most if most is not None else INT32_MAX))]
+        if bad.size:
+            limit = f"0..{most}" if most is not None else ">= 0"
+            raise ValueError(f"{name} must lie in {limit} ({what}), got {bad.tolist()}")
+    return jnp.asarray(array, jnp.int32)
+
+
+def _int_array(values, name: str):
+    """``values`` as an integer array: a jax array (or tracer) as it is, anything else through numpy, so that
+    no id is cast to int32 before it is range-checked."""
+    if not isinstance(values, jax.Array):
+        try:
+            values = np.asarray(values)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name} must be an integer array, got {type(values).__name__} ({e})") from None
+    if not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"{name} must be integers, got {values.dtype}")
+    return values
+
+
+def _check_live(cache: TargetCache | Candidate, name: str) -> None:
+    """A donated cache's buffers are deleted; a later step on it would fail deep inside jax."""
+    if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
+        raise ValueError(f"{name} was donated to an earlier step (its buffers are deleted): pass the cache that "
+                         "step returned instead")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def check_int(value, name: str, low: int, high: int) -> int:
+    """``value`` as an int, if it is one (a bool is not) in ``low..high``; a TypeError or ValueError naming it
+    otherwise."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
+    return int(value)
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` if it is a bool; a TypeError naming it otherwise (``"no"`` would be truthy)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def _checked(result) -> StepOutput:

@@ -9,11 +9,13 @@
   ``<workdir>/checkpoints``, plus a sidecar ``<workdir>/checkpoint_hashes/<step>.json`` with the size
   and sha256 of every file of the step, written after orbax finalised the step. Restoring checks the
   sidecar first, so a truncated, deleted or altered file is a :class:`CheckpointError` naming it
-  rather than garbage parameters; :meth:`Checkpointer.restore_latest` then falls back to the newest
-  step that verifies, saying which ones it skipped and why.
+  rather than garbage parameters; :meth:`Checkpointer.restore_latest` deletes such steps (and those
+  whose save was cut short), saying why, and falls back to an older one. Nothing else is ever deleted:
+  another run's checkpoint, or one whose sidecar is missing, is a :class:`ResumeError` saying what to do.
 - **Loop**: :func:`train_loop` runs jitted, state-donating steps, prints a plain progress line,
   appends JSON lines to ``<workdir>/metrics.jsonl``, evaluates and checkpoints every so often, and
-  resumes from the latest good checkpoint.
+  resumes from the latest good checkpoint, provided the run's settings (``<workdir>/settings.json``)
+  are the same.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import hashlib
 import json
 import math
 import os
-import shlex
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from . import cache as cache_lib
+from . import provenance, sharding
 from . import target as target_lib
 from .checkpoint import replace_atomically
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
@@ -100,17 +100,34 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Ca
     return step
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, layout=None,
+                    state_shardings=None, batch_shardings=None) -> Callable:
     """:func:`train_step`, jitted with the state donated: parameters and moments are updated in place.
 
-    ``ready_jax.sharding.make_train_step`` compiles the same step for a device mesh (data parallel).
+    With a ``layout`` (``ready_jax.sharding.Layout`` or a mesh) the same step is compiled for the mesh: the
+    batch split as ``batch_shardings`` says (usually its leading axis over ``data``), the state kept as
+    ``state_shardings`` (``sharding.train_state_shardings``). XLA's partitioner turns the batch-mean loss
+    into per-device partial gradients plus one all-reduce, so the result equals the single-device step up
+    to summation order.
     """
-    return jax.jit(train_step(loss_fn, optimizer), donate_argnums=0)
+    step = train_step(loss_fn, optimizer)
+    if layout is None:
+        return jax.jit(step, donate_argnums=0)
+    if state_shardings is None or batch_shardings is None:
+        raise ValueError("a sharded train step needs state_shardings and batch_shardings")
+    return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, sharding.as_layout(layout).replicated), donate_argnums=0)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------------------
 class CheckpointError(RuntimeError):
-    """A checkpoint step that is incomplete or altered on disk."""
+    """A checkpoint step proven incomplete or altered on disk (so it may be deleted): a file its hash record
+    lists is missing, truncated or altered, or its save was cut short before the record was written."""
+
+
+class ResumeError(RuntimeError):
+    """The workdir holds checkpoints this run must not resume from: another run's (other settings or array
+    shapes), or one that cannot be verified. Nothing was deleted; the message says what to do."""
 
 
 def _file_hashes(directory: Path) -> dict[str, dict]:
@@ -121,16 +138,40 @@ def _file_hashes(directory: Path) -> dict[str, dict]:
     return out
 
 
+def _saved_tree(state: TrainState) -> dict:
+    """What a checkpoint holds of ``state``: parameter and optimiser leaves as lists, step and PRNG key data."""
+    return {"params": jax.tree.leaves(state.params), "opt_state": jax.tree.leaves(state.opt_state),
+            "step": state.step, "rng": state.rng}
+
+
 class Checkpointer:
-    """orbax checkpoints of a :class:`TrainState` plus JSON metadata, verified by sha256 sidecars."""
+    """orbax checkpoints of a :class:`TrainState` plus JSON metadata, verified by sha256 sidecars.
+
+    A save leaves ``checkpoint_hashes/<step>.pending`` until the step's hash record ``<step>.json`` is
+    written, so a step with a marker and no record was cut short mid-save (incomplete), while a step with
+    neither has lost its record: it cannot be verified, but nothing shows it is damaged. orbax removes its
+    own unfinished temporary step directories when the checkpointer opens (in the background, done before
+    the first save). Close the checkpointer (or use it as a context manager) to shut down orbax's
+    background machinery.
+    """
 
     def __init__(self, workdir: str | os.PathLike, max_to_keep: int = 3):
         self.directory = Path(workdir).absolute() / "checkpoints"
         self.hashes = Path(workdir).absolute() / "checkpoint_hashes"
         self.hashes.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
-                                               create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+                                               create=True, cleanup_tmp_directories=True)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.manager.close()
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -138,31 +179,52 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def _record_path(self, step: int) -> Path:
+        """The hash record of ``step``."""
+        return self.hashes / f"{step}.json"
+
+    def _pending_path(self, step: int) -> Path:
+        return self.hashes / f"{step}.pending"
+
     def save(self, state: TrainState, meta: dict) -> None:
         step = int(state.step)
-        tree = {"params": jax.tree.leaves(state.params), "opt_state": jax.tree.leaves(state.opt_state),
-                "step": state.step, "rng": state.rng}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+        self._pending_path(step).touch()
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
                                                         meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
         self.manager.wait_until_finished()
-        record = json.dumps(_file_hashes(self.step_dir(step)), indent=1)
-        # Written whole or not at all: a process killed here leaves no truncated record.
-        replace_atomically(str(self.hashes / f"{step}.json"), lambda tmp: Path(tmp).write_text(record))
-        for stale in self.hashes.glob("*.json"):  # orbax pruned old steps: drop their sidecars too
-            if int(stale.stem) not in self.manager.all_steps():
+        self._write_record(step)
+        self._pending_path(step).unlink()
+        kept = set(self.manager.all_steps())
+        for stale in [*self.hashes.glob("*.json"), *self.hashes.glob("*.pending")]:
+            if int(stale.stem) not in kept:  # orbax pruned old steps: drop their records too
                 stale.unlink()
 
-    def verify(self, step: int) -> None:
-        """Raise :class:`CheckpointError` naming the first missing, truncated or altered file of ``step``."""
-        directory, sidecar = self.step_dir(step), self.hashes / f"{step}.json"
+    def _write_record(self, step: int) -> None:
+        record = json.dumps(_file_hashes(self.step_dir(step)), indent=1)
+        # Written whole or not at all: a process killed here leaves no truncated record.
+        replace_atomically(str(self._record_path(step)), lambda tmp: Path(tmp).write_text(record))
+
+    def saved_meta(self, step: int) -> dict:
+        """The metadata saved with ``step`` (read without verifying the step)."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def verify(self, step: int) -> bool:
+        """Whether ``step`` is verified: True if every file its hash record lists is intact, False if it has no
+        readable hash record to check against.
+
+        Raise :class:`CheckpointError` if the step is proven incomplete or altered: its save was cut short
+        before the record was written, or a file the record lists is missing, truncated or altered (named).
+        """
+        directory, sidecar = self.step_dir(step), self._record_path(step)
         if not sidecar.exists():
-            raise CheckpointError(f"checkpoint {directory} is incomplete: its hash record {sidecar} is missing "
-                                  "(the save was interrupted)")
+            if self._pending_path(step).exists():
+                raise CheckpointError(f"checkpoint {directory} is incomplete: its save was interrupted before its "
+                                      f"hash record {sidecar} was written")
+            return False
         try:
             record = json.loads(sidecar.read_text())
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {directory} is corrupt: its hash record {sidecar} is unreadable "
-                                  f"({e})") from e
+        except ValueError:
+            return False
         for rel, want in record.items():
             path = directory / rel
             if not path.exists():
@@ -173,37 +235,84 @@ class Checkpointer:
                                       f"{want['bytes']} were written")
             if hashlib.sha256(path.read_bytes()).hexdigest() != want["sha256"]:
                 raise CheckpointError(f"checkpoint {directory} is corrupt: file {path} does not match its sha256")
+        return True
 
-    def restore(self, step: int, template: TrainState) -> tuple[TrainState, dict]:
-        """The state saved at ``step`` (shaped like ``template``) and its metadata."""
-        self.verify(step)
-        abstract = {"params": jax.tree.leaves(template.params), "opt_state": jax.tree.leaves(template.opt_state),
-                    "step": template.step, "rng": template.rng}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
+    def check_layout(self, step: int, template: TrainState) -> None:
+        """Raise :class:`ResumeError` if the arrays saved at ``step`` differ in number, shape or dtype from
+        ``template``'s: the step belongs to another run (and orbax is never asked to restore it)."""
+        try:
+            saved = jax.tree.leaves(self.manager.metadata(step).item_metadata["state"])
+        except Exception as e:  # orbax raises many types for unreadable metadata
+            raise ResumeError(f"checkpoint {self.step_dir(step)} cannot be read (it was kept): {e}") from e
+        named = jax.tree_util.tree_flatten_with_path({"params": template.params, "opt_state": template.opt_state,
+                                                      "step": template.step, "rng": template.rng})[0]
+        if len(saved) != len(named):
+            problems = [f"it holds {len(saved)} arrays, this run's state {len(named)}"]
+        else:
+            problems = [f"{jax.tree_util.keystr(path)}: saved {tuple(s.shape)} {np.dtype(s.dtype)}, now "
+                        f"{tuple(x.shape)} {x.dtype}" for (path, x), s in zip(named, saved, strict=True)
+                        if (tuple(s.shape), np.dtype(s.dtype)) != (tuple(x.shape), x.dtype)]
+            problems.sort(key=lambda problem: not problem.startswith("['params']"))  # the clearest first
+        if problems:
+            shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            raise ResumeError(f"checkpoint {self.step_dir(step)} is from a run with other shapes ({shown}); it was "
+                              "kept. Rerun with that run's settings to resume it, or train in another workdir")
+
+    def restore(self, step: int, template: TrainState, *,
+                trust_unverified: bool = False) -> tuple[TrainState, dict]:
+        """The state saved at ``step`` (shaped like ``template``) and its metadata.
+
+        Raise :class:`CheckpointError` if the step is proven damaged (:meth:`verify`), :class:`ResumeError` if
+        it is another run's (:meth:`check_layout`), has no readable hash record (unless ``trust_unverified``:
+        then it is restored if orbax can read it, and its record is written anew) or cannot be restored.
+        """
+        return self._restore(step, template, self.verify(step), trust_unverified)
+
+    def _restore(self, step: int, template: TrainState, verified: bool,
+                 trust_unverified: bool) -> tuple[TrainState, dict]:
+        self.check_layout(step, template)
+        if not verified and not trust_unverified:
+            raise ResumeError(
+                f"checkpoint {self.step_dir(step)} has no readable hash record ({self._record_path(step)}), so it "
+                "cannot be verified; it was kept. To resume from it anyway, pass resume_unverified=True in the "
+                "LoopConfig (the trainers' --resume-unverified: its record is then written anew); to start over, "
+                "train in another workdir")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saved_tree(template))
         try:
             got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                      meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax / tensorstore raise many types for unreadable data
-            raise CheckpointError(f"checkpoint {self.step_dir(step)} cannot be restored: {e}") from e
+            raise ResumeError(f"checkpoint {self.step_dir(step)} cannot be restored (it was kept): {e}") from e
+        if not verified:
+            self._write_record(step)
         tree = got["state"]
         state = TrainState(params=jax.tree.unflatten(jax.tree.structure(template.params), tree["params"]),
                            opt_state=jax.tree.unflatten(jax.tree.structure(template.opt_state), tree["opt_state"]),
                            step=tree["step"], rng=tree["rng"])
         return state, dict(got["meta"])
 
-    def restore_latest(self, template: TrainState,
-                       log: Callable[[str], None] = print) -> tuple[TrainState, dict] | None:
-        """The newest checkpoint that verifies, or None if there is none.
+    def restore_latest(self, template: TrainState, log: Callable[[str], None] = print, *,
+                       trust_unverified: bool = False) -> tuple[TrainState, dict] | None:
+        """The newest checkpoint's state and metadata (:meth:`restore`), or None if there is none.
 
-        Newer bad ones are reported and deleted, so that training from the good one can save those steps again.
+        Steps proven incomplete or altered are reported and deleted, newest first, so that training from an
+        older step saves them again. Any other reason not to restore the newest remaining step is raised
+        (:class:`ResumeError`) and deletes nothing.
         """
         for step in reversed(self.steps()):
             try:
-                return self.restore(step, template)
+                verified = self.verify(step)
             except CheckpointError as e:
-                log(f"skipping checkpoint step {step} (deleting it): {e}")
+                log(f"deleting checkpoint step {step}: {e}")
                 self.manager.delete(step)
-                (self.hashes / f"{step}.json").unlink(missing_ok=True)
+                self._record_path(step).unlink(missing_ok=True)
+                self._pending_path(step).unlink(missing_ok=True)
+                continue
+            restored = self._restore(step, template, verified, trust_unverified)
+            if not verified:
+                log(f"restored checkpoint step {step} without verifying it (it had no readable hash record); "
+                    f"its record {self._record_path(step)} was written anew")
+            return restored
         return None
 
 
@@ -215,42 +324,130 @@ class LoopConfig:
     eval_every: int = 0          # 0: evaluate only at the end
     checkpoint_every: int = 100
     stop_after: int | None = None  # end this run early at this step (a planned interruption), checkpointing
+    resume_unverified: bool = False  # resume from a checkpoint without hash record (Checkpointer.restore)
+
+
+SETTINGS_FILE = "settings.json"   # in the workdir: the run's settings, recorded when it first starts
+METRICS_FILE = "metrics.jsonl"    # in the workdir: one JSON line per logged or evaluated step
+_POSITION_KEYS = ("step", "data_position")  # what a checkpoint's metadata holds besides the run's settings
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _shown(settings: dict, key: str) -> str:
+    return json.dumps(settings[key]) if key in settings else "(not set)"
+
+
+def _differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """``name: saved -> now`` for every setting that differs; nested dicts are compared entry by entry."""
+    out = []
+    for key in sorted(saved.keys() | now.keys()):
+        if isinstance(saved.get(key), dict) and isinstance(now.get(key), dict):
+            out += _differences(saved[key], now[key], f"{prefix}{key}.")
+        elif key not in saved or key not in now or saved[key] != now[key]:
+            out.append(f"{prefix}{key}: {_shown(saved, key)} -> {_shown(now, key)}")
+    return out
+
+
+def _recorded_settings(workdir: Path, checkpointer: Checkpointer) -> tuple[str, dict] | None:
+    """Where and what the settings of the run already in ``workdir`` are; None if it holds no run.
+
+    They are ``settings.json``, or, in a workdir from before that file was kept, the metadata of its
+    newest checkpoint that reads (less the data position).
+    """
+    path = workdir / SETTINGS_FILE
+    if path.exists():
+        return str(path), json.loads(path.read_text())
+    for step in reversed(checkpointer.steps()):
+        try:
+            meta = checkpointer.saved_meta(step)
+        except Exception:  # orbax raises many types; restoring the step then says what is wrong with it
+            continue
+        return str(checkpointer.step_dir(step)), {k: v for k, v in meta.items() if k not in _POSITION_KEYS}
+    return None
+
+
+def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Checkpointer) -> None:
+    """Raise :class:`ResumeError` naming every setting that differs from those of the run already in
+    ``workdir``; otherwise record ``settings`` as the run's (``settings.json``) if they are not yet."""
+    workdir = Path(workdir)
+    recorded = _recorded_settings(workdir, checkpointer)
+    changed = _differences(recorded[1], settings) if recorded is not None else []
+    if changed:
+        raise ResumeError(f"{workdir} holds a run with other settings (recorded in {recorded[0]}; saved -> now):\n  "
+                          + "\n  ".join(changed) + "\nNothing was deleted. Rerun with the saved settings to resume "
+                          "that run, or train in another workdir")
+    path = workdir / SETTINGS_FILE
+    if not path.exists():
+        replace_atomically(str(path), lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=1)))
+
+
+def _keep_metrics_through(path: Path, step: int) -> None:
+    """Drop from the metrics log ``path`` the records of steps after ``step``, which training from ``step``
+    writes again, and a last line cut short by a killed process (rewritten atomically)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row["step"] <= step:
+            kept.append(line + "\n")
+    replace_atomically(str(path), lambda tmp: Path(tmp).write_text("".join(kept)))
+
+
+def _resume(state: TrainState, workdir: Path, settings: dict, checkpointer: Checkpointer, loop: LoopConfig,
+            log: Callable[[str], None]) -> TrainState:
+    """``state``, or the newest checkpoint's if the run in ``workdir`` has one (see :func:`train_loop`)."""
+    _check_settings(workdir, settings, checkpointer)
+    restored = checkpointer.restore_latest(state, log, trust_unverified=loop.resume_unverified)
+    if restored is not None:
+        state, saved_meta = restored
+        log(f"resumed from step {int(state.step)} (data position {saved_meta['data_position']})")
+    _keep_metrics_through(workdir / METRICS_FILE, int(state.step))
+    return state
+
+
 def train_loop(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], Any], loop: LoopConfig,
                workdir: str | os.PathLike, *, eval_fn: Callable[[Any], dict] | None = None,
                meta: dict | None = None, log: Callable[[str], None] = print) -> TrainState:
-    """Train ``state`` to ``loop.total_steps`` (resuming from ``workdir``'s latest good checkpoint).
+    """Train ``state`` to ``loop.total_steps``, resuming the run in ``workdir`` from its newest checkpoint.
 
     ``batch_fn(step)`` returns the batch of optimiser step ``step`` (a pure function of the step, so
-    the data position is the step). ``eval_fn(params)`` returns scalar metrics. ``meta`` is stored
-    with every checkpoint (with the data position) and must match on resume.
+    the data position is the step). ``eval_fn(params)`` returns scalar metrics. ``meta`` holds the run's
+    settings: recorded in ``<workdir>/settings.json`` when the run starts, and stored with every
+    checkpoint (with the data position).
+
+    Before anything is trained, a workdir holding a run with other settings, a checkpoint shaped unlike
+    ``state``, or one that cannot be verified (unless ``loop.resume_unverified``) is refused with a
+    :class:`ResumeError`; the only checkpoint steps ever deleted are those proven incomplete or altered
+    (:meth:`Checkpointer.restore_latest`). ``metrics.jsonl`` keeps its records up
+    to the step training starts from, so every step is recorded once.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    meta = json.loads(json.dumps(meta or {}))  # as it reads back from a checkpoint (tuples become lists)
-    checkpointer = Checkpointer(workdir)
-    restored = checkpointer.restore_latest(state, log)
-    if restored is not None:
-        state, saved_meta = restored
-        changed = {k: (saved_meta.get(k), v) for k, v in meta.items() if saved_meta.get(k) != v}
-        if changed:
-            raise ValueError(f"{workdir} holds a run with other settings (saved, now): {changed}")
-        log(f"resumed from step {int(state.step)} (data position {saved_meta['data_position']})")
-    metrics_log = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in the finally below)
+    settings = json.loads(json.dumps(meta or {}))  # as it reads back from JSON (tuples become lists)
+    with Checkpointer(workdir) as checkpointer:
+        state = _resume(state, workdir, settings, checkpointer, loop, log)
+        save = lambda s: checkpointer.save(s, dict(settings, data_position=int(s.step)))
+        return _train(state, step_fn, batch_fn, loop, eval_fn, save, workdir / METRICS_FILE, log)
+
+
+def _train(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], Any], loop: LoopConfig,
+           eval_fn: Callable[[Any], dict] | None, save: Callable[[TrainState], None], metrics_path: Path,
+           log: Callable[[str], None]) -> TrainState:
+    """The steps of :func:`train_loop` from ``state.step``: log, evaluate and ``save`` as ``loop`` says."""
+    metrics_log = open(metrics_path, "a")  # noqa: SIM115 (closed in the finally below)
     start_step, start_time = int(state.step), time.perf_counter()
     end = loop.total_steps if loop.stop_after is None else min(loop.total_steps, loop.stop_after)
 
     def record(row: dict) -> None:
         metrics_log.write(json.dumps(row) + "\n")
         metrics_log.flush()
-
-    def checkpoint() -> None:
-        checkpointer.save(state, dict(meta, data_position=int(state.step)))
 
     try:
         # The step count lives on the host too: reading state.step would wait for every step to finish.
@@ -271,34 +468,20 @@ def train_loop(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], A
                 record(row)
                 log("eval " + " ".join(f"{k} {v:.4f}" for k, v in row.items() if k != "step") + f" at step {done}")
             if done % loop.checkpoint_every == 0 or done == end:
-                checkpoint()
+                save(state)
     finally:
         metrics_log.close()
     return state
 
 
 # ---- provenance of shipped files ------------------------------------------------------------------------------
-def provenance(module: str, argv: Sequence[str]) -> dict:
-    """How a file was made: the command, the git commit, and which tracked files differed from it (if any)."""
-    def git(*args) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    changed = git("status", "--porcelain")
-    return {"command": f"python -m {module} {shlex.join(argv)}".strip(), "git_commit": git("rev-parse", "HEAD"),
-            "uncommitted_changes": changed.splitlines() if changed != "unknown" else "unknown",
-            "python": sys.version.split()[0], "jax": jax.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
 def run_provenance(workdir: str | os.PathLike, module: str, argv: Sequence[str]) -> dict:
-    """The provenance recorded when training in ``workdir`` first started (recorded now if this is the start)."""
+    """How training in ``workdir`` was started (:func:`ready_jax.provenance.record`), kept from its first run
+    (recorded now if this is the first)."""
     path = Path(workdir) / "provenance.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(provenance(module, argv), indent=1))
+        path.write_text(json.dumps(provenance.record(module, argv), indent=1))
     return json.loads(path.read_text())
 
 

@@ -8,20 +8,43 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
+import gc  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import ready_jax as rj  # noqa: E402
+from ready_jax import generation  # noqa: E402
+
+MAX_MEMORY_MAPS = 30_000  # Linux's default limit per process is 65530 (vm.max_map_count)
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After a test file, drop every compiled program once they hold many memory maps. Each holds machine
+    code in maps of its own; the whole suite in one process would otherwise pass the kernel's limit of maps
+    per process, and XLA then crashes while compiling. Below the threshold they are kept, so files that
+    share a fixture's programs do not compile them again."""
+    yield
+    if _memory_maps() > MAX_MEMORY_MAPS:
+        generation._compiled.clear()
+        jax.clear_caches()
+        gc.collect()
 
 GDN, ATTN = "linear_attention", "full_attention"
 
 
 def tiny_config(**overrides) -> rj.TargetConfig:
-    """A 8-layer hybrid (two groups of 3 GDN + 1 attention layer) small enough for fast CPU tests."""
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, layer_types=(GDN, GDN, GDN, ATTN) * 2, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, partial_rotary_factor=0.5)
-    base.update(overrides)
-    return rj.TargetConfig(**base)
+    """``TargetConfig.tiny()`` (8 layers: two groups of 3 GDN + 1 attention layer) with ``overrides``."""
+    return dataclasses.replace(rj.TargetConfig.tiny(), **overrides)
 
 
 @pytest.fixture(scope="session")

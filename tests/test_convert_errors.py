@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import ready_jax as rj
 from convert import hf_target
+from ready_jax import hf_format
+from ready_jax import target as target_lib
 from ready_jax.config import TargetConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,13 +40,13 @@ def _write_hf_dir(path, tensors, config=CONFIG, layout="qwen3_next"):
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_target.hf_config(config, layout), f)
+        json.dump(hf_format.hf_config(config, layout), f)
     return path
 
 
 def test_well_formed_checkpoint_converts_and_exports_back(tmp_path):
     tensors = _hf_tensors()
-    target = hf_target.load_hf_target(_write_hf_dir(tmp_path, tensors))
+    target = rj.Target.from_hf(_write_hf_dir(tmp_path, tensors))
     assert target.config == CONFIG
     exported = hf_target.export_hf_state(target, "qwen3_next")
     assert exported.keys() == tensors.keys()
@@ -57,16 +60,16 @@ def test_hf_config_round_trip(layout):
         **CONFIG.to_dict(), "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
         "shared_expert_intermediate_size": 0, "model_type": "qwen3_5_text", "eos_token_ids": (1, 2),
         "tie_word_embeddings": True, "attention_bias": True})
-    assert TargetConfig.from_hf(hf_target.hf_config(config, layout)) == config
+    assert TargetConfig.from_hf(hf_format.hf_config(config, layout)) == config
 
 
 def test_every_transform_inverts_and_predicts_its_hf_shape():
     rng = np.random.default_rng(0)
-    expected = hf_target._internal_shapes(CONFIG)
+    expected = target_lib.param_shapes(CONFIG)
     for fused_gdn in (False, True):
         for fused_experts in (False, True):
-            for b in hf_target.bind(CONFIG, hf_target.rules(fused_gdn, fused_experts), "model"):
-                shapes = hf_target._slot_shapes(b, expected)
+            for b in hf_format.bind(CONFIG, hf_format.rules(fused_gdn, fused_experts), "model"):
+                shapes = hf_format._slot_shapes(b, expected)
                 parts = [rng.standard_normal(s) for s in shapes]
                 hf = b.transform.to_hf(parts, CONFIG)
                 assert hf.shape == tuple(b.transform.hf_shape(shapes, CONFIG)), b.hf_key
@@ -82,7 +85,7 @@ def test_missing_unexpected_and_misshaped_keys_are_reported_together(tmp_path):
     tensors["model.layers.1.self_attn.q_proj.weight"] = np.zeros((5, 16), np.float32)
     tensors["model.norm.weight"] = np.zeros((17,), np.float32)
     with pytest.raises(ValueError) as info:
-        hf_target.load_hf_target(_write_hf_dir(tmp_path, tensors))
+        rj.Target.from_hf(_write_hf_dir(tmp_path, tensors))
     message = str(info.value)
     assert "5 problem(s)" in message
     for key in ("missing model.layers.2.linear_attn.in_proj_ba.weight",
@@ -97,20 +100,20 @@ def test_vision_tower_and_mtp_keys_are_ignored_but_not_other_strays(tmp_path):
     tensors = _hf_tensors()
     tensors["mtp.fc.weight"] = np.zeros((3, 3), np.float32)
     tensors["model.visual.patch_embed.proj.weight"] = np.zeros((3, 3), np.float32)
-    hf_target.load_hf_target(_write_hf_dir(tmp_path / "ok", tensors))
+    rj.Target.from_hf(_write_hf_dir(tmp_path / "ok", tensors))
     tensors["model.mtp.fc.weight"] = np.zeros((3, 3), np.float32)
     with pytest.raises(ValueError, match=r"unexpected model\.mtp\.fc\.weight"):
-        hf_target.load_hf_target(_write_hf_dir(tmp_path / "bad", tensors))
+        rj.Target.from_hf(_write_hf_dir(tmp_path / "bad", tensors))
 
 
 def test_tied_checkpoint_with_a_different_lm_head_is_an_error(tmp_path):
     config = TargetConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})
     tensors = _hf_tensors(config)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
-    hf_target.load_hf_target(_write_hf_dir(tmp_path / "equal", tensors, config))  # redundant copy: dropped
+    rj.Target.from_hf(_write_hf_dir(tmp_path / "equal", tensors, config))  # redundant copy: dropped
     tensors["lm_head.weight"][0, 0] += 1.0
     with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
-        hf_target.load_hf_target(_write_hf_dir(tmp_path / "differs", tensors, config))
+        rj.Target.from_hf(_write_hf_dir(tmp_path / "differs", tensors, config))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -121,13 +124,13 @@ def test_tied_checkpoint_with_a_different_lm_head_is_an_error(tmp_path):
     ("some_new_knob", 3, "unrecognised config field"),
 ])
 def test_unsupported_config_fields_are_clear_errors(tmp_path, field, value, message):
-    config = {**hf_target.hf_config(CONFIG, "qwen3_next"), field: value}
+    config = {**hf_format.hf_config(CONFIG, "qwen3_next"), field: value}
     with pytest.raises(ValueError, match=message):
         TargetConfig.from_hf(config)
     _write_hf_dir(tmp_path, _hf_tensors())
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
 
 
 def test_truncated_safetensors_is_a_clear_error(tmp_path):
@@ -135,7 +138,7 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(ValueError, match=r"cannot read .*model\.safetensors: it is truncated"):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
 
 
 def test_missing_shard_is_a_clear_error(tmp_path):
@@ -151,15 +154,15 @@ def test_missing_shard_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     absent = "model-00001-of-00003.safetensors, model-00003-of-00003.safetensors"
     with pytest.raises(ValueError, match=absent):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
 
 
 def test_no_weights_or_no_config_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
-        hf_target.load_hf_target(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(hf_target.hf_config(CONFIG, "qwen3_next")))
+        rj.Target.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_format.hf_config(CONFIG, "qwen3_next")))
     with pytest.raises(FileNotFoundError, match="no weights in"):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
 
 
 def test_bin_without_torch_says_to_install_the_convert_extra(tmp_path, monkeypatch):
@@ -167,7 +170,7 @@ def test_bin_without_torch_says_to_install_the_convert_extra(tmp_path, monkeypat
     os.rename(tmp_path / "model.safetensors", tmp_path / "pytorch_model.bin")
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, as where it is absent
     with pytest.raises(ImportError, match=r"needs torch; install the convert extra"):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
 
 
 class _Payload:
@@ -180,6 +183,7 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
+@pytest.mark.torch
 def test_pickle_that_weights_only_refuses_is_not_loaded(tmp_path):
     torch = pytest.importorskip("torch")
     marker = tmp_path / "code_ran"
@@ -188,10 +192,11 @@ def test_pickle_that_weights_only_refuses_is_not_loaded(tmp_path):
     torch.save({"model.norm.weight": torch.zeros(16), "payload": _Payload(str(marker))},
                tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="is not a plain weights file.*it was not loaded"):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
     assert not marker.exists()
 
 
+@pytest.mark.torch
 def test_truncated_or_non_tensor_bin_is_a_clear_error(tmp_path):
     torch = pytest.importorskip("torch")
     _write_hf_dir(tmp_path, {})
@@ -199,10 +204,10 @@ def test_truncated_or_non_tensor_bin_is_a_clear_error(tmp_path):
     weights = tmp_path / "pytorch_model.bin"
     torch.save({"model.norm.weight": torch.zeros(16), "step": 3}, weights)
     with pytest.raises(ValueError, match="non-tensor entries: step"):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
     weights.write_bytes(weights.read_bytes()[:200])
     with pytest.raises(ValueError, match=r"cannot read .*pytorch_model\.bin: it is truncated"):
-        hf_target.load_hf_target(tmp_path)
+        rj.Target.from_hf(tmp_path)
 
 
 def test_cli_on_bad_input_fails_and_writes_nothing(tmp_path):
@@ -244,3 +249,30 @@ def test_cli_refuses_a_non_empty_destination(tmp_path):
 def test_export_rejects_a_layout_without_moe():
     with pytest.raises(ValueError, match="has no MoE layers"):
         hf_target.expected_hf_shapes(CONFIG, "qwen3_5")
+
+
+WHAT_TO_RUN = {"target": "python -m convert.hf_target SRC DST --export-hf", "drafter": "python -m convert.deepspec"}
+
+
+@pytest.mark.parametrize("kind", sorted(WHAT_TO_RUN))
+def test_cli_on_a_project_checkpoint_says_what_it_is_and_what_to_run(tiny_target, tmp_path, capsys, kind):
+    model = tiny_target if kind == "target" else rj.Drafter.init(
+        tiny_target.config, rj.DrafterConfig(block_size=2, num_layers=1, markov_rank=4), seed=0)
+    src, dst = tmp_path / kind, tmp_path / "dst"
+    model.save(src)
+    assert hf_target.main([str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src}") and f"is a ready-jax {kind} checkpoint, not an HF one" in err
+    assert WHAT_TO_RUN[kind] in err and (kind == "target" or "--export" in err)
+    assert not dst.exists()
+
+
+def test_cli_help_gives_each_default_once(capsys):
+    with pytest.raises(SystemExit) as info:
+        hf_target.main(["--help"])
+    assert info.value.code == 0
+    options = " ".join(capsys.readouterr().out.split("options:")[1].split())
+    dtype_help = options[options.index("--dtype {"):options.index("--export-hf ")].strip()
+    layout_help = options[options.index("--layout {"):].strip()
+    for entry in (dtype_help, layout_help):
+        assert entry.count("default") == 1 and entry.endswith("(default: None)"), entry

@@ -10,7 +10,7 @@ from safetensors.numpy import save_file
 
 from convert import deepspec
 from ready_jax.drafter import Drafter, SharedWeights
-from ready_jax.reader import ReaderConfig
+from ready_jax.drafter_config import ReaderConfig
 
 D, V, H, H_KV, HD, FF, R_M = 32, 97, 4, 2, 8, 48, 8
 IDS = (1, 3, 5)
@@ -118,7 +118,7 @@ def test_unsupported_configs_are_errors(overrides, message):
         deepspec.config_from_deepspec(deepspec_config(**overrides))
 
 
-def test_command_line_round_trip(tiny_target, tmp_path):
+def test_command_line_round_trip(tiny_target, tmp_path, capsys):
     """Import with --target (checks the shared weights), then --export with the same target."""
     shared = SharedWeights.from_target(tiny_target)
     state = random_state(deepspec_shapes())
@@ -129,17 +129,17 @@ def test_command_line_round_trip(tiny_target, tmp_path):
     save_file(state, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps(deepspec_config()))
     tiny_target.save(str(target_dir))
-    deepspec.main([str(src), str(mine), "--target", str(target_dir)])
+    assert deepspec.main([str(src), str(mine), "--target", str(target_dir)]) == 0
     assert Drafter.load(str(mine)).config == deepspec.config_from_deepspec(deepspec_config())
-    deepspec.main(["--export", str(mine), str(back), "--target", str(target_dir)])
+    assert deepspec.main(["--export", str(mine), str(back), "--target", str(target_dir)]) == 0
     _assert_same_state(deepspec.read_state_dict(str(back)), state)
     assert deepspec.config_from_deepspec(json.loads((back / "config.json").read_text())) == \
         Drafter.load(str(mine)).config
 
     state["embed_tokens.weight"] = state["embed_tokens.weight"] + 1.0
     save_file(state, str(src / "model.safetensors"))
-    with pytest.raises(ValueError, match="trained for another target"):
-        deepspec.main([str(src), str(tmp_path / "other"), "--target", str(target_dir)])
+    assert deepspec.main([str(src), str(tmp_path / "other"), "--target", str(target_dir)]) == 1
+    assert "trained for another target" in capsys.readouterr().err
 
 
 # ---- numerics against a PyTorch forward written from DeepSpec's Qwen3DSparkModel --------------------------
@@ -202,6 +202,7 @@ def _torch_block(torch, sd, cfg, feats, anchor_pos, anchor):
     return tokens, torch.stack(logits, 1), torch.sigmoid(conf_logit[..., 0])
 
 
+@pytest.mark.torch
 def test_draft_block_matches_pytorch_reference(tmp_path):
     torch = pytest.importorskip("torch")
     cfg = deepspec_config()

@@ -11,15 +11,8 @@ from conftest import tiny_config
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax.drafter import (
-    Drafter,
-    DrafterConfig,
-    SharedWeights,
-    append_context,
-    default_target_layer_ids,
-    init_context,
-)
-from ready_jax.reader import ReaderConfig
+from ready_jax.drafter import Drafter, SharedWeights, append_context, init_context
+from ready_jax.drafter_config import DrafterConfig, ReaderConfig, default_target_layer_ids
 
 VOCAB = 97
 
@@ -134,6 +127,7 @@ def _reference_block(drafter, shared, context, anchor, key, temperature):
     return (np.stack(tokens, 1), np.stack(logits, 1), np.stack(probs, 1), np.stack(confidence, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_markov_sampling_equals_step_by_step_reference(tiny_target, temperature):
     drafter = Drafter.init(tiny_target.config, _config(block_size=5), seed=4)

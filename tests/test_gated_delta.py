@@ -1,4 +1,4 @@
-"""Tests for ready_jax.gated_delta: chunked and recurrent forms against the naive oracle, and against HF."""
+"""Tests for ready_jax.ops.gated_delta: chunked and recurrent forms against the naive oracle, and against HF."""
 
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ready_jax.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_recurrent
+from ready_jax.ops.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_recurrent
 
 B, D_K, D_V = 2, 16, 32
 HEADS = {"mha": (4, 4), "gqa": (2, 4)}  # (H_k, H_v); "gqa": each key head serves two value heads
@@ -177,6 +177,7 @@ def test_chunked_grad_matches_naive():
 @pytest.mark.parametrize(
     ("seq_len", "heads", "with_state", "chunk_size"), [(65, "gqa", True, 32), (7, "mha", False, 64)]
 )
+@pytest.mark.torch
 def test_matches_hf_torch(seq_len, heads, with_state, chunk_size):
     torch = pytest.importorskip("torch")
     hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

@@ -55,6 +55,7 @@ def _drafters(target):
     }
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_autoregressive(target):
     """Token-for-token equality over 50 distinct prompts: batch 1 and 4, blocks 1, 4 and 7, random DSpark
     and ReaDy drafters, and scripted drafters that are often (or always) right, so long and full-block
@@ -84,6 +85,7 @@ def test_greedy_speculative_equals_autoregressive(target):
     assert saw_full_block
 
 
+@pytest.mark.slow
 def test_replay_rollback_equals_checkpoint(target):
     prompts = _prompt_set(7, 4)
     ar = rj.generate(target, prompts, MAX_NEW)
@@ -95,6 +97,7 @@ def test_replay_rollback_equals_checkpoint(target):
     np.testing.assert_array_equal(a.accept_lengths, b.accept_lengths)
 
 
+@pytest.mark.slow
 def test_eos_stops_each_sequence(target):
     prompts = _prompt_set(8, 4)
     ar = rj.generate(target, prompts, MAX_NEW)
@@ -128,6 +131,7 @@ def test_metrics(target):
     assert spec.tokens_per_second > 0 and spec.run_seconds > 0
 
 
+@pytest.mark.slow
 def test_prompt_bucket_shares_one_program_across_lengths(target):
     rng = np.random.default_rng(22)
     batches = [[rng.integers(0, 97, size=n) for n in lengths] for lengths in ((5, 3), (9, 2))]  # widths 5 and 9
@@ -209,6 +213,7 @@ def _five_sigma(dof: int) -> float:
     return dof + 5 * np.sqrt(2 * dof)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(small_vocab, monkeypatch):
     target, drafter, prompt = small_vocab
     exact = _exact_joint(target, prompt)
@@ -259,6 +264,7 @@ def _reference_round(drafts, target_tokens, eos_ids, generated, max_new, done):
     return n, target_tokens[n], kept, finished
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(data=st.data(), gamma=st.integers(1, 7), batch=st.integers(1, 4))
 def test_accept_and_keep_arithmetic(data, gamma, batch):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
@@ -117,7 +118,7 @@ def hf_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(hf_models):
     """name -> the fp32 conversion of each HF directory."""
-    return {name: hf_target.load_hf_target(path) for name, (_, path) in hf_models.items()}
+    return {name: rj.Target.from_hf(path) for name, (_, path) in hf_models.items()}
 
 
 def _flat_np(target) -> dict[str, np.ndarray]:
@@ -216,7 +217,7 @@ def test_sharded_safetensors(hf_models, converted, tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     shards = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
-    _assert_same_params(hf_target.load_hf_target(tmp_path), converted[name])
+    _assert_same_params(rj.Target.from_hf(tmp_path), converted[name])
 
 
 @pytest.mark.parametrize("name", ["qwen3_next-moe8top2-nonorm-step2-kv2-int2-tied", "qwen3_5-kv2-int2-tied"])
@@ -231,7 +232,7 @@ def test_pytorch_bin_of_the_in_memory_state_dict(name, hf_models, converted, tmp
         assert "lm_head.weight" in state
     torch.save(state, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    _assert_same_params(hf_target.load_hf_target(tmp_path), converted[name])
+    _assert_same_params(rj.Target.from_hf(tmp_path), converted[name])
 
 
 def test_sharded_bfloat16_pytorch_bin(hf_models, converted, tmp_path):
@@ -247,7 +248,7 @@ def test_sharded_bfloat16_pytorch_bin(hf_models, converted, tmp_path):
     weight_map = {k: shard for shard, shard_keys in halves.items() for k in shard_keys}
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    ours = _flat_np(hf_target.load_hf_target(tmp_path, dtype=jnp.bfloat16))
+    ours = _flat_np(rj.Target.from_hf(tmp_path, dtype=jnp.bfloat16))
     for key, value in _flat_np(converted[name]).items():
         assert ours[key].dtype == jnp.bfloat16, key
         np.testing.assert_array_equal(ours[key], value.astype(jnp.bfloat16), err_msg=key)

@@ -15,6 +15,8 @@ from experiments.memory import analyse
 from ready_jax import generation
 from ready_jax import target as target_lib
 
+pytestmark = pytest.mark.slow
+
 BATCH, CAPACITY = 3, 24  # odd sizes, so no intermediate shares a cache buffer's shape by chance
 
 _HOST_OPS = re.compile(r'custom_call_target="[^"]*callback[^"]*"|\b(send|recv|infeed|outfeed)(-done)?\(')

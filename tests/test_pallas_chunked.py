@@ -1,5 +1,6 @@
 """Tests for pallas_kernels.gdn_chunked: the prefill / training kernels (CPU interpret mode) against the naive
-oracle, their gradient, their use in the model, and their lowering for an H200 (Triton IR) checked on the CPU."""
+oracle, their gradient, their dispatch and use in the model, and their lowering for an H200 (Triton IR) checked on
+the CPU."""
 
 import functools
 
@@ -8,13 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ATTN, GDN, tiny_config
-from test_pallas_gdn import HEADS, QWEN35_27B, TINY, make_inputs, rel_err
+from test_pallas_gdn import HEADS, INTERPRET, QWEN35_27B, TINY, make_inputs, rel_err
 
 import ready_jax as rj
 from pallas_kernels.common import lower_for_gpu, triton_dots
 from pallas_kernels.gdn_chunked import GDNChunkedConfig, gdn_chunked
-from ready_jax import training
-from ready_jax.gated_delta import gated_delta_chunked, gated_delta_naive
+from ready_jax import dispatch, training
+from ready_jax.modes import IMPLS
+from ready_jax.ops.gated_delta import gated_delta_chunked, gated_delta_naive
+
+pytestmark = [pytest.mark.interpret, pytest.mark.slow]
 
 DEFAULT = GDNChunkedConfig()  # block_v = 32: the launch the GPU uses
 NARROW = GDNChunkedConfig(block_v=16, scan_warps=2)
@@ -37,7 +41,7 @@ PARITY_CASES = [
 ]
 
 _naive = jax.jit(gated_delta_naive)
-_pallas = jax.jit(functools.partial(gdn_chunked, impl="pallas"), static_argnames=("chunk_size", "config"))
+_pallas = jax.jit(functools.partial(gdn_chunked, interpret=INTERPRET), static_argnames=("chunk_size", "config"))
 
 
 def _case_id(case):
@@ -113,7 +117,7 @@ def test_gradient_is_the_references():
     inputs = make_inputs(2, 20, 2, 4, 16, 16, with_state=True)
 
     def loss(impl, *args):
-        o, final = gdn_chunked(*args, impl=impl)
+        o, final = dispatch.gated_delta_chunked(*args, impl=impl)
         return (jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
                 + jnp.sum(final * jnp.sin(jnp.arange(final.size).reshape(final.shape))))
 
@@ -131,7 +135,7 @@ def test_gradient_is_the_references():
 def test_donated_state_is_updated_in_place():
     inputs = make_inputs(1, 20, 2, 4, 32, 32, with_state=True)
     o_ref, state_ref = _pallas(*inputs)
-    donated = jax.jit(functools.partial(gdn_chunked, impl="pallas"), donate_argnums=5)
+    donated = jax.jit(functools.partial(gdn_chunked, interpret=INTERPRET), donate_argnums=5)
     o, state = donated(*inputs[:5], jnp.array(inputs[5]))
     np.testing.assert_array_equal(o, o_ref)
     np.testing.assert_array_equal(state, state_ref)
@@ -139,24 +143,26 @@ def test_donated_state_is_updated_in_place():
 
 def test_xla_impl_is_the_reference():
     inputs = make_inputs(1, 20, 2, 4, 16, 16, with_state=True)
-    for got, want in zip(gdn_chunked(*inputs, chunk_size=16), gated_delta_chunked(*inputs, chunk_size=16),
-                         strict=True):
+    for got, want in zip(dispatch.gated_delta_chunked(*inputs, chunk_size=16),
+                         gated_delta_chunked(*inputs, chunk_size=16), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
 def test_errors():
     q, k, v, g, beta, state = make_inputs(1, 2, 2, 4, 8, 8)
+    kernel = functools.partial(gdn_chunked, interpret=INTERPRET)
     with pytest.raises(ValueError, match="impl must be one of"):
-        gdn_chunked(q, k, v, g, beta, state, impl="triton")
-    with pytest.raises(ValueError, match="only the final state"):
-        gdn_chunked(q, k, v, g, beta, state, output_all_states=True, impl="pallas")
+        dispatch.gated_delta_chunked(q, k, v, g, beta, state, impl="triton")
+    for impl in IMPLS:
+        with pytest.raises(ValueError, match="only the final state"):
+            dispatch.gated_delta_chunked(q, k, v, g, beta, state, output_all_states=True, impl=impl)
     for bad in (8, 48, 64.0):
         with pytest.raises(ValueError, match="power-of-2 chunk_size"):
-            gdn_chunked(q, k, v, g, beta, state, chunk_size=bad, impl="pallas")
+            kernel(q, k, v, g, beta, state, chunk_size=bad)
     with pytest.raises(ValueError, match="multiple of H_k"):
-        gdn_chunked(q, k, v[:, :, :3], g[..., :3], beta[..., :3], impl="pallas")
+        kernel(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
     with pytest.raises(ValueError, match="initial_state must be"):
-        gdn_chunked(q, k, v, g, beta, state[:, :2], impl="pallas")
+        kernel(q, k, v, g, beta, state[:, :2])
     for bad in (dict(block_v=8), dict(block_v=48), dict(scan_warps=3), dict(prepare_warps=6), dict(num_stages=0)):
         with pytest.raises(ValueError):
             GDNChunkedConfig(**bad)
@@ -166,7 +172,7 @@ def test_refuses_more_elements_than_int32_offsets_reach():
     """Triton indexes with int32 offsets: 64 sequences of 8,192 tokens x 48 heads x 128 reach 3.2e9."""
     spec = jax.ShapeDtypeStruct
     h_k, h_v, d_k, d_v = QWEN35_27B
-    run = functools.partial(gdn_chunked, impl="pallas", interpret=False)
+    run = functools.partial(gdn_chunked, interpret=False)
     for batch, ok in ((4, True), (64, False)):
         args = [spec((batch, 8192, h_k, d_k), jnp.bfloat16)] * 2 + [spec((batch, 8192, h_v, d_v), jnp.bfloat16)]
         args += [spec((batch, 8192, h_v), jnp.float32)] * 2
@@ -235,11 +241,11 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, dtype):
     """Both kernels lower to Triton custom calls for an abstract NVIDIA H200 (see common.lower_for_gpu), and every
     dot in their Triton IR has M, N, K >= 16 and runs as IEEE fp32 (no TF32)."""
     args = _lowering_args(dims, batch, seq_len, with_state, dtype)
-    text = lower_for_gpu(gdn_chunked, *args, impl="pallas", interpret=False)
+    text = lower_for_gpu(gdn_chunked, *args, interpret=False)
     assert text.count("__gpu$xla.gpu.triton") == 2
     for warps in (DEFAULT.prepare_warps, DEFAULT.scan_warps):
         assert f"num_warps = {warps} " in text
     assert ("output_operand_alias" in text) == with_state  # the final state is written into initial_state's buffer
-    dots = triton_dots(gdn_chunked, *args, impl="pallas", interpret=False)
+    dots = triton_dots(gdn_chunked, *args, interpret=False)
     assert dots, "the chunk matrices should be computed with tt.dot"
     assert [problem for dot in dots for problem in dot.problems()] == []

@@ -1,5 +1,5 @@
-"""Tests for pallas_kernels.gdn_recurrent: the Pallas kernel (CPU interpret mode) against the naive oracle, and
-its lowering for an H200 (Triton IR) checked on the CPU.
+"""Tests for pallas_kernels.gdn_recurrent: the Pallas kernel (CPU interpret mode) against the naive oracle, its
+dispatch, and its lowering for an H200 (Triton IR) checked on the CPU.
 
 Interpret mode runs the kernel grid point by grid point, so the parity cases sample the cross product of the
 listed values (every value of every factor appears, most pairs of factors too) rather than enumerating it.
@@ -12,9 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import lower_for_gpu, triton_dots
+from pallas_kernels.common import lower_for_gpu, resolve_interpret, triton_dots
 from pallas_kernels.gdn_recurrent import GDNRecurrentConfig, gdn_recurrent
-from ready_jax.gated_delta import gated_delta_naive, gated_delta_recurrent
+from ready_jax import dispatch
+from ready_jax.modes import IMPLS
+from ready_jax.ops.gated_delta import gated_delta_naive, gated_delta_recurrent
+
+pytestmark = [pytest.mark.interpret, pytest.mark.slow]
 
 HEADS = {"mha": (2, 2), "gqa": (2, 4)}  # (H_k, H_v); "gqa": each key head serves two value heads
 DEFAULT = GDNRecurrentConfig()  # block_v = 8, one warp: the launch the GPU uses
@@ -24,6 +28,7 @@ WIDE = GDNRecurrentConfig(block_v=64, num_warps=4)  # fewer, wider programs (and
 # the kernel computes in fp32 too, so its state must match to fp32 accuracy and its bf16 o to rounding.
 FP32_TOL = 2e-6
 BF16_OUT_TOL = 2.0**-8
+INTERPRET = resolve_interpret(None)  # compiled on a GPU, interpreted on a CPU
 
 # (d_k = d_v, B, T, heads, with_state, output_all_states, dtype, config)
 PARITY_CASES = [
@@ -65,7 +70,7 @@ def make_inputs(batch, seq_len, h_k, h_v, k_dim, v_dim, *, with_state=True, dtyp
 
 
 _naive = jax.jit(gated_delta_naive, static_argnames=("output_all_states",))
-_pallas = jax.jit(functools.partial(gdn_recurrent, impl="pallas"),
+_pallas = jax.jit(functools.partial(gdn_recurrent, interpret=INTERPRET),
                   static_argnames=("output_all_states", "include_initial_state", "config"))
 
 
@@ -123,7 +128,8 @@ def test_include_initial_state(with_state):
     """[B, T + 1, ...] with the entering state first: what GatedDeltaNet's candidate states are."""
     inputs = make_inputs(2, 3, 2, 4, 16, 16, with_state=with_state)
     o, states = _pallas(*inputs, output_all_states=True, include_initial_state=True)
-    o_ref, states_ref = gdn_recurrent(*inputs, output_all_states=True, include_initial_state=True, impl="xla")
+    o_ref, states_ref = dispatch.gated_delta_recurrent(*inputs, output_all_states=True, include_initial_state=True,
+                                                       impl="xla")
     assert states.shape == (2, 4, 4, 16, 16) == states_ref.shape
     first = np.zeros((2, 4, 16, 16), np.float32) if inputs[5] is None else inputs[5]
     np.testing.assert_array_equal(states[:, 0], first)
@@ -157,7 +163,7 @@ def test_donated_state_is_updated_in_place():
     """Donating initial_state under jit gives the same answer (its buffer may now hold the final state)."""
     inputs = make_inputs(1, 3, 2, 4, 32, 32, with_state=True)
     o_ref, state_ref = _pallas(*inputs)
-    donated = jax.jit(functools.partial(gdn_recurrent, impl="pallas"), donate_argnums=5)
+    donated = jax.jit(functools.partial(gdn_recurrent, interpret=INTERPRET), donate_argnums=5)
     state_in = jnp.array(inputs[5])  # a fresh buffer to give away
     o, state = donated(*inputs[:5], state_in)
     np.testing.assert_array_equal(o, o_ref)
@@ -167,7 +173,7 @@ def test_donated_state_is_updated_in_place():
 @pytest.mark.parametrize("output_all_states", [False, True])
 def test_xla_impl_is_the_reference(output_all_states):
     inputs = make_inputs(1, 3, 2, 4, 16, 16, with_state=True)
-    o, states = gdn_recurrent(*inputs, output_all_states=output_all_states, impl="xla")
+    o, states = dispatch.gated_delta_recurrent(*inputs, output_all_states=output_all_states, impl="xla")
     o_ref, states_ref = gated_delta_recurrent(*inputs, output_all_states=output_all_states)
     np.testing.assert_array_equal(o, o_ref)
     np.testing.assert_array_equal(states, states_ref)
@@ -175,18 +181,20 @@ def test_xla_impl_is_the_reference(output_all_states):
 
 def test_errors():
     q, k, v, g, beta, state = make_inputs(1, 2, 2, 4, 8, 8)
+    kernel = functools.partial(gdn_recurrent, interpret=INTERPRET)
     with pytest.raises(ValueError, match="impl must be one of"):
-        gdn_recurrent(q, k, v, g, beta, state, impl="triton")
-    with pytest.raises(ValueError, match="needs output_all_states"):
-        gdn_recurrent(q, k, v, g, beta, state, include_initial_state=True, impl="pallas")
+        dispatch.gated_delta_recurrent(q, k, v, g, beta, state, impl="triton")
+    for impl in IMPLS:
+        with pytest.raises(ValueError, match="needs output_all_states"):
+            dispatch.gated_delta_recurrent(q, k, v, g, beta, state, include_initial_state=True, impl=impl)
     with pytest.raises(ValueError, match="multiple of H_k"):
-        gdn_recurrent(q, k, v[:, :, :3], g[..., :3], beta[..., :3], impl="pallas")
+        kernel(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
     with pytest.raises(ValueError, match="initial_state must be"):
-        gdn_recurrent(q, k, v, g, beta, state[:, :2], impl="pallas")
+        kernel(q, k, v, g, beta, state[:, :2])
     with pytest.raises(ValueError, match="g must be"):
-        gdn_recurrent(q, k, v, g[:, :1], beta, state, impl="pallas")
+        kernel(q, k, v, g[:, :1], beta, state)
     with pytest.raises(ValueError, match="at least 1"):
-        gdn_recurrent(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], state, impl="pallas")
+        kernel(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], state)
     for bad in (dict(block_v=12), dict(num_warps=3), dict(num_stages=0)):
         with pytest.raises(ValueError):
             GDNRecurrentConfig(**bad)
@@ -197,7 +205,7 @@ def test_refuses_more_states_than_int32_offsets_reach():
     spec = jax.ShapeDtypeStruct
     args = [spec((256, 16, 16, 128), jnp.bfloat16)] * 2 + [spec((256, 16, 48, 128), jnp.bfloat16)]
     args += [spec((256, 16, 48), jnp.float32)] * 2
-    run = functools.partial(gdn_recurrent, impl="pallas", interpret=False)
+    run = functools.partial(gdn_recurrent, interpret=False)
     assert jax.eval_shape(run, *args)[1].shape == (256, 48, 128, 128)  # the final state alone is fine
     with pytest.raises(ValueError, match="2\\*\\*31"):
         jax.eval_shape(functools.partial(run, output_all_states=True), *args)
@@ -239,7 +247,7 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, output_all_states, dt
             spec((batch, h_v, k_dim, v_dim), jnp.float32) if with_state else None]
     include_initial_state = output_all_states == "first"
     output_all_states = bool(output_all_states)
-    text = lower_for_gpu(gdn_recurrent, *args, output_all_states=output_all_states, impl="pallas",
+    text = lower_for_gpu(gdn_recurrent, *args, output_all_states=output_all_states,
                          include_initial_state=include_initial_state, interpret=False)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert f"num_warps = {DEFAULT.num_warps} " in text and f"num_stages = {DEFAULT.num_stages} " in text
@@ -254,4 +262,4 @@ def test_no_triton_dots():
     h_k, h_v, k_dim, v_dim = QWEN35_27B
     args = [spec((1, 8, h_k, k_dim), jnp.bfloat16)] * 2 + [spec((1, 8, h_v, v_dim), jnp.bfloat16)]
     args += [spec((1, 8, h_v), jnp.float32)] * 2 + [spec((1, h_v, k_dim, v_dim), jnp.float32)]
-    assert triton_dots(gdn_recurrent, *args, output_all_states=True, impl="pallas", interpret=False) == []
+    assert triton_dots(gdn_recurrent, *args, output_all_states=True, interpret=False) == []

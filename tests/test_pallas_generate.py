@@ -1,9 +1,12 @@
 """``rj.generate`` with the fused Pallas kernels (interpreted on the CPU) equals the XLA path."""
 
 import numpy as np
+import pytest
 from conftest import tiny_config
 
 import ready_jax as rj
+
+pytestmark = [pytest.mark.interpret, pytest.mark.slow]
 
 
 def test_generate_pallas_equals_xla():

@@ -1,4 +1,5 @@
-"""ReaDy reader kernels (``pallas_kernels.state_gather`` / ``state_reader``) against the jnp reference.
+"""ReaDy reader kernels (``pallas_kernels.state_gather`` / ``state_reader``) against the jnp reference
+(``ready_jax.ops.reader``), and their dispatch.
 
 Parity runs the Pallas kernels in CPU interpret mode. The cross product of the shape axes (pairs M, batch B,
 rank r, head dim d_k = d_v, dtype, block length) is sampled: every value of every axis appears in some case,
@@ -16,14 +17,18 @@ import pytest
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import lower_for_gpu, triton_compiler_params, triton_dots
-from pallas_kernels.state_gather import GatherConfig, gather_sources, state_gather
+from pallas_kernels.state_gather import GatherConfig, state_gather
 from pallas_kernels.state_reader import ReaderKernelConfig, state_reader
-from ready_jax import reader
+from ready_jax import dispatch
 from ready_jax.cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
+from ready_jax.ops import reader as reference
+from ready_jax.reader import committed_states, gather_sources
+
+pytestmark = [pytest.mark.interpret, pytest.mark.slow]
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
-PALLAS = dict(impl="pallas", interpret=True)  # the kernels in CPU interpret mode
+PALLAS = dict(interpret=True)  # the kernels in CPU interpret mode
 
 
 def _gather_args(num_src, heads, batch, positions, head_dim, rank, dtype, seed=0):
@@ -47,7 +52,7 @@ def _assert_close(actual, expected, rtol):
     np.testing.assert_allclose(actual / scale, expected / scale, atol=rtol, rtol=0)
 
 
-# ---- state_gather: interpret mode vs reader.gather_prepare ------------------------------------------------------
+# ---- state_gather: interpret mode vs ops.reader.gather_prepare --------------------------------------------------
 # (L_src, H_v, B, T+1, d_k = d_v, r, dtype): M in {2, 64, 96}, B in {1, 4}, r in {8, 16, 128},
 # d in {32, 128}, fp32 / bf16 states, T+1 in {1, 2, 4, 5, 8, 9, 16}.
 GATHER_CASES = [
@@ -65,8 +70,8 @@ GATHER_CASES = [
 @pytest.mark.parametrize("num_src,heads,batch,positions,head_dim,rank,dtype", GATHER_CASES)
 def test_state_gather_matches_reference(num_src, heads, batch, positions, head_dim, rank, dtype):
     args = _gather_args(num_src, heads, batch, positions, head_dim, rank, dtype)
-    expected = reader.gather_prepare(*args)
-    np.testing.assert_array_equal(state_gather(*args, impl="xla"), expected)
+    expected = reference.gather_prepare(*args)
+    np.testing.assert_array_equal(dispatch.state_gather(*args, impl="xla"), expected)
     actual = state_gather(*args, **PALLAS)
     assert actual.shape == (batch, num_src * heads, rank, rank) and actual.dtype == F32
     _assert_close(actual, expected, 1e-5)  # fp32 accumulation either way (bf16 states are exact in fp32)
@@ -77,16 +82,16 @@ def test_state_gather_reads_each_committed_position(positions):
     """Every n in 0..T selects its own state (states differ per position; n = T+1.. is out of contract)."""
     states, _, u, v = _gather_args(2, 2, positions, positions, 16, 8, F32, seed=positions)
     n = jnp.arange(positions, dtype=jnp.int32)  # sequence b commits b tokens
-    _assert_close(state_gather(states, n, u, v, **PALLAS), reader.gather_prepare(states, n, u, v), 1e-5)
+    _assert_close(state_gather(states, n, u, v, **PALLAS), reference.gather_prepare(states, n, u, v), 1e-5)
 
 
 def test_state_gather_source_arrays_and_layers():
     """Reading target-cache-shaped buffers [G, B, T+1, ...] in place equals stacking the chosen layers."""
     cache_states, n, u, v = _gather_args(4, 3, 2, 5, 16, 8, F32, seed=1)   # 4 "groups" of one layer position
     u, v = u[:6], v[:6]                                                    # 2 source layers x 3 heads
-    expected = reader.gather_prepare([cache_states[1], cache_states[3]], n, u, v)
-    _assert_close(state_gather(cache_states, n, u, v, layers=((0, 1), (0, 3))), expected, 1e-6)  # xla
-    _assert_close(state_gather([cache_states[:2], cache_states[2:]], n, u, v, layers=[(0, 1), (1, 1)]),
+    expected = reference.gather_prepare([cache_states[1], cache_states[3]], n, u, v)
+    _assert_close(dispatch.state_gather(cache_states, n, u, v, layers=((0, 1), (0, 3))), expected, 1e-6)  # xla
+    _assert_close(dispatch.state_gather([cache_states[:2], cache_states[2:]], n, u, v, layers=[(0, 1), (1, 1)]),
                   expected, 1e-6)
     _assert_close(state_gather(cache_states, n, u, v, layers=((0, 1), (0, 3)), **PALLAS), expected, 1e-5)
     _assert_close(state_gather([cache_states[:2], cache_states[2:]], n, u, v, layers=[(0, 1), (1, 1)], **PALLAS),
@@ -95,16 +100,16 @@ def test_state_gather_source_arrays_and_layers():
 
 def test_state_gather_ragged_pair_blocks_and_committed_cache():
     states, n, u, v = _gather_args(2, 3, 2, 4, 16, 8, BF16, seed=2)            # M = 6 pairs, 4 per program
-    expected = reader.gather_prepare(states, n, u, v)
+    expected = reference.gather_prepare(states, n, u, v)
     _assert_close(state_gather(states, n, u, v, config=GatherConfig(block_m=4, block_k=8), **PALLAS), expected, 1e-5)
     # A committed TargetCache holds [G, B, H, d_k, d_v]: one position, n = 0.
     committed = states[:, :, 0]
     _assert_close(state_gather(committed[:, :, None], jnp.zeros((2,), jnp.int32), u, v, **PALLAS),
-                  reader.prepare(reader.merge_pairs(committed), u, v), 1e-5)
+                  reference.compress(reference.merge_pairs(committed), u, v), 1e-5)
 
 
 def test_gather_sources_reads_the_target_cache_like_committed_states():
-    """The drafter's wiring: target-cache buffers in place == ``reader.committed_states`` + ``prepare``.
+    """The drafter's wiring: target-cache buffers in place == ``reader.committed_states`` + ``compress``.
 
     A cache of 2 groups x (GDN, GDN, GDN, attention): decoder layer l is ``layers[l % 4]``, group ``l // 4``.
     Source layers (2, 6) share one buffer; (1, 6) come from two.
@@ -121,7 +126,7 @@ def test_gather_sources_reads_the_target_cache_like_committed_states():
     u, v = (np.asarray(rng.standard_normal((2 * heads, d, rank)), np.float32) for _ in range(2))
     n = jnp.array([0, 4], jnp.int32)
     for sources, cache, n_committed in (((2, 6), candidate, n), ((2, 6), committed, None), ((1, 6), candidate, n)):
-        expected = reader.prepare(reader.committed_states(cache, sources, n_committed), u, v)
+        expected = reference.compress(committed_states(cache, sources, n_committed), u, v)
         arrays, layers, n_sel = gather_sources(cache, sources, n_committed)
         assert len(arrays) == len({s % 4 for s in sources}) and all(a.ndim == 6 for a in arrays)
         _assert_close(state_gather(arrays, n_sel, u, v, layers=layers, **PALLAS), expected, 1e-5)
@@ -134,7 +139,7 @@ def test_gather_sources_reads_the_target_cache_like_committed_states():
 def test_state_gather_rejects_bad_arguments():
     states, n, u, v = _gather_args(1, 2, 1, 2, 16, 8, F32)
     with pytest.raises(ValueError, match="impl must be one of"):
-        state_gather(states, n, u, v, impl="triton")
+        dispatch.state_gather(states, n, u, v, impl="triton")
     with pytest.raises(ValueError, match="power-of-2"):
         state_gather(states, n, u[..., :6], v[..., :6], **PALLAS)
     with pytest.raises(ValueError, match="bases"):
@@ -143,7 +148,7 @@ def test_state_gather_rejects_bad_arguments():
         GatherConfig(block_k=12)
 
 
-# ---- state_reader: interpret mode vs reader.read ----------------------------------------------------------
+# ---- state_reader: interpret mode vs ops.reader.read ------------------------------------------------------
 def _reader_args(batch, block, hidden, pairs, rank, dtype, seed=0):
     rng = np.random.default_rng(seed)
     n = pairs * rank
@@ -172,8 +177,8 @@ READER_CASES = [
 def test_state_reader_matches_reference(batch, block, hidden, pairs, rank, dtype):
     args = _reader_args(batch, block, hidden, pairs, rank, dtype)
     eps = 1e-6
-    expected = reader.read(*args, eps)
-    np.testing.assert_array_equal(state_reader(*args, eps, impl="xla"), expected)
+    expected = reference.read(*args, eps)
+    np.testing.assert_array_equal(dispatch.state_reader(*args, eps, impl="xla"), expected)
     actual = state_reader(*args, eps, **PALLAS)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     update, expected_update = (np.asarray(x, np.float32) - np.asarray(args[0], np.float32)
@@ -189,7 +194,7 @@ def test_state_reader_zero_w_o_is_identity_and_mixed_dtypes():
     np.testing.assert_array_equal(out, h)  # the untrained reader (W_o = 0) leaves DSpark's hidden unchanged
     # bf16 activations with fp32 weights: the result is fp32, as in the reference.
     args = (h, compressed, w_q.astype(F32), w_o.astype(F32), norm_weight)
-    expected = reader.read(*args, 1e-6)
+    expected = reference.read(*args, 1e-6)
     actual = state_reader(*args, 1e-6, config=ReaderKernelConfig(block_m=4, block_n=16, block_d=16), **PALLAS)
     assert actual.dtype == expected.dtype == F32
     _assert_close(actual - h.astype(F32), expected - h.astype(F32), 2**-7)  # y is rounded to bf16 (h's dtype)
@@ -198,7 +203,7 @@ def test_state_reader_zero_w_o_is_identity_and_mixed_dtypes():
 def test_state_reader_rejects_bad_arguments():
     args = _reader_args(1, 2, 32, 2, 8, F32)
     with pytest.raises(ValueError, match="impl must be one of"):
-        state_reader(*args, 1e-6, impl="cuda")
+        dispatch.state_reader(*args, 1e-6, impl="cuda")
     h, c, w_q, w_o, w = _reader_args(1, 2, 32, 2, 6, F32)
     with pytest.raises(ValueError, match="power-of-2 rank"):
         state_reader(h, c, w_q, w_o, w, 1e-6, **PALLAS)
@@ -220,12 +225,12 @@ def _reader_specs(batch, block, hidden, pairs, rank, dtype=BF16):
 
 
 def _check_lowers(fn, specs, kernel_names, **kwargs):
-    text = lower_for_gpu(fn, *specs, impl="pallas", interpret=False, **kwargs)
+    text = lower_for_gpu(fn, *specs, interpret=False, **kwargs)
     assert text.count("__gpu$xla.gpu.triton") == len(kernel_names)
     for name in kernel_names:
         assert name in text
     assert "num_warps = 4" in text  # the explicit compiler params reach the kernel call
-    dots = triton_dots(fn, *specs, impl="pallas", interpret=False, **kwargs)
+    dots = triton_dots(fn, *specs, interpret=False, **kwargs)
     assert [p for d in dots for p in d.problems()] == []
     return dots
 
@@ -258,11 +263,10 @@ def test_triton_dot_check_flags_rank_8_contractions():
     def kernel(a_ref, b_ref, o_ref):
         o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=F32)
 
-    def fn(a, b, impl, interpret):
-        del impl
+    def fn(a, b, interpret):
         return pl.pallas_call(kernel, out_shape=S((16, 16), F32), interpret=interpret,
                               compiler_params=triton_compiler_params(num_warps=4, num_stages=1))(a, b)
 
-    [dot] = triton_dots(functools.partial(fn, impl=None, interpret=False), S((16, 8), F32), S((8, 16), F32))
+    [dot] = triton_dots(functools.partial(fn, interpret=False), S((16, 8), F32), S((8, 16), F32))
     assert any("K=8 < 16" in p for p in dot.problems())
     assert any("TF32" in p for p in dot.problems())  # an f32 dot without precision=HIGHEST

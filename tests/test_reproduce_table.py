@@ -20,7 +20,8 @@ def test_train_command_starts_continued_arms_from_the_same_seed():
 
     arm = {a.name: a for a in rt.arms(tiny_config(), 16)}["ready_rank128"]
     cmd = rt.train_command(arm, 2, Args)
-    assert cmd[cmd.index("--init-from") + 1] == "r/dspark_s2" and cmd[cmd.index("--out") + 1] == "r/ready_rank128_s2"
+    assert cmd[cmd.index("--init-from") + 1] == "r/dspark_s2"
+    assert cmd[cmd.index("--save-dir") + 1] == "r/ready_rank128_s2"
     assert cmd[cmd.index("--steps") + 1] == "20" and cmd[-2:] == ["--rank", "128"]
 
 

@@ -17,6 +17,8 @@ import tempfile
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 GDN, ATTN = "linear_attention", "full_attention"
 MESHES = ((2, 4), (8, 1), (1, 8))
 
@@ -162,9 +164,9 @@ def _generate_checks(sh, rj, target, drafter, prompts):
     reference = rj.generate(target, prompts, 12, drafter=drafter, capacity=capacity)
     for shape, names in plan.items():
         layout = sh.Layout(sh.make_mesh(*shape))
-        placed_target = sh.shard_target(target, layout)
+        placed_target = rj.shard_target(target, layout)
         for name in names:
-            placed_drafter = sh.shard_drafter(drafter, layout) if name == "ready" else None
+            placed_drafter = rj.shard_drafter(drafter, layout) if name == "ready" else None
             got = rj.generate(placed_target, prompts, 12, drafter=placed_drafter, capacity=capacity)
             out.append({"mesh": f"{shape[0]}x{shape[1]}", "drafter": name,
                         "tokens_equal": bool(np.array_equal(got.tokens, reference.tokens)),
@@ -177,7 +179,9 @@ def _step_checks(sh, target, layout):
     import jax
     import jax.numpy as jnp
 
-    placed = sh.shard_target(target, layout)
+    import ready_jax as rj
+
+    placed = rj.shard_target(target, layout)
     rng = np.random.default_rng(1)
     prompt, block = rng.integers(0, 128, (4, 6)), rng.integers(0, 128, (4, 4))
     n_prompt, n_keep = np.array([6, 3, 5, 1]), np.array([0, 4, 2, 1])
@@ -239,7 +243,7 @@ def _train_checks(sh, rj, target, drafter):
     placed = sh.place(training.TrainState.create(drafter.params, optimizer, 0), state_shardings)
     placed_batch = sh.place(batch, batch_shardings)
     single_step = training.make_train_step(loss_fn, optimizer)
-    sharded_step = sh.make_train_step(loss_fn, optimizer, layout, state_shardings, batch_shardings)
+    sharded_step = training.make_train_step(loss_fn, optimizer, layout, state_shardings, batch_shardings)
     for _ in range(2):
         state, metrics_single = single_step(state, batch)
         placed, metrics = sharded_step(placed, placed_batch)
@@ -254,9 +258,11 @@ def _train_checks(sh, rj, target, drafter):
 def _load_checks(sh, target, layout):
     import jax
 
+    import ready_jax as rj
+
     with tempfile.TemporaryDirectory() as directory:
         target.save(directory)
-        loaded = sh.load_target(directory, layout)
+        loaded = rj.Target.load(directory, layout=layout)
     want = sh.param_shardings(loaded.params, layout, loaded.config)
     placed = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in
                  zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want), strict=True))

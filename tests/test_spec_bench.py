@@ -2,12 +2,16 @@
 greedy answers identical with and without the drafter, and the prompt handling around them."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
 from experiments import spec_bench
+
+pytestmark = pytest.mark.slow
 
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
 PROSE = ("Explain how a hash table resolves collisions and why its lookups stay fast on average, then compare "
@@ -125,3 +129,65 @@ def test_question_selection(tmp_path):
     assert [q["question_id"] for q in spec_bench.read_questions(str(path), limit=1)] == [7]
     with pytest.raises(SystemExit, match=r"no questions of categories \['rag'\]"):
         spec_bench.read_questions(str(path), ["rag"])
+
+
+# ---- input errors: a clear message and a non-zero exit before any model loads --------------------------------
+def _main_fails(tmp_path, *argv: str) -> str:
+    """``spec_bench.main`` on the zoo target with ``argv``: its exit message (nothing may be written)."""
+    with pytest.raises(SystemExit) as info:
+        spec_bench.main(["--target", str(ZOO / "target"), "--out-dir", str(tmp_path / "out"), *argv])
+    assert info.value.code not in (0, None)
+    assert not (tmp_path / "out").exists()
+    return str(info.value.code)
+
+
+def _jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+GOOD = json.dumps(QUESTIONS[0])
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([GOOD, "{not json"], ":2: not valid JSON"),
+    (["[7, 81]"], ":1: each question must be a JSON object, got a JSON list"),
+    ([GOOD, "", json.dumps({"question_id": 3, "category": "qa"})], ":3: each question needs ['turns']"),
+    ([json.dumps({**QUESTIONS[0], "turns": "Why?"})], ":1: turns must be a non-empty list of strings"),
+    ([json.dumps({**QUESTIONS[0], "turns": []})], ":1: turns must be a non-empty list of strings"),
+    ([json.dumps({**QUESTIONS[0], "question_id": "7"})], ":1: question_id must be an integer"),
+    ([json.dumps({**QUESTIONS[0], "category": None})], ":1: category must be a string"),
+])
+def test_a_malformed_questions_file_is_named_with_its_line_and_field(tmp_path, lines, message):
+    path = _jsonl(tmp_path / "question.jsonl", lines)
+    assert _main_fails(tmp_path, "--questions", str(path)).startswith(f"{path}{message}")
+
+
+def test_a_missing_or_unreadable_questions_file_is_named(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert _main_fails(tmp_path, "--questions", str(missing)) == f"the question file {missing} does not exist"
+    binary = tmp_path / "question.jsonl"
+    binary.write_bytes(b"\xff\xfe{}\n")
+    assert _main_fails(tmp_path, "--questions", str(binary)).startswith(f"cannot read the question file {binary}")
+    assert _main_fails(tmp_path, "--questions", str(tmp_path)).startswith(f"cannot read the question file {tmp_path}")
+
+
+@pytest.mark.parametrize("answer, message", [
+    ({"question_id": 7, "category": "qa"}, ":1: each answer needs ['choices']"),
+    ({"question_id": 7, "category": "qa", "choices": []}, ":1: choices must be a non-empty list of objects"),
+    ({"question_id": 7, "category": "qa", "choices": [{"turns": ["Hi."]}]},
+     ":1: each answer's first choice needs ['new_tokens', 'wall_time']"),
+])
+def test_a_malformed_baseline_file_is_named_before_anything_runs(tmp_path, answer, message):
+    questions = _jsonl(tmp_path / "question.jsonl", [GOOD])
+    baseline = _jsonl(tmp_path / "ar.jsonl", [json.dumps(answer)])
+    assert _main_fails(tmp_path, "--questions", str(questions), "--baseline", str(baseline)).startswith(
+        f"{baseline}{message}")
+
+
+def test_the_command_line_exits_non_zero_with_the_message_and_no_traceback(tmp_path):
+    path = _jsonl(tmp_path / "question.jsonl", [GOOD, "{not json"])
+    proc = subprocess.run([sys.executable, "-m", "experiments.spec_bench", "--target", str(ZOO / "target"),
+                           "--questions", str(path)], capture_output=True, text=True, cwd=ZOO.parent)
+    assert proc.returncode == 1
+    assert f"{path}:2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr

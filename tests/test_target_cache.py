@@ -28,6 +28,7 @@ def _prefill(target, tokens, capacity=64, hidden_layers=()):
     return target.prefill(cache, tokens, hidden_layers=hidden_layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_target", "tiny_moe_target"])
 def test_prefill_then_decode_equals_full_forward(fixture, request):
     target = request.getfixturevalue(fixture)
@@ -74,6 +75,7 @@ def test_verify_then_commit_equals_prefill_of_accepted(tiny_target, block, rollb
         _assert_caches_equal(committed, ref)
 
 
+@pytest.mark.slow
 def test_ragged_prefill_equals_separate_prefills(tiny_target):
     """Right-padded rows with their own lengths give each sequence's own cache and logits."""
     lengths = [5, 11, 1]
@@ -106,6 +108,7 @@ def test_hidden_layers_are_decoder_layer_outputs(tiny_target):
     np.testing.assert_allclose(out.hidden[0], h0, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_irregular_layer_pattern_unrolls(tiny_target):
     """A pattern with no period still works (group = whole depth) and equals step-by-step decoding."""
     cfg = tiny_config(num_hidden_layers=5, layer_types=(GDN, ATTN, GDN, GDN, ATTN))
@@ -144,6 +147,7 @@ def test_bad_input_errors(tiny_target):
         tiny_config(layer_types=(GDN,) * 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_save_load_round_trip(tmp_path, dtype):
     target = rj.Target.init(tiny_config(), seed=4, dtype=dtype)
@@ -169,6 +173,7 @@ def test_load_rejects_corrupt_and_foreign_checkpoints(tmp_path):
         rj.Target.load(tmp_path / "nowhere")
 
 
+@pytest.mark.slow
 def test_init_in_pieces_equals_one_program():
     """Target.init splits a large model's initialisation into programs that each return a share of the
     parameters; the values must be exactly those of one program (what Target.init runs for a small model)."""

@@ -18,6 +18,8 @@ from ready_jax import data, training
 from ready_jax import drafter_training as dt
 from ready_jax.reader import committed_states
 
+pytestmark = pytest.mark.slow
+
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
 LAYOUT = dt.AnchorLayout(prompt_len=6, seq_len=24, stride=4, block_size=3)
 

@@ -36,18 +36,18 @@ import jax.numpy as jnp
 from jax import lax
 
 _HIGHEST = lax.Precision.HIGHEST  # true fp32 matmuls on GPU/TPU too (no TF32 / bf16 passes)
-_L2NORM_EPS = 1e-6  # as HF's (and FLA's) l2norm
+L2NORM_EPS = 1e-6  # as HF's (and FLA's) l2norm
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
     """``x * rsqrt(sum(x * x) + 1e-6)`` over the last axis, like HF's ``l2norm``."""
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def check_shapes(q, k, v, g, beta, initial_state) -> None:
     """Raise ValueError naming the problem unless the inputs have the shapes the module docstring gives.
 
-    Shared with the Pallas kernel (``pallas_kernels.gdn_recurrent``) so both reject the same inputs alike.
+    Every implementation, reference or kernel, validates with it, so all reject the same inputs alike.
     """
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H_k, d_k]; got q {q.shape} and k {k.shape}")

@@ -1,0 +1,99 @@
+"""The command-line conventions of the scripts under ``experiments/`` and ``convert/``.
+
+:func:`parser` makes every script's argument parser (``prog`` ``python -m <module>``, the module
+docstring as it is laid out, every option's default in ``--help``); :func:`repo_path` resolves the
+repository's own files (``zoo/``, ``results/``, the shared data at ``../shared/data``) against the
+repository root, so a default path works from any working directory; :class:`Progress` reports a
+loop someone waits on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's own line breaks and appends each option's default to its help."""
+
+
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m <module>``, described by ``doc`` (usually the module docstring); run
+    as one of the installed console scripts (``ready-jax-*``), its usage names that script instead."""
+    script = Path(sys.argv[0]).name
+    prog = script if script.startswith("ready-jax-") else f"python -m {module}"
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
+
+
+def repo_root() -> Path:
+    """The repository's root directory: the one holding ``ready_jax/``, ``zoo/`` and ``results/``."""
+    return _ROOT
+
+
+def repo_path(*parts: str) -> Path:
+    """``parts`` joined to :func:`repo_root` and normalised: ``repo_path("zoo", "target")``,
+    ``repo_path("..", "shared", "data")``."""
+    return _ROOT.joinpath(*parts).resolve()
+
+
+class Progress:
+    """Progress of a loop someone waits on, as whole lines on stderr: ``label: done/total unit, elapsed, eta``.
+
+    :meth:`update` advances the count and prints a line once ``every_s`` seconds have passed since the
+    last line (or since the start); :meth:`note` prints a line about a stage at once; :meth:`close` (or
+    leaving a ``with`` block) prints the final line, unless the last update printed the same. Whole lines,
+    never rewritten in place, so the output reads the same in a terminal, a log file or a pipe, and mixes
+    with other output.
+    """
+
+    def __init__(self, label: str, total: int | None = None, unit: str = "", *, every_s: float = 5.0):
+        self.label, self.total, self.unit, self.every_s = label, total, unit, every_s
+        self.done = 0
+        self.start = self._last = time.perf_counter()
+        self._printed = ""
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, n: int = 1, detail: str = "") -> None:
+        """Count ``n`` more done; print the line if it is due (``detail`` is appended to it)."""
+        self.done += n
+        if time.perf_counter() - self._last >= self.every_s:
+            self._print(self.line(detail))
+            self._printed = self.line()
+
+    def note(self, text: str) -> None:
+        """Print ``label: text, elapsed`` now (a stage that has no count of its own)."""
+        self._print(f"{self.label}: {text}, {_duration(time.perf_counter() - self.start)} elapsed")
+
+    def close(self) -> None:
+        """Print the final line (unless the last update printed the same, but for its detail)."""
+        if self.line() != self._printed:
+            self._print(self.line())
+
+    def line(self, detail: str = "") -> str:
+        """The progress line as it stands: counts, elapsed time and, with a total, the estimated time left."""
+        elapsed = time.perf_counter() - self.start
+        count = f"{self.done}/{self.total}" if self.total is not None else str(self.done)
+        text = f"{self.label}: {count}{' ' + self.unit if self.unit else ''}, {_duration(elapsed)} elapsed"
+        if self.total is not None and 0 < self.done < self.total:
+            text += f", about {_duration(elapsed / self.done * (self.total - self.done))} left"
+        return text + (f" ({detail})" if detail else "")
+
+    def _print(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+        self._last = time.perf_counter()
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3.5 min`` or ``1.2 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"

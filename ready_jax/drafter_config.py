@@ -1,0 +1,288 @@
+"""Frozen configurations of the drafter: :class:`DrafterConfig` (DSpark) and :class:`ReaderConfig` (ReaDy).
+
+Both are plain data checked in ``__post_init__``; ``resolve(target_config)`` fills what comes from the
+target and raises one ValueError naming every setting that does not fit it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, field_type_problems
+from .modes import READER_KINDS, ReaderKind
+
+STATE: ReaderKind = "state"
+KV: ReaderKind = "kv"
+_SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "vocab_size", "num_target_layers")
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderConfig:
+    """Where the reader reads from, its rank, and which draft layers it sits in.
+
+    ``source_layers`` count the target's decoder layers from 0 (``cache.layers[l % p]`` holds layer
+    ``l``'s entry at group ``l // p``); they must be Gated DeltaNet layers for ``kind="state"`` and
+    full-attention layers for ``kind="kv"``. None picks the layers of the right kind nearest
+    ``L/2 - 2`` and ``L - 2`` (30 and 62 for a 64-layer Qwen3.5 target; 31 and 63 for ``"kv"``).
+    ``inject_layers`` are draft-layer indices (negative counts from the end; default: last only).
+    ``num_heads`` / ``key_dim`` / ``value_dim`` are the target geometry the parameters are shaped
+    for (``H_v, d_k, d_v`` of the GDN layers, or ``H_kv, head_dim, head_dim``); ``resolve`` fills them.
+    """
+
+    source_layers: tuple[int, ...] | None = None
+    rank: int = 8
+    inject_layers: tuple[int, ...] = (-1,)
+    kind: ReaderKind = STATE
+    num_heads: int | None = None
+    key_dim: int | None = None
+    value_dim: int | None = None
+
+    def __post_init__(self):
+        problems = field_type_problems(self)
+        if problems:
+            raise TypeError("invalid ReaderConfig: " + "; ".join(problems))
+        for name in ("source_layers", "inject_layers"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(i) for i in value))
+        problems = []
+        if self.kind not in READER_KINDS:
+            problems.append(f"kind {self.kind!r} is not one of {READER_KINDS}")
+        if self.rank < 1:
+            problems.append(f"rank {self.rank} must be >= 1")
+        if self.source_layers is not None and (not self.source_layers
+                                               or len(set(self.source_layers)) != len(self.source_layers)):
+            problems.append(f"source_layers {self.source_layers} must be non-empty without repeats")
+        if not self.inject_layers or len(set(self.inject_layers)) != len(self.inject_layers):
+            problems.append(f"inject_layers {self.inject_layers} must be non-empty without repeats")
+        for name in ("num_heads", "key_dim", "value_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name} {value} must be >= 1")
+        head_dims = [d for d in (self.key_dim, self.value_dim) if d is not None]
+        if head_dims and self.rank > min(head_dims):
+            problems.append(f"rank {self.rank} is larger than the head dim {min(head_dims)} it compresses "
+                            "(rank = head dim already means no compression)")
+        if problems:
+            raise ValueError("invalid ReaderConfig: " + "; ".join(problems))
+
+    @property
+    def num_pairs(self) -> int:
+        """M: (source layer, head) pairs; pair m = source index * num_heads + head."""
+        return len(self.source_layers) * self.num_heads
+
+    def resolve(self, target: TargetConfig, num_draft_layers: int) -> ReaderConfig:
+        """Fill defaults and the target geometry; raise ValueError naming every bad setting."""
+        wanted = LINEAR_ATTENTION if self.kind == STATE else FULL_ATTENTION
+        sources = self.source_layers or default_source_layers(target, self.kind)
+        problems = []
+        for layer in sources:
+            if not 0 <= layer < target.num_hidden_layers:
+                problems.append(f"source layer {layer} is outside the target's layers "
+                                f"0..{target.num_hidden_layers - 1}")
+            elif target.layer_types[layer] != wanted:
+                problems.append(f"source layer {layer} is a {target.layer_types[layer]} layer; a "
+                                f"{self.kind!r} reader reads {wanted} layers")
+        inject = []
+        for i in self.inject_layers:
+            if not -num_draft_layers <= i < num_draft_layers:
+                problems.append(f"inject layer {i} is outside the {num_draft_layers} draft layers")
+            inject.append(i % num_draft_layers)
+        if len(set(inject)) != len(inject):
+            problems.append(f"inject_layers {self.inject_layers} name the same draft layer twice")
+        if self.kind == STATE:
+            geometry = (target.linear_num_value_heads, target.linear_key_head_dim,
+                        target.linear_value_head_dim)
+        else:
+            geometry = (target.num_key_value_heads, target.head_dim, target.head_dim)
+        given = (self.num_heads, self.key_dim, self.value_dim)
+        if any(g is not None and g != t for g, t in zip(given, geometry, strict=True)):
+            problems.append(f"reader geometry (heads, key dim, value dim) {given} does not match the "
+                            f"target's {geometry}")
+        if problems:
+            raise ValueError("ReaderConfig does not fit the target: " + "; ".join(problems))
+        return dataclasses.replace(self, source_layers=tuple(sources), inject_layers=tuple(sorted(inject)),
+                                   num_heads=geometry[0], key_dim=geometry[1], value_dim=geometry[2])
+
+    @property
+    def resolved(self) -> bool:
+        return None not in (self.source_layers, self.num_heads, self.key_dim, self.value_dim) and all(
+            i >= 0 for i in self.inject_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReaderConfig:
+        return cls(**d)
+
+
+def default_source_layers(target: TargetConfig, kind: ReaderKind = STATE) -> tuple[int, ...]:
+    """The layers of the reader's kind nearest ``L/2 - 2`` and ``L - 2`` (ties: the earlier layer)."""
+    wanted = LINEAR_ATTENTION if kind == STATE else FULL_ATTENTION
+    candidates = [i for i, t in enumerate(target.layer_types) if t == wanted]
+    if not candidates:
+        raise ValueError(f"the target has no {wanted} layers for a {kind!r} reader to read")
+    depth = target.num_hidden_layers
+    picks = [min(candidates, key=lambda i, aim=aim: (abs(i - aim), i)) for aim in (depth / 2 - 2, depth - 2)]
+    return tuple(sorted(set(picks)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Hyper-parameters of a DSpark / ReaDy drafter.
+
+    ``target_layer_ids`` count the target's decoder layers from 0: id ``l`` is the residual-stream
+    output of decoder layer ``l`` (after its MLP residual, before the final norm), i.e. HF
+    ``output_hidden_states[l + 1]`` and ``ready_jax.target`` ``hidden_layers=(l,)``. This is exactly
+    DeepSpec's convention (``extract_context_feature`` takes ``hidden_states[l + 1]``), so DeepSpec
+    configs carry over unchanged. DeepSpec's ``-1`` (the embedding output, ``hidden_states[0]``) is not
+    supported: the target's step functions do not return it. The ids must be strictly increasing.
+    None picks DeepSpec's default spread: ``num_layers`` ids from 1 to ``L - 3`` (1, 9, 17, 25, 33
+    for a 36-layer target).
+
+    Size fields left None are taken from the target in :meth:`resolve` (``hidden_size`` and
+    ``vocab_size`` *must* equal the target's: the embedding and LM head are the target's). A resolved
+    config is self-contained: a saved drafter loads without its target. ``mask_token_id`` defaults
+    to ``vocab_size - 1``; DeepSpec uses a reserved token of the tokenizer (151669 for Qwen3).
+    ``markov_rank = 0`` drops the Markov head; ``confidence_with_markov`` feeds ``W1[x_{k-1}]`` to the
+    confidence head as well (DeepSpec's ``confidence_head_with_markov``).
+
+    ``context_window = w`` lets block queries see only the last ``w`` committed context tokens (the
+    block itself stays fully visible), the sliding-window context of memory-bounded deployments;
+    None (DeepSpec's default) sees the whole committed context. The cache still holds every slot,
+    so results equal a ring buffer of ``w`` slots.
+    """
+
+    block_size: int = 7
+    num_layers: int = 5
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    context_window: int | None = None
+    reader: ReaderConfig | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+
+    def __post_init__(self):
+        problems = field_type_problems(self)
+        if problems:
+            raise TypeError("invalid DrafterConfig: " + "; ".join(problems))
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if isinstance(self.reader, dict):
+            object.__setattr__(self, "reader", ReaderConfig.from_dict(self.reader))
+        problems = []
+        if self.block_size < 1:
+            problems.append(f"block_size {self.block_size} must be >= 1")
+        if self.num_layers < 1:
+            problems.append(f"num_layers {self.num_layers} must be >= 1")
+        if self.markov_rank < 0:
+            problems.append(f"markov_rank {self.markov_rank} must be >= 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                problems.append(f"{name} {value} must be a finite number > 0")
+        if self.context_window is not None and self.context_window < 1:
+            problems.append(f"context_window {self.context_window} must be >= 1 (or None: the whole context)")
+        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
+            problems.append("confidence_with_markov needs a Markov head (markov_rank > 0)")
+        problems += [f"{name} {getattr(self, name)} must be >= 1" for name in _SIZE_FIELDS
+                     if getattr(self, name) is not None and getattr(self, name) < 1]
+        ids = self.target_layer_ids
+        if ids is not None:
+            if not ids or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+                problems.append(f"target_layer_ids {ids} must be non-empty and strictly increasing")
+            if -1 in ids:
+                problems.append("target_layer_ids -1 (DeepSpec's embedding-output feature) is not supported: "
+                                "the target returns decoder-layer outputs only")
+            top = self.num_target_layers
+            bad = [i for i in ids if i < -1 or (top is not None and i >= top)]
+            if bad:
+                problems.append(f"target_layer_ids {bad} are outside the target's decoder layers"
+                                + (f" 0..{top - 1}" if top is not None else ""))
+        if self.num_attention_heads and self.num_key_value_heads and \
+                self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim is not None and self.head_dim % 2:
+            problems.append(f"head_dim {self.head_dim} must be even (RoPE)")
+        if self.mask_token_id is not None and self.vocab_size is not None and \
+                not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                            f"0..{self.vocab_size - 1}")
+        if problems:
+            raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
+
+    def resolve(self, target: TargetConfig) -> DrafterConfig:
+        """Fill unset sizes from ``target`` and check the drafter fits it; raise one ValueError otherwise.
+
+        Idempotent: resolving a resolved config checks it against the target.
+        """
+        from_target = dict(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
+                           num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+                           intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+                           rope_theta=target.rope_theta, vocab_size=target.vocab_size,
+                           num_target_layers=target.num_hidden_layers)
+        problems = []
+        shared = {"hidden_size": "the drafter shares the target's embedding and LM head",
+                  "vocab_size": "the drafter shares the target's embedding and LM head",
+                  "num_target_layers": "target_layer_ids index the target's layers"}
+        for name, why in shared.items():
+            mine = getattr(self, name)
+            if mine is not None and mine != from_target[name]:
+                problems.append(f"drafter {name} {mine} does not match the target's {from_target[name]} "
+                                f"({why})")
+        reader = None
+        if self.reader is not None:
+            try:
+                reader = self.reader.resolve(target, self.num_layers)
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise ValueError("DrafterConfig does not fit the target: " + "; ".join(problems))
+        filled = {k: v if getattr(self, k) is None else getattr(self, k) for k, v in from_target.items()}
+        ids = self.target_layer_ids or default_target_layer_ids(target.num_hidden_layers, self.num_layers)
+        mask = self.mask_token_id if self.mask_token_id is not None else target.vocab_size - 1
+        return dataclasses.replace(self, **filled, target_layer_ids=ids, mask_token_id=mask, reader=reader)
+
+    @property
+    def resolved(self) -> bool:
+        fields = [getattr(self, f) for f in (*_SIZE_FIELDS, "rms_norm_eps", "rope_theta", "target_layer_ids",
+                                             "mask_token_id")]
+        return None not in fields and (self.reader is None or self.reader.resolved)
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per block: one per block position (DeepSpec's convention)."""
+        return self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        return cls(**d)
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """DeepSpec / DFlash's spread: ``count`` layers evenly from 1 to ``L - 3`` (rounded, deduplicated)."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    start = min(1, num_target_layers - 1)
+    end = max(start, num_target_layers - 3)
+    return tuple(sorted({round(start + i * (end - start) / (count - 1)) for i in range(count)}))

@@ -1,0 +1,35 @@
+"""The string switches of the project, each a ``Literal`` type with one validator.
+
+A mode is checked once, where it enters the public surface (``generate``, the ``Target`` steps, a
+config's ``__post_init__``, a CLI's ``choices``); code below trusts the type.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Impl = Literal["xla", "pallas"]
+"""Who runs a fused op: XLA from the jnp reference, or the Pallas kernel (``ready_jax.dispatch``)."""
+
+Rollback = Literal["checkpoint", "replay"]
+"""How verify keeps what commit needs: the state after every block position, or the block's delta-rule
+inputs to recompute the kept tokens (``ready_jax.cache``)."""
+
+Form = Literal["chunked", "recurrent", "candidates", "replay"]
+"""Which Gated DeltaNet computation a target pass runs: prefill (``chunked``), a few tokens advancing the
+state (``recurrent``), or verify's per-position candidates / replay inputs (``ready_jax.layers``)."""
+
+ReaderKind = Literal["state", "kv"]
+"""What a ReaDy reader reads: committed Gated DeltaNet states, or the KV-read baseline's attention cache."""
+
+IMPLS: tuple[str, ...] = get_args(Impl)
+ROLLBACKS: tuple[str, ...] = get_args(Rollback)
+FORMS: tuple[str, ...] = get_args(Form)
+READER_KINDS: tuple[str, ...] = get_args(ReaderKind)
+
+
+def check(value, allowed: tuple[str, ...], name: str) -> str:
+    """``value`` if it is one of ``allowed``; otherwise a ValueError naming ``name`` and the choices."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value

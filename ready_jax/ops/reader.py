@@ -1,0 +1,146 @@
+"""The ReaDy reader's array math in plain jnp: the references of the ``state_gather`` and ``state_reader`` kernels.
+
+Notation: B sequences, M = L_src * H pairs (pair m = source index * H + head), rank r, G draft positions, d the
+drafter's hidden size. A per-position state array is ``[L_src, B, T+1, H, d_k, d_v]``: index n along T+1 is
+the state after n block tokens.
+
+* :func:`gather_prepare` (reference of ``pallas_kernels.state_gather``): each sequence's committed state,
+  compressed per pair to ``C_m = U_m^T S_m V_m`` -> ``[B, M, r, r]`` fp32.
+* :func:`read` (reference of ``pallas_kernels.state_reader``): ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with
+  ``a = h W_q`` viewed ``[M, r]``.
+* :func:`prepare_kv` / :func:`read_kv`: the KV-read baseline, the same read attending over compressed cached
+  tokens (its cost grows with the prefix; the state read's does not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+Layers = tuple[tuple[int, int], ...]
+"""Static ``((array, leading index), ...)``: where each source layer sits among the per-position arrays."""
+
+
+# ---- the state read ---------------------------------------------------------------------------------------
+def per_position_arrays(per_position: jax.Array | Sequence[jax.Array],
+                        layers: Sequence[tuple[int, int]] | None = None) -> tuple[list[jax.Array], Layers]:
+    """The source arrays, each ``[L_i, B, T+1, H, d_k, d_v]``, and the source layers' places among them.
+
+    ``per_position``: one array, or a list of arrays, each ``[L_i, B, T+1, H, d_k, d_v]`` or
+    ``[B, T+1, H, d_k, d_v]`` (one layer: a free reshape). ``layers`` None: every leading index of every
+    array, in order. Raises ValueError on other ranks or on ``layers`` outside the arrays.
+    """
+    arrays = []
+    for a in per_position if isinstance(per_position, list | tuple) else [per_position]:
+        if a.ndim not in (5, 6):
+            raise ValueError(f"per-position states must be [B, T+1, H, d_k, d_v] or [L, B, T+1, H, d_k, d_v]; "
+                             f"got shape {a.shape}")
+        arrays.append(a[None] if a.ndim == 5 else a)
+    if layers is None:
+        return arrays, tuple((i, j) for i, a in enumerate(arrays) for j in range(a.shape[0]))
+    layers = tuple((int(i), int(j)) for i, j in layers)
+    bad = [(i, j) for i, j in layers if not (0 <= i < len(arrays) and 0 <= j < arrays[i].shape[0])]
+    if not layers or bad:
+        raise ValueError(f"layers must be non-empty (array, index) pairs inside per_position; bad: {bad or layers}")
+    return arrays, layers
+
+
+def merge_pairs(states: jax.Array) -> jax.Array:
+    """``[L_src, B, H, ...]`` -> ``[B, M, ...]`` with pair m = source index * H + head."""
+    num_src, b, h = states.shape[:3]
+    return jnp.moveaxis(states, 0, 1).reshape(b, num_src * h, *states.shape[3:])
+
+
+def gather_states(per_position: jax.Array | Sequence[jax.Array], n_committed: jax.Array) -> jax.Array:
+    """Committed state of every pair: ``[L_src, B, T+1, H, d_k, d_v]`` (or a list of ``L_src`` arrays
+    ``[B, T+1, H, d_k, d_v]``), n ``[B]`` in 0..T -> ``[B, M, d_k, d_v]``."""
+    states = jnp.stack(list(per_position)) if isinstance(per_position, list | tuple) else per_position
+    n = jnp.asarray(n_committed, jnp.int32)
+    picked = jnp.take_along_axis(states, n[None, :, None, None, None, None], axis=2)[:, :, 0]
+    return merge_pairs(picked)
+
+
+def compress(states_bmkv: jax.Array, key_basis: jax.Array, value_basis: jax.Array) -> jax.Array:
+    """``C_m = U_m^T S_m V_m`` in fp32: states [B, M, d_k, d_v], U [M, d_k, r], V [M, d_v, r] -> C [B, M, r, r]."""
+    s = states_bmkv.astype(jnp.float32)
+    sv = jnp.einsum("bmkv,mvs->bmks", s, value_basis.astype(jnp.float32))      # [B, M, d_k, r]
+    return jnp.einsum("mkr,bmks->bmrs", key_basis.astype(jnp.float32), sv)     # [B, M, r, r]
+
+
+def gather_prepare(per_position: jax.Array | Sequence[jax.Array], n_committed: jax.Array, key_basis: jax.Array,
+                   value_basis: jax.Array, *, layers: Sequence[tuple[int, int]] | None = None) -> jax.Array:
+    """Each sequence's committed state, compressed: ``C[b, m] = U_m^T S[l, b, n_committed[b], h] V_m``.
+
+    per_position / layers: as :func:`per_position_arrays` (``layers`` lets a caller pass the target cache's
+    ``[G, B, T+1, ...]`` buffers whole). n_committed ``[B]`` in 0..T. U ``[M, d_k, r]``, V ``[M, d_v, r]``.
+    Returns C ``[B, M, r, r]`` fp32.
+    """
+    arrays, layers = per_position_arrays(per_position, layers)
+    if len(arrays) == 1 and layers == tuple((0, j) for j in range(arrays[0].shape[0])):
+        states = arrays[0]                                   # already [L_src, B, T+1, ...]: no stacking copy
+    else:
+        states = [arrays[i][j] for i, j in layers]
+    with jax.named_scope("reader_gather_prepare"):
+        return compress(gather_states(states, n_committed), key_basis, value_basis)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3 RMSNorm (``x / rms(x) * w``, w starts at one) in float32, cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return weight.astype(x.dtype) * normed
+
+
+def read(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+         eps: float) -> jax.Array:
+    """``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed ``[M, r]``.
+
+    h ``[B, G, d]``; compressed C ``[B, M, r, r]``; w_q ``[d, M r]``; w_o ``[M r, d]``; norm_weight ``[M r]``.
+    Returns ``[B, G, d]`` in ``result_type(h, w_o)``; y is rounded to h's dtype before the norm.
+    """
+    b, g, _ = h.shape
+    num_pairs, rank = compressed.shape[1:3]
+    a = jnp.einsum("bgd,dn->bgn", h, w_q).reshape(b, g, num_pairs, rank).astype(jnp.float32)
+    y = jnp.einsum("bmrs,bgmr->bgms", compressed.astype(jnp.float32), a).reshape(b, g, num_pairs * rank)
+    return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)
+
+
+# ---- the KV-read baseline ------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVReadState:
+    """Compressed KV of the source attention layers, prepared once per round."""
+
+    keys: jax.Array     # [B, M, S, r]  K_m U_m for every cache slot
+    values: jax.Array   # [B, M, S, r]  V_m V_m
+    lengths: jax.Array  # [B] committed tokens: slots >= length are masked
+
+
+def prepare_kv(keys: jax.Array, values: jax.Array, lengths: jax.Array, key_basis: jax.Array,
+               value_basis: jax.Array) -> KVReadState:
+    """keys / values [L_src, B, S, H_kv, hd], lengths [B], bases [M, hd, r] -> :class:`KVReadState` (O(S))."""
+    with jax.named_scope("kv_reader_prepare"):
+        k = merge_pairs(jnp.moveaxis(keys, 2, 3)).astype(jnp.float32)       # [B, M, S, hd]
+        v = merge_pairs(jnp.moveaxis(values, 2, 3)).astype(jnp.float32)
+        return KVReadState(keys=jnp.einsum("bmsd,mdr->bmsr", k, key_basis.astype(jnp.float32)),
+                           values=jnp.einsum("bmsd,mdr->bmsr", v, value_basis.astype(jnp.float32)),
+                           lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def read_kv(h: jax.Array, kv: KVReadState, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+            eps: float) -> jax.Array:
+    """Like :func:`read`, but each pair's query attends (softmax over ``a K~^T / sqrt(r)``) over its compressed
+    committed tokens and reads their compressed values."""
+    b, g, _ = h.shape
+    num_pairs, slots, rank = kv.keys.shape[1:]
+    a = jnp.einsum("bgd,dn->bgn", h, w_q).reshape(b, g, num_pairs, rank).astype(jnp.float32)
+    scores = jnp.einsum("bgmr,bmsr->bgms", a, kv.keys) * rank**-0.5
+    committed = jnp.arange(slots)[None, :] < kv.lengths[:, None]            # [B, S]
+    scores = jnp.where(committed[:, None, None, :], scores, -jnp.inf)
+    # A sequence with no committed token reads nothing (instead of a NaN softmax over nothing).
+    probs = jnp.nan_to_num(jax.nn.softmax(scores, axis=-1))
+    y = jnp.einsum("bgms,bmsr->bgmr", probs, kv.values).reshape(b, g, num_pairs * rank)
+    return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)

@@ -1,0 +1,102 @@
+"""The import graph has one direction: every module imports only its own layer or the layers below it,
+with no circle inside a layer (README, "What is here"). Imports inside functions count too."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("ready_jax", "pallas_kernels", "convert", "experiments")
+
+# Bottom to top, as the README's diagram draws them.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("ready_jax.ops.*", "ready_jax.modes", "ready_jax.debug", "ready_jax.data", "ready_jax.cli",
+     "ready_jax.provenance"),
+    ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format"),
+    ("pallas_kernels.*",),
+    ("ready_jax.dispatch",),
+    ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding"),
+    ("ready_jax.checkpoint",),
+    ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader"),
+    ("ready_jax.speculative", "ready_jax.generation"),
+    ("ready_jax.training", "ready_jax.drafter_training"),
+    ("convert.*", "experiments.*"),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    for rank, patterns in enumerate(LAYERS):
+        for pattern in patterns:
+            if module == pattern or (pattern.endswith(".*") and module.startswith(pattern[:-1])):
+                return rank
+    raise AssertionError(f"{module} belongs to no layer: add it to the README's diagram and to LAYERS")
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``module`` imports (``from pkg import name`` counts when name is a module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        found |= {name for name in names if name in known and name != module}
+    return found
+
+
+def test_imports_run_down_the_layers_only():
+    known = _modules()
+    upward, graph = [], {}
+    for module, path in known.items():
+        if path.name == "__init__.py":
+            continue  # packages' __init__ files import nothing eagerly (ready_jax's is lazy)
+        graph[module] = {m for m in _imports(module, path, known) if known[m].name != "__init__.py"}
+        upward += [f"{module} (layer {_layer(module)}) imports {m} (layer {_layer(m)})"
+                   for m in sorted(graph[module]) if _layer(m) > _layer(module)]
+    assert not upward, "imports that run up the layers:\n  " + "\n  ".join(upward)
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    return trail + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    circles = [" -> ".join(c) for m in graph if (c := cycle_from(m))]
+    assert not circles, "import circles:\n  " + "\n  ".join(circles)
+
+
+def test_importing_the_library_loads_no_converter_torch_or_model_above_what_is_asked():
+    code = (
+        "import sys\n"
+        "import ready_jax\n"
+        "import ready_jax.target\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('convert', 'experiments', 'torch', "
+        "'transformers') or m in ('ready_jax.drafter', 'ready_jax.reader', 'ready_jax.generation', "
+        "'ready_jax.training'))\n"
+        "print(loaded)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

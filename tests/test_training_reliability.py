@@ -1,0 +1,262 @@
+"""Training never loses work: a rerun with other settings or shapes, or into a workdir whose hash
+records are gone, is refused with the reason and deletes nothing; only a save cut short is removed;
+a resumed run records each step once; the distillation cache is kept whole at exactly its path and
+regenerated when it cannot be read.
+
+These tests are about what is kept on disk, not about learning: a step that only advances the step
+count stands in for the compiled train step (and a constant for evaluation), so nothing is compiled.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from test_faults import _tiny_corpus
+from test_training import _target_trainer
+
+import ready_jax as rj
+from experiments import train_drafter, train_target
+from ready_jax import drafter_training as dt
+from ready_jax import training
+
+pytestmark = pytest.mark.slow
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` and its bytes."""
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _metrics(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _advance(state: training.TrainState, batch) -> tuple[training.TrainState, dict]:
+    """The stand-in train step: the next step count, the parameters as they are."""
+    return dataclasses.replace(state, step=state.step + 1), {"loss": 1.0, "grad_norm": 0.0}
+
+
+def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainers' steps and evaluations replaced by :func:`_advance` and a constant."""
+    monkeypatch.setattr(training, "make_train_step", lambda *args, **kwargs: _advance)
+    monkeypatch.setattr(training, "make_target_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
+    monkeypatch.setattr(dt, "make_drafter_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
+
+
+@pytest.fixture
+def no_compiling(monkeypatch):
+    _stand_ins(monkeypatch)
+
+
+class Killed(Exception):
+    """Stands for the process dying at a step."""
+
+
+def _run(workdir, *, steps=4, stop_after=None, killed_at=None, resume_unverified=False, log=lambda _: None):
+    """Run the loop on the tiny target state of ``test_training`` in ``workdir`` (checkpoints every 2
+    steps), raising :class:`Killed` when step ``killed_at`` is about to run."""
+    config, host_params, optimizer, _ = _target_trainer(steps)
+
+    def batch_fn(step):
+        if step == killed_at:
+            raise Killed
+        return None
+
+    loop = training.LoopConfig(total_steps=steps, log_every=1, checkpoint_every=2, stop_after=stop_after,
+                               resume_unverified=resume_unverified)
+    state = training.TrainState.create(jax.tree.map(jnp.asarray, host_params), optimizer, 0)
+    return training.train_loop(state, _advance, batch_fn, loop, workdir, meta={"target": config.to_dict()}, log=log)
+
+
+# ---- the trainers' command lines ---------------------------------------------------------------------------
+def _target_argv(corpus: Path, workdir: Path, hidden: int = 32) -> list[str]:
+    return ["--corpus", str(corpus), "--vocab", "300", "--workdir", str(workdir), "--hidden", str(hidden),
+            "--layers", "4", "--intermediate", "48", "--steps", "4", "--warmup", "1", "--batch-size", "2",
+            "--seq-len", "16", "--checkpoint-every", "2", "--eval-every", "0", "--val-windows", "2"]
+
+
+@pytest.fixture(scope="module")
+def target_run(tmp_path_factory):
+    """A corpus and the workdir of a finished ``train_target`` run (checkpoints at steps 2 and 4)."""
+    root = tmp_path_factory.mktemp("target_run")
+    _tiny_corpus(root / "corpus", 300)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _stand_ins(monkeypatch)
+        train_target.main(_target_argv(root / "corpus", root / "workdir"))
+    return root / "corpus", root / "workdir"
+
+
+def test_target_rerun_with_other_shapes_is_refused_and_deletes_nothing(target_run, tmp_path, capfd):
+    corpus, finished = target_run
+    workdir = shutil.copytree(finished, tmp_path / "workdir")
+    before = _files(workdir)
+    with pytest.raises(SystemExit) as refused:
+        train_target.main(_target_argv(corpus, workdir, hidden=64))
+    message = str(refused.value.code)
+    assert "holds a run with other settings" in message and "target.hidden_size: 32 -> 64" in message, message
+    assert "Nothing was deleted" in message
+    assert _files(workdir) == before
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_target_rerun_without_hash_records_is_refused_and_deletes_nothing(target_run, tmp_path):
+    corpus, finished = target_run
+    workdir = shutil.copytree(finished, tmp_path / "workdir")
+    shutil.rmtree(workdir / "checkpoint_hashes")
+    before = _files(workdir)
+    with pytest.raises(SystemExit) as refused:
+        train_target.main(_target_argv(corpus, workdir))
+    message = str(refused.value.code)
+    assert f"{workdir / 'checkpoints' / '4'} has no readable hash record" in message, message
+    assert "--resume-unverified" in message
+    assert _files(workdir) == before
+
+
+@pytest.fixture
+def fake_distill(monkeypatch):
+    """``distill`` as a constant continuation (no generation); the list of calls' prompt counts."""
+    calls = []
+
+    def distill(target, prompts, new_tokens, **kwargs):
+        calls.append(len(prompts))
+        return np.concatenate([prompts, np.full((len(prompts), new_tokens), 5, np.int32)], axis=1)
+
+    monkeypatch.setattr(dt, "distill", distill)
+    return calls
+
+
+def _drafter_argv(corpus: Path, target: Path, workdir: Path, num_layers: int) -> list[str]:
+    return ["--variant", "dspark", "--target", str(target), "--corpus", str(corpus), "--workdir", str(workdir),
+            "--distill-cache", str(workdir.parent / "distilled"), "--steps", "2", "--checkpoint-every", "2",
+            "--eval-every", "0", "--batch-size", "2", "--block-size", "3", "--num-layers", str(num_layers),
+            "--markov-rank", "8", "--sequences", "4", "--prompt-len", "6", "--seq-len", "24", "--stride", "4"]
+
+
+def test_drafter_rerun_with_other_layers_is_refused_and_deletes_nothing(tmp_path, fake_distill, no_compiling):
+    _tiny_corpus(tmp_path / "corpus", tiny_config().vocab_size)  # the drafter trainer opens it at the target's
+    rj.Target.init(tiny_config(), seed=0).save(tmp_path / "target")
+    workdir = tmp_path / "workdir"
+    train_drafter.main(_drafter_argv(tmp_path / "corpus", tmp_path / "target", workdir, num_layers=1))
+    before = _files(workdir)
+    with pytest.raises(SystemExit) as refused:
+        train_drafter.main(_drafter_argv(tmp_path / "corpus", tmp_path / "target", workdir, num_layers=2))
+    message = str(refused.value.code)
+    assert "drafter.num_layers: 1 -> 2" in message, message
+    assert _files(workdir) == before
+
+
+# ---- the checkpoints the loop resumes from -------------------------------------------------------------------
+def test_checkpoint_of_other_shapes_is_refused_before_orbax_reads_it(tmp_path, capfd):
+    """Same recorded settings, other array shapes: another run's checkpoint, not a corrupt one."""
+    _run(tmp_path)
+    before = _files(tmp_path / "checkpoints")
+    config, host_params, optimizer, _ = _target_trainer(4)
+    wider = jax.tree_util.tree_map_with_path(  # the MLP 64 wide instead of 48
+        lambda path, x: jnp.zeros((*x.shape[:-1], 64)) if "up_proj" in jax.tree_util.keystr(path) else x, host_params)
+    refusal = r"from a run with other shapes \(\['params'\].*now \(2, 32, 64\).*it was kept"
+    with pytest.raises(training.ResumeError, match=refusal):
+        training.train_loop(training.TrainState.create(wider, optimizer, 0), _advance, lambda step: None,
+                             training.LoopConfig(total_steps=4), tmp_path, meta={"target": config.to_dict()})
+    assert _files(tmp_path / "checkpoints") == before
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_checkpoint_without_hash_record_is_kept_until_resumed_unverified(tmp_path):
+    _run(tmp_path, stop_after=2)
+    shutil.rmtree(tmp_path / "checkpoint_hashes")
+    before = _files(tmp_path / "checkpoints")
+    with pytest.raises(training.ResumeError, match="has no readable hash record"):
+        _run(tmp_path)
+    assert _files(tmp_path / "checkpoints") == before
+    messages = []
+    state = _run(tmp_path, resume_unverified=True, log=messages.append)
+    assert int(state.step) == 4 and "resumed from step 2 (data position 2)" in messages
+    assert "restored checkpoint step 2 without verifying it" in messages[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoint_hashes").iterdir()) == ["2.json", "4.json"]
+
+
+def test_only_a_save_cut_short_is_deleted(tmp_path):
+    """A step whose save never wrote its hash record, and orbax's unfinished temporary directory, are
+    removed; training saves the step again."""
+    _run(tmp_path)
+    hashes = tmp_path / "checkpoint_hashes"
+    (hashes / "4.json").unlink()
+    (hashes / "4.pending").touch()  # as a process killed between orbax's finalisation and the record leaves it
+    unfinished = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1700000000"
+    unfinished.mkdir()
+    (unfinished / "partial").write_bytes(b"half")
+    messages = []
+    state = _run(tmp_path, log=messages.append)
+    assert not unfinished.exists()
+    assert sorted(p.name for p in hashes.iterdir()) == ["2.json", "4.json"]
+    assert int(state.step) == 4
+    assert messages[0].startswith("deleting checkpoint step 4") and "interrupted" in messages[0]
+    assert "resumed from step 2 (data position 2)" in messages
+
+
+def test_resumed_run_records_each_step_once(tmp_path):
+    with pytest.raises(Killed):
+        _run(tmp_path, killed_at=3)  # steps 1-3 recorded, checkpoint at 2
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a line cut short by the kill
+    _run(tmp_path)
+    assert [row["step"] for row in _metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+# ---- the distillation cache ----------------------------------------------------------------------------------
+CORPUS = SimpleNamespace(tokens=lambda split: (np.arange(300) % 20 + 3).astype(np.int32))
+DISTILL = dt.DistillConfig(prompt_len=6, seq_len=12, num_sequences=4, val_sequences=2)
+
+
+@pytest.fixture
+def stand_in_target():
+    """All of a target that ``distilled_data`` reads once ``distill`` is replaced: its parameters (the cache key)."""
+    return SimpleNamespace(params=_target_trainer(4)[1])
+
+
+def test_distill_cache_is_kept_at_exactly_its_path(stand_in_target, fake_distill, tmp_path):
+    cache = tmp_path / "distilled"  # no .npz suffix
+    made = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    again = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    assert fake_distill == [4, 2]  # generated once: train and validation
+    assert os.listdir(tmp_path) == ["distilled"]
+    for a, b in zip(made, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unreadable_distill_cache_is_regenerated(stand_in_target, fake_distill, tmp_path, capsys):
+    cache = tmp_path / "distill.npz"
+    made = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    again = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    assert f"distillation cache {cache} cannot be read" in capsys.readouterr().out
+    assert fake_distill == [4, 2, 4, 2]
+    for a, b in zip(made, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache) is not None and len(fake_distill) == 4
+
+
+def test_failed_distill_cache_write_leaves_the_old_cache(stand_in_target, fake_distill, tmp_path, monkeypatch):
+    cache = tmp_path / "distill.npz"
+    dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    before = cache.read_bytes()
+
+    def dies_half_way(file, **arrays):
+        if isinstance(file, str | os.PathLike):
+            Path(file).write_bytes(b"PK\x03\x04 partial")
+        else:
+            file.write(b"PK\x03\x04 partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        dt.distilled_data(stand_in_target, CORPUS, dataclasses.replace(DISTILL, seed=1), cache)  # other data: rewritten
+    assert cache.read_bytes() == before and os.listdir(tmp_path) == ["distill.npz"]
