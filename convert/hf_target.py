@@ -1,7 +1,8 @@
 """Hugging Face Qwen3.5 / Qwen3-Next checkpoints <-> ready-jax target checkpoints, on the command line.
 
 Import reads through ``ready_jax.hf_format`` (``Target.from_hf``); export here expands the same key table
-in the other direction, so export is the exact inverse of import.
+in the other direction, so export is the exact inverse of import. Both directions copy the tokenizer,
+chat template and generation config files (:data:`TOKENIZER_FILES`) that the source directory holds.
 
 Command line::
 
@@ -11,8 +12,10 @@ Command line::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +28,9 @@ from ready_jax.config import TargetConfig
 from ready_jax.hf_format import DTYPES, LAYOUTS, Shape, coverage_problems, export_bindings, hf_config
 from ready_jax.hf_format import expected_hf_shapes as _expected_hf_shapes
 from ready_jax.target import Target, param_shapes
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
 
 
 def expected_hf_shapes(config: TargetConfig, layout: str) -> dict[str, Shape]:
@@ -62,6 +68,14 @@ def export_hf(target: Target, out_dir: str | os.PathLike, layout: str | None = N
         json.dump(hf_config(target.config, layout, dtype_name), f, indent=2)
 
 
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy the :data:`TOKENIZER_FILES` that ``src`` holds into ``dst``."""
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+
+
 # ---- command line -------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.parser("convert.hf_target", "Convert an HF Qwen3.5 / Qwen3-Next checkpoint to a ready-jax target "
@@ -85,10 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             target = Target.load(args.src)
             if args.dtype and args.dtype != jnp.dtype(target.dtype).name:
                 target = Target.load(args.src, dtype=DTYPES[args.dtype])
-            write_atomically(args.dst, lambda tmp: export_hf(target, tmp, args.layout))
+            write = functools.partial(export_hf, target, layout=args.layout)
         else:
             target = Target.from_hf(args.src, dtype=DTYPES[args.dtype or "float32"])
-            write_atomically(args.dst, target.save)
+            write = target.save
+
+        def write_with_tokenizer(tmp: str) -> None:
+            write(tmp)
+            copy_tokenizer_files(args.src, tmp)
+
+        write_atomically(args.dst, write_with_tokenizer)
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -18,20 +18,31 @@ its ``evaluation/speed.py`` reads:
 (plus Spec-Bench's ``mt_bench`` group and ``overall``) tau (mean of accept_lengths), tokens/s as
 speed.py computes it (mean over questions of new tokens / wall time), and the speedup over an AR
 baseline: run in the same invocation (``--with-ar``, interleaved question by question) or read from
-an earlier run's answers (``--baseline``), whose new_tokens it uses instead of re-tokenizing its text.
+an earlier run's answers (``--baseline``). The speedup is given two ways. ``speedup`` takes both runs'
+``new_tokens``; ``speedup_speed_py`` is what speed.py reports: it re-tokenizes the baseline's answer
+text (here with the target's tokenizer, without special tokens, where speed.py drops the BOS) and divides
+the method's new_tokens speed by that. The answer text lacks the stop token and any text after it, and
+decoding then encoding need not give back the same tokens, so the two speedups differ a little.
+
+Answers go to ``<out-dir>/<model id>.jsonl`` (or ``--answer-file``, like Spec-Bench's inference scripts);
+model ids end in ``-temp-<temperature>`` as Spec-Bench's do (``target-ready-temp-0.0``), so the files drop
+into its ``data/spec_bench/model_answer/``.
 
 Checkpoints: ``--target`` is an HF directory (config.json + safetensors + tokenizer.json, loaded with
 ``rj.Target.from_hf``) or the project's own target format (``rj.Target.save``, e.g. ``zoo/target``);
 ``--drafter`` is the project's drafter format (``rj.Drafter.load``, e.g. ``zoo/ready``) or a DeepSpec
 DSpark checkpoint (``convert.deepspec``). Chat templates: ``chatml`` (Qwen's
 ``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``), ``none`` (plain turn texts joined by
-blank lines, for tokenizers without chat tokens such as the shipped tiny zoo's) or ``hf`` (the jinja
-template of the checkpoint's tokenizer_config.json / chat_template.jinja; needs the jinja2 package).
+blank lines, for tokenizers without chat tokens such as the shipped tiny zoo's) or ``hf`` (the template
+of the checkpoint's tokenizer_config.json / chat_template.jinja: rendered by the tokenizer's
+``apply_chat_template`` when transformers is installed, else by a sandboxed jinja2 renderer;
+``--enable-thinking`` passes ``enable_thinking=True`` to it, as Qwen3.5's templates read).
 
     python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR.jsonl] \\
         [--questions ../shared/data/spec_bench/question.jsonl] [--categories qa,rag] [--per-category N] \\
         [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
-        [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench]
+        [--enable-thinking] [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench] \\
+        [--model-id ID] [--answer-file PATH]
 
 The tiny zoo (its tokenizer has no chat tokens), a quick CPU run:
 
@@ -158,7 +169,7 @@ def _check_question(q: dict, where: str) -> None:
 class ChatTemplate:
     """Renders a conversation ``[(user text, answer text or None), ...]`` ending in an open user turn."""
 
-    def __init__(self, kind: str, tokenizer: Tokenizer, checkpoint: Path):
+    def __init__(self, kind: str, tokenizer: Tokenizer, checkpoint: Path, enable_thinking: bool = False):
         self.kind = kind
         if kind == "chatml":
             absent = [t for t in (IM_START, IM_END) if tokenizer.token_to_id(t) is None]
@@ -166,7 +177,7 @@ class ChatTemplate:
                 raise SystemExit(f"--chat-template chatml needs the tokens {absent}, which the tokenizer lacks "
                                  "(use --chat-template none for a tokenizer without chat tokens)")
         elif kind == "hf":
-            self.jinja, self.special = _hf_template(checkpoint)
+            self.render_messages = _hf_renderer(checkpoint, enable_thinking)
         elif kind != "none":
             raise SystemExit(f"unknown chat template {kind!r}: chatml, none or hf")
 
@@ -178,15 +189,44 @@ class ChatTemplate:
                            + ("" if answer is None else f"{answer}{IM_END}\n") for user, answer in turns)
         messages = [{"role": role, "content": text} for user, answer in turns
                     for role, text in (("user", user), ("assistant", answer)) if text is not None]
-        return self.jinja.render(messages=messages, add_generation_prompt=True, **self.special)
+        return self.render_messages(messages)
 
 
-def _hf_template(checkpoint: Path):
-    """The checkpoint's jinja chat template (chat_template.jinja, else tokenizer_config.json) and its tokens."""
+def _hf_renderer(checkpoint: Path, enable_thinking: bool):
+    """``messages -> prompt text`` with the checkpoint's chat template: the tokenizer's ``apply_chat_template``
+    when transformers is installed, else the sandboxed jinja renderer."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return _jinja_renderer(checkpoint, enable_thinking)
+    from jinja2 import TemplateError
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
+    if tokenizer.chat_template is None:
+        raise SystemExit(_no_template(checkpoint))
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=enable_thinking)
+        except TemplateError as e:
+            raise SystemExit(f"the chat template refused the conversation: {e}") from None
+
+    return render
+
+
+def _no_template(checkpoint: Path) -> str:
+    return (f"--chat-template hf: {checkpoint} has no chat template (chat_template.jinja or "
+            "tokenizer_config.json's chat_template)")
+
+
+def _jinja_renderer(checkpoint: Path, enable_thinking: bool):
+    """The checkpoint's jinja chat template (chat_template.jinja, else tokenizer_config.json) rendered in a
+    sandbox with its bos/eos tokens."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise SystemExit("--chat-template hf needs the jinja2 package, which is not installed "
+        raise SystemExit("--chat-template hf needs the transformers or jinja2 package, neither is installed "
                          "(or use --chat-template chatml)") from None
     config_path = checkpoint / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -196,8 +236,7 @@ def _hf_template(checkpoint: Path):
     if isinstance(template, list):  # HF's named templates
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not isinstance(template, str):
-        raise SystemExit(f"--chat-template hf: {checkpoint} has no chat template (chat_template.jinja or "
-                         "tokenizer_config.json's chat_template)")
+        raise SystemExit(_no_template(checkpoint))
 
     def raise_exception(message):
         raise SystemExit(f"the chat template refused the conversation: {message}")
@@ -205,7 +244,9 @@ def _hf_template(checkpoint: Path):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := config.get(k), str)}
-    return env.from_string(template), special
+    jinja = env.from_string(template)
+    return lambda messages: jinja.render(messages=messages, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking, **special)
 
 
 def fit_prompt(ids: list[int], max_tokens: int, too_long: str) -> tuple[list[int] | None, str | None]:
@@ -302,9 +343,12 @@ def _in_group(category: str, group: str) -> bool:
     return group == "overall" or category == group or (group == "mt_bench" and category in MT_BENCH)
 
 
-def summarize(answers: list[dict], baseline: list[dict] | None = None) -> dict:
+def summarize(answers: list[dict], tokenizer: Tokenizer, baseline: list[dict] | None = None) -> dict:
     """Per category and Spec-Bench group: questions, tau, tokens/s (speed.py's mean over questions), and with
-    a baseline its tokens/s, the speedup and how many answers are identical to the baseline's."""
+    a baseline its tokens/s and the speedup two ways: ``speedup`` from both runs' ``new_tokens`` and
+    ``speedup_speed_py`` as speed.py computes it, against the baseline's re-tokenized answer text
+    (``baseline_text_tokens_per_s``, counted with ``tokenizer``); and how many answers are identical to the
+    baseline's."""
     base = {a["question_id"]: a for a in baseline or []}
     categories = list(dict.fromkeys(a["category"] for a in answers))
     groups = categories + [g for g in GROUPS if g not in categories
@@ -318,9 +362,11 @@ def summarize(answers: list[dict], baseline: list[dict] | None = None) -> dict:
                "tokens_per_s": _tokens_per_s(choices), "new_tokens": int(sum(sum(c["new_tokens"]) for c in choices)),
                "wall_time": float(sum(sum(c["wall_time"]) for c in choices))}
         if baseline is not None:
-            paired = [base[a["question_id"]] for a in picked if a["question_id"] in base]
-            row["baseline_tokens_per_s"] = _tokens_per_s([b["choices"][0] for b in paired])
-            row["speedup"] = row["tokens_per_s"] / row["baseline_tokens_per_s"] if paired else None
+            paired = [base[a["question_id"]]["choices"][0] for a in picked if a["question_id"] in base]
+            row["baseline_tokens_per_s"] = _tokens_per_s(paired)
+            row["speedup"] = _ratio(row["tokens_per_s"], row["baseline_tokens_per_s"])
+            row["baseline_text_tokens_per_s"] = _text_tokens_per_s(paired, tokenizer)
+            row["speedup_speed_py"] = _ratio(row["tokens_per_s"], row["baseline_text_tokens_per_s"])
             row["identical_to_baseline"] = sum(a["choices"][0]["turns"] == base[a["question_id"]]["choices"][0]["turns"]
                                                for a in picked if a["question_id"] in base)
             row["baseline_questions"] = len(paired)
@@ -333,10 +379,34 @@ def _tokens_per_s(choices: list[dict]) -> float | None:
     return float(np.mean(speeds)) if speeds else None
 
 
+def _text_tokens_per_s(choices: list[dict], tokenizer: Tokenizer) -> float | None:
+    """speed.py's baseline speed: the tokens of each turn's answer text (no special tokens; speed.py drops
+    the BOS its tokenizers add) over the wall time, averaged over questions."""
+    speeds = [sum(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in c["turns"]) / sum(c["wall_time"])
+              for c in choices]
+    return float(np.mean(speeds)) if speeds else None
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
 def write_answers(path: Path, answers: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(a) + "\n" for a in sorted(answers, key=lambda a: a["question_id"])))
     print(f"wrote {path}")
+
+
+def print_summary(summary: dict, with_baseline: bool) -> None:
+    print(f"{'category':<16}{'questions':>10}{'tau':>7}{'tok/s':>9}"
+          + (f"{'AR tok/s':>10}{'speedup':>9}{'speed.py':>10}{'same':>6}" if with_baseline else ""))
+    for group, row in summary.items():
+        line = f"{group:<16}{row['questions']:>10}{row['tau'] or float('nan'):>7.2f}{row['tokens_per_s']:>9.1f}"
+        if with_baseline and row["speedup"] is not None:
+            speed_py = row["speedup_speed_py"] or float("nan")
+            line += (f"{row['baseline_tokens_per_s']:>10.1f}{row['speedup']:>8.2f}x{speed_py:>9.2f}x"
+                     f"{row['identical_to_baseline']:>4}/{row['baseline_questions']}")
+        print(line)
 
 
 def main(argv=None) -> None:
@@ -350,6 +420,8 @@ def main(argv=None) -> None:
     parser.add_argument("--limit", type=int, help="at most this many questions (after the other selections)")
     parser.add_argument("--chat-template", choices=("chatml", "none", "hf"), default="chatml",
                         help="how turns become a prompt (see above)")
+    parser.add_argument("--enable-thinking", action="store_true",
+                        help="pass enable_thinking=True to the chat template (--chat-template hf)")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (Spec-Bench: 1024)")
     parser.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt kept whole")
     parser.add_argument("--prompt-bucket", type=int, default=256,
@@ -362,13 +434,18 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question first")
     parser.add_argument("--with-ar", action="store_true", help="also run the AR baseline, question by question")
     parser.add_argument("--baseline", help="AR answers (Spec-Bench JSONL) of an earlier run to compare against")
-    parser.add_argument("--model-id", help="answers' model id (None: <target>-<drafter or ar>-temp-<temperature>)")
-    parser.add_argument("--out-dir", default=cli.repo_path("runs", "spec_bench"), help="answers and summary go here")
+    parser.add_argument("--model-id", help="answers' model id (None: <target>-<drafter or ar>-temp-<temperature>, "
+                                           "e.g. target-ready-temp-0.0)")
+    parser.add_argument("--answer-file", help="write the answers to this file (None: <out-dir>/<model id>.jsonl)")
+    parser.add_argument("--out-dir", default=cli.repo_path("runs", "spec_bench"),
+                        help="answers (the AR baseline's too) and summary go here")
     args = parser.parse_args(argv)
     if args.with_ar and args.baseline:
         parser.error("--with-ar and --baseline both give the baseline: pass one")
     if args.with_ar and not args.drafter:
         parser.error("--with-ar compares a drafter with AR: pass --drafter")
+    if args.enable_thinking and args.chat_template != "hf":
+        parser.error("--enable-thinking is passed to the checkpoint's chat template: use --chat-template hf")
 
     questions = read_questions(args.questions, args.categories.split(",") if args.categories else None, args.limit,
                                args.per_category)
@@ -386,11 +463,11 @@ def main(argv=None) -> None:
     if not tokenizer_path.is_file():
         raise SystemExit(f"no tokenizer at {tokenizer_path} (pass --tokenizer)")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    template = ChatTemplate(args.chat_template, tokenizer, tokenizer_path.parent)
+    template = ChatTemplate(args.chat_template, tokenizer, tokenizer_path.parent, args.enable_thinking)
     stops = stop_ids(target, tokenizer, target_dir, args.chat_template)
 
     def model_id(drafter_path: str | None) -> str:
-        return f"{target_dir.name}-{Path(drafter_path).name if drafter_path else 'ar'}-temp-{args.temperature:g}"
+        return f"{target_dir.name}-{Path(drafter_path).name if drafter_path else 'ar'}-temp-{args.temperature}"
 
     methods = [Method(args.model_id or model_id(args.drafter), drafter)]
     if args.with_ar:
@@ -422,18 +499,14 @@ def main(argv=None) -> None:
         raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
 
     out_dir = Path(args.out_dir)
-    for method, method_answers in zip(methods, answers, strict=True):
-        write_answers(out_dir / f"{method.model_id}.jsonl", method_answers)
+    paths = [out_dir / f"{method.model_id}.jsonl" for method in methods]
+    if args.answer_file:
+        paths[0] = Path(args.answer_file)
+    for path, method_answers in zip(paths, answers, strict=True):
+        write_answers(path, method_answers)
     baseline = answers[1] if args.with_ar else baseline
-    summary = summarize(answers[0], baseline)
-    print(f"{'category':<16}{'questions':>10}{'tau':>7}{'tok/s':>9}" + (f"{'AR tok/s':>10}{'speedup':>9}{'same':>6}"
-                                                                        if baseline is not None else ""))
-    for group, row in summary.items():
-        line = f"{group:<16}{row['questions']:>10}{row['tau'] or float('nan'):>7.2f}{row['tokens_per_s']:>9.1f}"
-        if baseline is not None and row["speedup"] is not None:
-            line += (f"{row['baseline_tokens_per_s']:>10.1f}{row['speedup']:>8.2f}x"
-                     f"{row['identical_to_baseline']:>4}/{row['baseline_questions']}")
-        print(line)
+    summary = summarize(answers[0], tokenizer, baseline)
+    print_summary(summary, baseline is not None)
     write_json(str(out_dir / f"{methods[0].model_id}-summary.json"), {
         "model_id": methods[0].model_id, "baseline": methods[1].model_id if args.with_ar else args.baseline,
         "settings": vars(args), "stop_ids": list(stops), "skipped_questions": skipped, "prompt_notes": notes,

@@ -236,6 +236,32 @@ def test_cli_failure_while_writing_leaves_no_partial_output(tmp_path, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["dst_partial_marker", "src"]  # the temp dir is gone too
 
 
+def test_cli_copies_tokenizer_chat_template_and_generation_config_both_ways(tmp_path):
+    src = _write_hf_dir(tmp_path / "src", _hf_tensors())
+    files = {name: f"{name} contents" for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                                   "generation_config.json", "merges.txt")}
+    for name, text in files.items():
+        (src / name).write_text(text)
+    (src / "README.md").write_text("not copied")
+    assert hf_target.main([str(src), str(tmp_path / "ours")]) == 0
+    assert hf_target.main([str(tmp_path / "ours"), str(tmp_path / "back"), "--export-hf"]) == 0
+    for out in ("ours", "back"):
+        assert sorted(os.listdir(tmp_path / out)) == sorted([*files, "config.json", "model.safetensors"])
+        assert all((tmp_path / out / name).read_text() == text for name, text in files.items())
+
+
+def test_cli_failure_while_copying_tokenizer_files_leaves_no_output(tmp_path, monkeypatch):
+    src, dst = _write_hf_dir(tmp_path / "src", _hf_tensors()), tmp_path / "dst"
+    (src / "tokenizer.json").write_text("{}")
+
+    def failing_copy(path, to):
+        raise OSError(f"cannot copy {path}")
+
+    monkeypatch.setattr(hf_target.shutil, "copyfile", failing_copy)
+    assert hf_target.main([str(src), str(dst)]) == 1
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 def test_cli_refuses_a_non_empty_destination(tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()

@@ -2,6 +2,7 @@
 greedy answers identical with and without the drafter, and the prompt handling around them."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from experiments import spec_bench
 pytestmark = pytest.mark.slow
 
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
+READY, AR = "model_answer/target-ready-temp-0.0.jsonl", "target-ar-temp-0.0.jsonl"
 PROSE = ("Explain how a hash table resolves collisions and why its lookups stay fast on average, then compare "
          "open addressing with separate chaining for a dictionary that grows while it is being read.")
 QUESTIONS = [
@@ -26,13 +28,15 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One invocation: ReaDy and AR interleaved, prompts cut to one length so each method compiles once."""
+    """One invocation: ReaDy and AR interleaved, prompts cut to one length so each method compiles once;
+    ReaDy's answers to ``--answer-file``, AR's and the summary to ``--out-dir``."""
     out = tmp_path_factory.mktemp("spec_bench")
     questions = out / "question.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     spec_bench.main(["--target", str(ZOO / "target"), "--drafter", str(ZOO / "ready"), "--with-ar",
                      "--questions", str(questions), "--chat-template", "none", "--max-new-tokens", "6", "--warmup", "0",
-                     "--max-prompt-tokens", "24", "--too-long", "truncate", "--out-dir", str(out)])
+                     "--max-prompt-tokens", "24", "--too-long", "truncate", "--out-dir", str(out),
+                     "--answer-file", str(out / READY)])
     return out
 
 
@@ -41,8 +45,8 @@ def _answers(path: Path) -> list[dict]:
 
 
 def test_answers_are_in_spec_bench_format_and_speed_py_reads_them(run):
-    ready, ar = _answers(run / "target-ready-temp-0.jsonl"), _answers(run / "target-ar-temp-0.jsonl")
-    for answers, model_id in ((ready, "target-ready-temp-0"), (ar, "target-ar-temp-0")):
+    ready, ar = _answers(run / READY), _answers(run / AR)
+    for answers, model_id in ((ready, "target-ready-temp-0.0"), (ar, "target-ar-temp-0.0")):
         assert [a["question_id"] for a in answers] == [7, 81, 402]
         for answer, question in zip(answers, sorted(QUESTIONS, key=lambda q: q["question_id"]), strict=True):
             assert answer["model_id"] == model_id and answer["category"] == question["category"]
@@ -64,24 +68,37 @@ def test_answers_are_in_spec_bench_format_and_speed_py_reads_them(run):
 
 
 def test_greedy_answers_are_identical_with_and_without_the_drafter(run):
-    ready, ar = _answers(run / "target-ready-temp-0.jsonl"), _answers(run / "target-ar-temp-0.jsonl")
+    ready, ar = _answers(run / READY), _answers(run / AR)
     assert [a["choices"][0]["turns"] for a in ready] == [a["choices"][0]["turns"] for a in ar]
     assert [a["choices"][0]["new_tokens"] for a in ready] == [a["choices"][0]["new_tokens"] for a in ar]
 
 
 def test_summary_per_category_and_against_the_baseline_file(run):
-    summary = json.loads((run / "target-ready-temp-0-summary.json").read_text())
+    summary = json.loads((run / "target-ready-temp-0.0-summary.json").read_text())
+    assert summary["model_id"] == "target-ready-temp-0.0" and summary["baseline"] == "target-ar-temp-0.0"
     rows = summary["categories"]
     assert set(rows) == {"qa", "writing", "translation", "mt_bench", "overall"}
     assert rows["overall"]["questions"] == 3 and rows["mt_bench"]["questions"] == 1
     for row in rows.values():
-        assert row["tau"] >= 1 and row["tokens_per_s"] > 0 and row["speedup"] > 0
+        assert row["tau"] >= 1 and row["tokens_per_s"] > 0 and row["speedup"] > 0 and row["speedup_speed_py"] > 0
         assert row["identical_to_baseline"] == row["questions"]
     assert len(summary["prompt_notes"]) >= 3 and not summary["skipped_questions"]
     # The same figures from the written files (the --baseline path).
-    again = spec_bench.summarize(spec_bench.read_answers(str(run / "target-ready-temp-0.jsonl")),
-                                 spec_bench.read_answers(str(run / "target-ar-temp-0.jsonl")))
+    tokenizer = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
+    again = spec_bench.summarize(spec_bench.read_answers(str(run / READY)), tokenizer,
+                                 spec_bench.read_answers(str(run / AR)))
     assert again == rows
+
+
+def test_speed_py_speedup_re_tokenizes_the_baselines_answer_text(run):
+    """speed.py's way: the method's new_tokens speed over the baseline's re-tokenized text speed."""
+    tokenizer = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
+    rows = json.loads((run / "target-ready-temp-0.0-summary.json").read_text())["categories"]
+    speeds = [sum(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in c["turns"]) / sum(c["wall_time"])
+              for c in (a["choices"][0] for a in _answers(run / AR))]
+    overall = rows["overall"]
+    assert overall["baseline_text_tokens_per_s"] == pytest.approx(sum(speeds) / len(speeds))
+    assert overall["speedup_speed_py"] == pytest.approx(overall["tokens_per_s"] / overall["baseline_text_tokens_per_s"])
 
 
 def test_prompts_that_do_not_fit_are_skipped_or_cut_with_a_message():
@@ -106,18 +123,38 @@ def test_chat_templates_render_multi_turn_conversations():
     assert ids.count(tokenizer.token_to_id("<|im_start|>")) == 4 and ids.count(tokenizer.token_to_id("<|im_end|>")) == 3
 
 
-def test_hf_chat_template_renders_the_checkpoints_jinja(tmp_path):
-    pytest.importorskip("jinja2")
-    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
+CHATML_JINJA = ("{% if messages|length > 3 %}{{ raise_exception('at most 3 messages') }}{% endif %}"
+                "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                "{% if enable_thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("renderer", ["transformers", "jinja2"])
+def test_hf_chat_template_renders_the_checkpoints_template(tmp_path, monkeypatch, renderer):
+    """The checkpoint tokenizer's apply_chat_template with transformers, the sandboxed jinja2 one without."""
+    pytest.importorskip(renderer)
+    if renderer == "jinja2":
+        monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     tokenizer = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_JINJA}))
     conversation = [("Hi?", "Hello."), ("And?", None)]
-    assert (spec_bench.ChatTemplate("hf", tokenizer, tmp_path).render(conversation)
-            == spec_bench.ChatTemplate("chatml", tokenizer, tmp_path).render(conversation))
+    chatml = spec_bench.ChatTemplate("chatml", tokenizer, tmp_path).render(conversation)
+    assert spec_bench.ChatTemplate("hf", tokenizer, tmp_path).render(conversation) == chatml
+    thinking = spec_bench.ChatTemplate("hf", tokenizer, tmp_path, enable_thinking=True)
+    assert thinking.render(conversation) == chatml + "<think>\n"
+    with pytest.raises(SystemExit, match="the chat template refused the conversation: at most 3 messages"):
+        thinking.render([("Hi?", "Hello."), ("And?", "So."), ("Then?", None)])
     with pytest.raises(SystemExit, match="has no chat template"):
         spec_bench.ChatTemplate("hf", tokenizer, ZOO / "target")
+
+
+def test_enable_thinking_needs_the_checkpoints_template(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        spec_bench.main(["--target", str(ZOO / "target"), "--enable-thinking", "--out-dir", str(tmp_path / "out")])
+    assert info.value.code == 2 and not (tmp_path / "out").exists()
+    assert "--enable-thinking is passed to the checkpoint's chat template" in capsys.readouterr().err
 
 
 def test_question_selection(tmp_path):
@@ -191,3 +228,13 @@ def test_the_command_line_exits_non_zero_with_the_message_and_no_traceback(tmp_p
                            "--questions", str(path)], capture_output=True, text=True, cwd=ZOO.parent)
     assert proc.returncode == 1
     assert f"{path}:2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_default_questions_file_resolves_against_the_repository_from_any_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.spec_bench", "--target", str(ZOO / "target"),
+                           "--categories", "no_such_category", "--out-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ZOO.parent)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert spec_bench.QUESTIONS.is_absolute() and str(spec_bench.QUESTIONS) in proc.stderr
+    assert not (tmp_path / "out").exists()
