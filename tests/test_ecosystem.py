@@ -5,6 +5,7 @@ long loops report progress, and the package installs without taking other projec
 import ast
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -39,8 +40,12 @@ def _sha256(path: Path) -> str:
 
 # ---- 1. set-up ------------------------------------------------------------------------------------------------
 def _make_dry_run(target: str, venv: Path, *extra: str) -> str:
+    # Run under `make test EXTRAS=...` (as .ci/run does), a nested make would inherit those variables through
+    # MAKEFLAGS: start it from a clean make environment so it sees the Makefile's own defaults.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "EXTRAS", "DEMO_EXTRAS", "VENV", "PYTHON")}
     return subprocess.run(["make", "-n", target, f"VENV={venv}", *extra], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout
+                          check=True, env=env).stdout
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
