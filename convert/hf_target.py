@@ -41,7 +41,7 @@ def expected_hf_shapes(config: TargetConfig, layout: str) -> dict[str, Shape]:
 def export_hf_state(target: Target, layout: str) -> dict[str, np.ndarray]:
     """The target's parameters as HF tensors of ``layout`` (per-expert MoE keys, like save_pretrained)."""
     config = target.config
-    flat = {k: np.asarray(v) for k, v in flat_state(target.params).items()}
+    flat = {k: np.asarray(v) for k, v in flat_state(target.stacked_params()).items()}
     bindings = export_bindings(config, layout)
     problems = coverage_problems(bindings, {k: v.shape for k, v in flat.items()})
     if problems:

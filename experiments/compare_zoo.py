@@ -2,13 +2,18 @@
 
 Loads the zoo's target (with its tokenizer and corpus split manifest) and its three drafters, draws
 prompts from the corpus *test* split (code files and pydoc prose topics; documents no model trained
-on), and generates greedily through ``ready_jax.generate`` with each drafter and without one (AR).
+on), and generates greedily through ``ready_jax.generate`` with each drafter and without one (AR):
+first at batch 1 (the latency case speculative decoding is for: ``--batch1-prompts`` prompts one at a
+time), then all prompts as one batch.
 Every speculative output is checked token-for-token against AR. Prints, per method: tau (tokens
 committed per verification round, the target's own included; per prompt kind too), the rate of
 rounds in which all drafts survive, tokens/s of the compiled program (compile time separate) and
 the speedup over AR measured in the same run. Weights are shipped in bf16 and computed in fp32.
 
-    python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--max-new-tokens 96] [--out results/zoo.json]
+    python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--batch1-prompts 4] [--max-new-tokens 96] \\
+        [--out results/zoo.json]
+
+Where the time of a round goes, and what tau a drafter would need: ``python -m experiments.loop_efficiency``.
 
 On CPU the speedup mostly reflects how many target passes are saved against the drafter's own cost,
 which on a tiny target is not small; tau is the hardware-independent figure.
@@ -58,10 +63,32 @@ def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.Genera
     return min(runs, key=lambda o: o.run_seconds), first.compile_seconds
 
 
+def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, drafters: dict) -> dict:
+    """Each prompt alone (batch 1) through AR and every drafter: summed run seconds (fastest of ``repeats``
+    each), tau over all rounds, speedup over AR, and whether every output equals AR's."""
+    def run(drafter):
+        return [timed(target, x, new_tokens, drafter, repeats)[0] for x in prompts]
+
+    ar = run(None)
+    ar_seconds = sum(o.run_seconds for o in ar)
+    results = {}
+    for name, drafter in drafters.items():
+        outs = run(drafter)
+        accepted = np.concatenate([o.accept_lengths[o.accept_lengths > 0] for o in outs])
+        results[name] = {"tau": float(accepted.mean()), "seconds": sum(o.run_seconds for o in outs),
+                         "speedup": ar_seconds / sum(o.run_seconds for o in outs),
+                         "identical_to_ar": all(np.array_equal(a.tokens, b.tokens) for a, b in zip(outs, ar,
+                                                                                                    strict=True))}
+    return {"autoregressive": {"tau": 1.0, "seconds": ar_seconds, "speedup": 1.0, "identical_to_ar": True},
+            **results}
+
+
 def main(argv=None) -> None:
     parser = cli.parser("experiments.compare_zoo", __doc__)
     parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="the target and drafters directory")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (half code, half prose)")
+    parser.add_argument("--batch1-prompts", type=int, default=4,
+                        help="of those, how many also run one at a time (batch 1; 0: none)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (the fastest is kept)")
@@ -78,13 +105,24 @@ def main(argv=None) -> None:
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "
           f"of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens each, greedy")
 
+    drafters = {name: rj.Drafter.load(zoo / folder, dtype=jnp.float32) for name, folder in DRAFTERS}
+    single = {}
+    if args.batch1_prompts:
+        single = batch_one(target, [ids[i:i + 1] for i in range(min(args.batch1_prompts, len(ids)))],
+                           args.max_new_tokens, args.repeats, drafters)
+        print(f"batch 1 (latency), {min(args.batch1_prompts, len(ids))} prompts one at a time:")
+        print(f"{'method':<16}{'tau':>6}{'seconds':>9}{'speedup':>9}  same as AR")
+        for name, r in single.items():
+            print(f"{name:<16}{r['tau']:>6.2f}{r['seconds']:>9.2f}{r['speedup']:>8.2f}x  "
+                  f"{'yes' if r['identical_to_ar'] else 'NO'}")
+        print(f"\nbatch {len(ids)} (throughput):")
+
     progress = cli.Progress("compare_zoo", 1 + len(DRAFTERS), "methods timed")
     ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
     progress.update(detail="autoregressive done")
     results = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0,
                                       identical_to_ar=True)}
-    for name, folder in DRAFTERS:
-        drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+    for name, drafter in drafters.items():
         out, compile_seconds = timed(target, ids, args.max_new_tokens, drafter, args.repeats)
         results[name] = dict(summarize(out, kinds), compile_seconds=compile_seconds,
                              speedup=ar.run_seconds / out.run_seconds,
@@ -105,8 +143,8 @@ def main(argv=None) -> None:
     print(f"\nprompt [{sample['kind']}: {sample['name']}] ...{sample['text'][-120:]!r}\n"
           f"AR continuation: {tokenizer.decode(ar.tokens[0][ar.tokens[0] >= 0].tolist())!r}")
     write_json(args.out, {"settings": vars(args), "prompts": [{k: p[k] for k in ("kind", "name")} for p in prompts],
-                          "results": results, "wall_seconds": time.perf_counter() - start})
-    if not all(r["identical_to_ar"] for r in results.values()):
+                          "batch1": single, "results": results, "wall_seconds": time.perf_counter() - start})
+    if not all(r["identical_to_ar"] for r in [*results.values(), *single.values()]):
         raise SystemExit("a speculative output differs from autoregressive greedy decoding")
 
 

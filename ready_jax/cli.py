@@ -1,7 +1,8 @@
 """The command-line conventions of the scripts under ``experiments/`` and ``convert/``.
 
 :func:`parser` makes every script's argument parser (``prog`` ``python -m <module>``, the module
-docstring as it is laid out, every option's default in ``--help``); :func:`repo_path` resolves the
+docstring as it is laid out, every option's default in ``--help``, the runtime options of
+``ready_jax.runtime`` applied as soon as the arguments are parsed); :func:`repo_path` resolves the
 repository's own files (``zoo/``, ``results/``, the shared data at ``../shared/data``) against the
 repository root, so a default path works from any working directory; :class:`Progress` reports a
 loop someone waits on.
@@ -14,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import runtime
+
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -21,12 +24,35 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Keeps the description's own line breaks and appends each option's default to its help."""
 
 
+class _ScriptParser(argparse.ArgumentParser):
+    """An argument parser that applies the runtime options (``runtime.configure``) as soon as it has parsed
+    the arguments: before the script uses jax, which is when XLA's flags and the compilation cache must be
+    set. The namespace gets ``runtime``, what was set, so that a script recording ``vars(args)`` records it."""
+
+    def parse_known_args(self, args=None, namespace=None):  # parse_args goes through here too
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.runtime = runtime.configure(compile_cache=not parsed.no_compile_cache,
+                                           cache_dir=parsed.compile_cache_dir)
+        return parsed, rest
+
+
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
     """The argument parser of ``python -m <module>``, described by ``doc`` (usually the module docstring); run
-    as one of the installed console scripts (``ready-jax-*``), its usage names that script instead."""
+    as one of the installed console scripts (``ready-jax-*``), its usage names that script instead.
+
+    Every script gets the ``runtime`` options (``--no-compile-cache``, ``--compile-cache-dir``), applied by
+    ``parse_args`` / ``parse_known_args`` through :func:`ready_jax.runtime.configure`, which also sets
+    XLA's CPU flags (``runtime.CPU_XLA_FLAGS``)."""
     script = Path(sys.argv[0]).name
     prog = script if script.startswith("ready-jax-") else f"python -m {module}"
-    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
+    result = _ScriptParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
+    group = result.add_argument_group("runtime", "set before jax starts (ready_jax.runtime)")
+    group.add_argument("--no-compile-cache", action="store_true",
+                       help=f"turn JAX's persistent compilation cache off (so does ${runtime.CACHE_ENV}=0)")
+    group.add_argument("--compile-cache-dir", metavar="DIR", default=str(runtime.default_cache_dir()),
+                       help="directory of JAX's persistent compilation cache, which keeps compiled programs "
+                            f"across runs (set ${runtime.CACHE_DIR_ENV} to move it)")
+    return result
 
 
 def repo_root() -> Path:

@@ -383,7 +383,7 @@ def _read_distilled(path: Path, key: bytes, log: Callable[[str], None]) -> tuple
 def _distill_key(config: DistillConfig, target: Target) -> bytes:
     """What the kept sequences depend on: the settings and the exact target weights (sha256)."""
     digest = hashlib.sha256()
-    for name, value in sorted(flat_state(target.params).items()):
+    for name, value in sorted(flat_state(target.stacked_params()).items()):  # the same whatever the group layout
         digest.update(name.encode())
         digest.update(np.asarray(value).tobytes())
     return json.dumps({**dataclasses.asdict(config), "target_sha256": digest.hexdigest()}, sort_keys=True).encode()

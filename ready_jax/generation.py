@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import functools
 import math
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,7 +53,9 @@ class GenerateOutput:
     # max_new_tokens ends the sequence inside the block; 0 once done.
     accept_lengths: np.ndarray
     block_size: int             # drafts per round (0 for the autoregressive baseline)
-    compile_seconds: float      # tracing + XLA compilation (0 when the program was already compiled)
+    # tracing + XLA compilation, or loading from JAX's persistent compilation cache where a script turned it on
+    # (ready_jax.runtime); 0 when this process had already compiled the program
+    compile_seconds: float
     run_seconds: float          # device time of the compiled program, prompts to tokens
     cache: TargetCache          # the target's committed cache at the end (prompt + generated tokens)
 
@@ -475,11 +478,34 @@ def compiled_program(program: Program) -> _Compiled:
     if cache_key in _compiled:
         _compiled.move_to_end(cache_key)
         return _Compiled(_compiled[cache_key], 0.0)
+    # A compile takes seconds to minutes: say what is compiling, so a silent wait is not mistaken for a hang
+    # (and a second compile of what should be one program shows up).
+    print(f"compiling generate: {_describe(program)} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     _compiled[cache_key] = program.lower().compile()
+    seconds = time.perf_counter() - start
+    print(f"compiled generate in {seconds:.1f} s", file=sys.stderr, flush=True)
     while len(_compiled) > MAX_COMPILED_PROGRAMS:
         _compiled.popitem(last=False)
-    return _Compiled(_compiled[cache_key], time.perf_counter() - start)
+    return _Compiled(_compiled[cache_key], seconds)
+
+
+def _describe(program: Program) -> str:
+    """``ReaDy drafter (batch 1, prompt 64, 128 new tokens, block 7)``: what a compile is for, in words."""
+    s = program.settings
+    if s.drafter_config is None:
+        kind = "autoregressive"
+    elif not s.learned:
+        kind = "scripted drafter"
+    else:
+        kind = "ReaDy drafter" if s.has_reader else "DSpark drafter"
+    batch, width = program.args[3].shape                                            # prompts [B, T]
+    details = [f"batch {batch}", f"prompt {width}", f"{s.max_new_tokens} new tokens"]
+    if s.gamma:
+        details.append(f"block {s.gamma}")
+    if s.impl != "xla":
+        details.append(f"impl {s.impl}")
+    return f"{kind} ({', '.join(details)})"
 
 
 def _shared_weights(target: Target) -> SharedWeights:

@@ -1,9 +1,14 @@
 """The hybrid target model (Qwen3.5 / Qwen3-Next) in Flax NNX, and its jittable step functions.
 
-Depth is organised as ``G`` stacked copies of a group of ``p`` layers (``TargetConfig.group_size``;
-``p = 4`` for the usual three Gated DeltaNet layers + one attention layer). Parameters of the group
-carry a leading ``G`` axis and the forward pass is a ``lax.scan`` over groups, so compile time does
-not grow with depth.
+Depth is organised as ``G`` copies of a group of ``p`` layers (``TargetConfig.group_size``; ``p = 4``
+for the usual three Gated DeltaNet layers + one attention layer), held in one of two layouts:
+
+* **stacked** (how models are built, saved, sharded and trained): the group's parameters carry a leading
+  ``G`` axis and the forward pass is a ``lax.scan`` over groups, so compile time does not grow with depth;
+* **split** (:func:`split_groups`): ``G`` separate group modules and a Python loop over them. XLA's CPU
+  backend copies each group's weights out of the stacked arrays before every matmul inside the scan (a
+  decode step then moves every weight three times); split, each matmul reads its weights in place. The
+  :class:`Target` wrapper splits on a single CPU device.
 
 Hidden features: ``hidden_layers=(l, ...)`` asks for the residual stream *output of decoder layer
 l* (0-based, after its MLP residual add, before the final norm). In HF terms that is
@@ -19,6 +24,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +41,8 @@ from .modes import Form, Impl, Rollback
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
 INT32_MAX = 2**31 - 1  # cache positions and counts are int32
+GroupLayout = Literal["split", "stacked"]  # how a Target holds its layer groups (see the module docstring)
+GROUP_LAYOUTS: tuple[str, ...] = get_args(GroupLayout)
 
 
 class DecoderLayer(nnx.Module):
@@ -106,7 +114,8 @@ class TargetModel(nnx.Module):
         Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
         them) ride in the scan's carry and are updated at their group's index, so a step whose cache is
         donated writes what changed in place. As scanned inputs and stacked outputs they would be copied
-        whole every step. Verify's per-position candidates are new buffers, stacked by the scan.
+        whole every step. Verify's per-position candidates are new buffers, stacked over groups. Stacked
+        groups run as a scan, split ones (an ``nnx.List``, see :func:`split_groups`) as an unrolled loop.
         ``check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
         """
         cfg = self.config
@@ -115,16 +124,13 @@ class TargetModel(nnx.Module):
         slot_of_layer = np.full((cfg.num_hidden_layers,), num_hidden, np.int32)
         for slot, layer in enumerate(hidden_layers):
             slot_of_layer[layer] = slot
-        slots = jnp.asarray(slot_of_layer.reshape(cfg.num_groups, p))
-        group_def, group_state = nnx.split(self.groups)
         in_place = tuple(isinstance(e, AttentionCache) or form in ("chunked", "recurrent") for e in layers_cache)
         carried = tuple(e if keep else None for e, keep in zip(layers_cache, in_place, strict=True))
         scanned = tuple(None if keep else e for e, keep in zip(layers_cache, in_place, strict=True))
 
-        def body(carry, xs):
-            h, hidden, carried = carry
-            state, scanned, group_slots, g = xs
-            group = nnx.merge(group_def, state)
+        def run_group(group: LayerGroup, g, h, hidden, carried, scanned, group_slots):
+            """Group ``g``'s layers over h: ``carried`` entries are read and written at index g, ``scanned``
+            ones are this group's slice; returns the new carry and this group's new scanned entries."""
             carried, stacked = list(carried), []
             for j, layer in enumerate(group.layers):
                 entry = scanned[j]
@@ -137,8 +143,8 @@ class TargetModel(nnx.Module):
                 if check_finite:
                     if not layer.is_attention:
                         for x in jax.tree.leaves(entry):
-                            debug.check_finite(x, "Gated DeltaNet state", layer=g * p + j)
-                    debug.check_finite(h, "hidden state", layer=g * p + j)
+                            debug.check_finite(x, "Gated DeltaNet state", layer=jnp.asarray(g) * p + j)
+                    debug.check_finite(h, "hidden state", layer=jnp.asarray(g) * p + j)
                 if in_place[j] and not layer.is_attention:
                     entry = jax.tree.map(lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x, g, 0),
                                          carried[j], entry)
@@ -148,11 +154,65 @@ class TargetModel(nnx.Module):
                 hidden = jax.lax.dynamic_update_index_in_dim(hidden, h, group_slots[j], axis=0)
             return (h, hidden, tuple(carried)), tuple(stacked)
 
-        hidden0 = jnp.zeros((num_hidden + 1, *h.shape), h.dtype)
-        xs = (group_state, scanned, slots, jnp.arange(cfg.num_groups))
-        (h, hidden, carried), stacked = jax.lax.scan(body, (h, hidden0, carried), xs)
+        hidden = jnp.zeros((num_hidden + 1, *h.shape), h.dtype)
+        if isinstance(self.groups, nnx.List):  # split groups: a Python loop, each group's weights read in place
+            per_group = []
+            for g, group in enumerate(self.groups):
+                group_scanned = jax.tree.map(lambda x, g=g: x[g], scanned)
+                (h, hidden, carried), group_stacked = run_group(group, g, h, hidden, carried, group_scanned,
+                                                                slot_of_layer[g * p:(g + 1) * p])
+                per_group.append(group_stacked)
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_group)
+        else:
+            group_def, group_state = nnx.split(self.groups)
+
+            def body(carry, xs):
+                state, scanned, group_slots, g = xs
+                return run_group(nnx.merge(group_def, state), g, *carry, scanned, group_slots)
+
+            xs = (group_state, scanned, jnp.asarray(slot_of_layer.reshape(cfg.num_groups, p)),
+                  jnp.arange(cfg.num_groups))
+            (h, hidden, carried), stacked = jax.lax.scan(body, (h, hidden, carried), xs)
         new_layers = tuple(c if keep else s for c, s, keep in zip(carried, stacked, in_place, strict=True))
         return h, new_layers, hidden[:num_hidden]
+
+
+def split_groups(model: TargetModel) -> TargetModel:
+    """The same model with its ``G`` stacked layer groups as ``G`` separate modules (an ``nnx.List``), each
+    weight its own buffer. The forward pass is then a Python loop over groups with the same results.
+    Works on abstract models (``ShapeDtypeStruct`` weights) too."""
+    if isinstance(model.groups, nnx.List):
+        return model
+    graphdef, state = nnx.split(model)
+    split = nnx.merge(graphdef, state)
+    group_def, stacked = nnx.split(split.groups)
+    split.groups = nnx.List([nnx.merge(group_def, jax.tree.map(lambda x, g=g: _group_slice(x, g), stacked))
+                             for g in range(model.config.num_groups)])
+    return split
+
+
+def stack_groups(model: TargetModel) -> TargetModel:
+    """The inverse of :func:`split_groups`: the groups' weights stacked on a leading ``G`` axis again."""
+    if not isinstance(model.groups, nnx.List):
+        return model
+    graphdef, state = nnx.split(model)
+    stacked_model = nnx.merge(graphdef, state)
+    group_def = nnx.graphdef(stacked_model.groups[0])
+    states = [nnx.state(group) for group in stacked_model.groups]
+    stacked_model.groups = nnx.merge(group_def, jax.tree.map(_stack_groups, *states))
+    return stacked_model
+
+
+def _group_slice(x, g: int):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=None)
+    return x[g]
+
+
+def _stack_groups(*xs):
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    return jnp.stack(xs)
 
 
 @jax.tree_util.register_dataclass
@@ -289,10 +349,23 @@ class Target:
 
     ``layout`` (set by :func:`shard_target` or ``Target.load(..., layout=)``): the mesh the weights are placed
     on; caches are then created on it and step outputs pinned to it, so the next step finds them in place.
+
+    ``group_layout``: ``"split"`` holds the layer groups as separate modules (:func:`split_groups`;
+    ``params["groups"][g]``), ``"stacked"`` on a leading ``G`` axis (``params["groups"]``). None: split exactly
+    when the target sits on one CPU device, where the stacked scan copies every weight each step; a sharded
+    target is stacked. Either way :meth:`save` writes the stacked layout.
     """
 
-    def __init__(self, model: TargetModel, layout: sharding_lib.Layout | None = None):
+    def __init__(self, model: TargetModel, layout: sharding_lib.Layout | None = None, *,
+                 group_layout: GroupLayout | None = None):
         self.config: TargetConfig = model.config
+        if group_layout is None:
+            group_layout = "split" if layout is None and jax.default_backend() == "cpu" else "stacked"
+        modes.check(group_layout, GROUP_LAYOUTS, "group_layout")
+        if group_layout == "split" and layout is not None:
+            raise ValueError("a sharded target keeps its layer groups stacked (group_layout='stacked')")
+        self.group_layout: GroupLayout = group_layout
+        model = split_groups(model) if group_layout == "split" else stack_groups(model)
         self.graphdef, self.params = nnx.split(model)
         self.dtype = model.dtype
         self.layout = layout
@@ -339,8 +412,13 @@ class Target:
     def save(self, path, *, overwrite: bool = False) -> None:
         """``config.json`` + ``model.safetensors`` (``ready_jax.checkpoint``); refuses a directory holding
         anything but a target checkpoint unless ``overwrite``."""
-        checkpoint.write_checkpoint(path, FORMAT, "target", self.config.to_dict(), self.params, self.dtype,
-                                    overwrite=overwrite)
+        checkpoint.write_checkpoint(path, FORMAT, "target", self.config.to_dict(), self.stacked_params(),
+                                    self.dtype, overwrite=overwrite)
+
+    def stacked_params(self) -> nnx.State:
+        """The weights in the stacked layout (a copy when the groups are split): what checkpoints, sharding
+        rules and the training scan expect."""
+        return nnx.state(stack_groups(self.model))
 
     @property
     def model(self) -> TargetModel:
@@ -477,8 +555,10 @@ class Target:
 def shard_target(target: Target, layout: sharding_lib.Layout) -> Target:
     """The target with its weights placed on the mesh; its caches and steps then stay placed too."""
     layout = sharding_lib.as_layout(layout)
-    params = sharding_lib.place(target.params, sharding_lib.param_shardings(target.params, layout, target.config))
-    return Target(nnx.merge(target.graphdef, params), layout=layout)
+    model = stack_groups(target.model)
+    graphdef, params = nnx.split(model)
+    params = sharding_lib.place(params, sharding_lib.param_shardings(params, layout, target.config))
+    return Target(nnx.merge(graphdef, params), layout=layout)
 
 
 def param_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:

@@ -3,10 +3,17 @@
 import dataclasses
 import os
 
+from ready_jax import runtime  # noqa: E402  (imports jax, which reads XLA_FLAGS only when its backend starts)
+
 # Tests compile many small programs and run each a few times: cheap XLA codegen makes the suite
-# several times faster and does not change results. Must be set before jax initialises its backend.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+# several times faster and does not change results. The scripts' own CPU flags (runtime.CPU_XLA_FLAGS) too,
+# so tests run what users run and scripts' mains called in-process find them set. Must be set before jax
+# initialises its backend.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *runtime.CPU_XLA_FLAGS,
+                                    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"])
+# Scripts run in-process (their main) or as subprocesses turn on JAX's persistent compilation cache
+# (ready_jax.runtime): tests must neither write to the user's cache nor depend on what it holds.
+os.environ["READY_JAX_COMPILE_CACHE"] = "0"
 
 import gc  # noqa: E402
 

@@ -297,7 +297,7 @@ def test_cli_help_gives_each_default_once(capsys):
     with pytest.raises(SystemExit) as info:
         hf_target.main(["--help"])
     assert info.value.code == 0
-    options = " ".join(capsys.readouterr().out.split("options:")[1].split())
+    options = " ".join(capsys.readouterr().out.split("options:")[1].split("runtime:")[0].split())
     dtype_help = options[options.index("--dtype {"):options.index("--export-hf ")].strip()
     layout_help = options[options.index("--layout {"):].strip()
     for entry in (dtype_help, layout_help):

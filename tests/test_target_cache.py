@@ -102,7 +102,8 @@ def test_hidden_layers_are_decoder_layer_outputs(tiny_target):
     model = tiny_target.model
     np.testing.assert_allclose(model.logits(out.hidden[1]), out.logits, atol=ATOL)
     # Layer 0's output, recomputed from the embeddings through the first decoder layer alone.
-    first_layer = jax.tree.map(lambda x: x[0], model.groups.layers[0])
+    first_layer = model.groups[0].layers[0] if tiny_target.group_layout == "split" else jax.tree.map(
+        lambda x: x[0], model.groups.layers[0])
     empty = jax.tree.map(lambda x: x[0], tiny_target.init_cache(2, 8).layers[0])
     h0, _ = first_layer(model.embed_tokens(ids), empty, jnp.zeros((2,), jnp.int32), None, form="chunked")
     np.testing.assert_allclose(out.hidden[0], h0, atol=ATOL)

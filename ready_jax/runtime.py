@@ -1,0 +1,111 @@
+"""Process-wide runtime options of the command-line entry points: XLA's CPU flags and JAX's persistent
+compilation cache.
+
+Both must be in place before jax starts its backend (XLA reads ``XLA_FLAGS`` once, when the backend
+starts) or before the first compile, so :func:`configure` runs right after a script parses its
+arguments (``ready_jax.cli``), before the script touches jax. Importing ``ready_jax`` never calls it: a
+library must not change global jax state on import; a program using the library calls it itself.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import jax
+from jax._src import xla_bridge  # backends_are_initialized: public jax has no way to ask (0.10 and 0.12)
+
+# XLA's CPU backend hands small-M matmuls fused with their neighbours to YNNPACK by default. On this
+# project's verify steps (M = gamma + 1 rows) that measured slower than XLA's own Eigen dots: verify of 8
+# tokens 36.8 -> 24.2 ms on the cpu preset, decode 11.6 -> 10.7 ms (2-core AMD EPYC; measured by
+# `python -m experiments.loop_efficiency`). The flags only act on the CPU platform; elsewhere they are
+# parsed and ignored. Every flag here must be known to every supported jaxlib: XLA aborts the process on
+# an unknown flag in XLA_FLAGS.
+CPU_XLA_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
+
+CACHE_ENV = "READY_JAX_COMPILE_CACHE"   # "0" (or false / no / off) turns the persistent cache off
+CACHE_DIR_ENV = "READY_JAX_CACHE_DIR"   # where the persistent cache lives (default_cache_dir)
+# The generation programs take seconds to compile; jax's default threshold (1 s) would skip the smaller
+# ones, which still cost a noticeable wait at every start.
+MIN_COMPILE_SECONDS = 0.5
+
+
+def default_cache_dir() -> Path:
+    """``$READY_JAX_CACHE_DIR``, else jax's own ``$JAX_COMPILATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/ready-jax/jax-compile`` (``XDG_CACHE_HOME`` defaulting to ``~/.cache``)."""
+    for name in (CACHE_DIR_ENV, "JAX_COMPILATION_CACHE_DIR"):
+        if os.environ.get(name):
+            return Path(os.environ[name]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ready-jax" / "jax-compile"
+
+
+def cache_disabled_by_env() -> bool:
+    """Whether ``$READY_JAX_COMPILE_CACHE`` turns the persistent compilation cache off."""
+    return os.environ.get(CACHE_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None = None,
+              cpu_flags: bool = True) -> dict:
+    """Set this process's runtime options; call it before anything uses jax.
+
+    ``cpu_flags`` appends :data:`CPU_XLA_FLAGS` to ``$XLA_FLAGS``, keeping what is there: a flag whose
+    name ``$XLA_FLAGS`` already sets keeps the user's value. Once jax's backend has started XLA no
+    longer reads ``$XLA_FLAGS``: then nothing is appended and a warning names the flags that could not
+    take effect.
+
+    ``compile_cache`` turns on JAX's persistent compilation cache in ``cache_dir`` (default:
+    :func:`default_cache_dir`), created if missing, so a second process compiling the same program
+    loads it from disk instead. ``$READY_JAX_COMPILE_CACHE=0`` overrides it to off. A directory that
+    cannot be created or written warns and leaves the cache off.
+
+    Returns what was set, for a script's JSON record: ``xla_flags`` (``$XLA_FLAGS`` as it now stands),
+    ``added_xla_flags`` (the flags this call appended) and ``compile_cache_dir`` (None: no cache).
+    """
+    added = _add_cpu_flags() if cpu_flags else []
+    directory = None
+    if compile_cache and not cache_disabled_by_env():
+        directory = _usable_dir(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir())
+    if directory is not None:
+        jax.config.update("jax_compilation_cache_dir", str(directory))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size minimum (0: jax picks)
+    return {"xla_flags": os.environ.get("XLA_FLAGS", ""), "added_xla_flags": added,
+            "compile_cache_dir": None if directory is None else str(directory)}
+
+
+def _flag_name(flag: str) -> str:
+    """``--xla_foo=1`` -> ``xla_foo``; ``--xla_bar`` (a boolean) -> ``xla_bar``."""
+    return flag.lstrip("-").split("=", 1)[0]
+
+
+def _add_cpu_flags() -> list[str]:
+    """Append the :data:`CPU_XLA_FLAGS` that ``$XLA_FLAGS`` does not name yet; the ones appended."""
+    current = os.environ.get("XLA_FLAGS", "")
+    present = {_flag_name(flag) for flag in current.split()}
+    missing = [flag for flag in CPU_XLA_FLAGS if _flag_name(flag) not in present]
+    if not missing:
+        return []
+    if xla_bridge.backends_are_initialized():
+        warnings.warn(f"jax's backend has already started, so XLA no longer reads XLA_FLAGS: {' '.join(missing)} "
+                      "cannot take effect (call ready_jax.runtime.configure before anything uses jax, or set "
+                      "them in XLA_FLAGS before starting Python)", RuntimeWarning, stacklevel=3)
+        return []
+    os.environ["XLA_FLAGS"] = " ".join([*current.split(), *missing])
+    return missing
+
+
+def _usable_dir(directory: Path) -> Path | None:
+    """``directory``, created if missing; None (with a warning) when it cannot be created or written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        problem = f"cannot be created ({e})"
+    else:
+        if os.access(directory, os.W_OK | os.X_OK):
+            return directory
+        problem = "is not writable"
+    warnings.warn(f"the compilation cache directory {directory} {problem}: running without JAX's persistent "
+                  f"compilation cache (choose another with --compile-cache-dir or ${CACHE_DIR_ENV})",
+                  RuntimeWarning, stacklevel=3)
+    return None

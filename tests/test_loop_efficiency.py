@@ -1,0 +1,55 @@
+"""``experiments.loop_efficiency``: its pieces measure what they say on a tiny target (the script's figures are
+ratios of timings and are not asserted)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ready_jax as rj
+from experiments import loop_efficiency as le
+
+
+def test_weight_matrices_counts_every_matmul_of_a_step(tiny_target):
+    """Tiny target: 6 Gated DeltaNet layers (in_proj_qkv, _z, _b, _a, out_proj + 3 MLP) and 2 attention layers
+    (q, k, v, o + 3 MLP), plus the LM head; the embedding and the conv taps are no matmuls."""
+    expected = 6 * (5 + 3) + 2 * (4 + 3) + 1
+    for layout in ("split", "stacked"):
+        counts = le.weight_matrices(rj.Target(tiny_target.model, group_layout=layout))
+        assert sum(counts.values()) == expected
+        assert counts[(tiny_target.config.hidden_size, tiny_target.config.vocab_size)] == 1  # the LM head
+
+
+def test_matmul_bound_sums_each_shape_by_its_count():
+    rows = [{"k": 4, "n": 8, "m": m, "library": lib, "seconds": s}
+            for m, lib, s in ((1, "xla", 1.0), (1, "numpy", 0.5), (3, "xla", 4.0), (3, "numpy", 2.0))]
+    rows += [{"k": 8, "n": 4, "m": m, "library": lib, "seconds": s}
+             for m, lib, s in ((1, "xla", 2.0), (1, "numpy", 9.0), (3, "xla", 3.0), (3, "numpy", 6.0))]
+    bound = le.matmul_bound({(4, 8): 2, (8, 4): 1}, rows, 3)
+    assert bound["m1_xla_s"] == 2 * 1.0 + 2.0
+    assert bound["m3_xla_s"] == 2 * 4.0 + 3.0 and bound["m3_best_s"] == 2 * 2.0 + 3.0
+    assert bound["xla_ratio"] == pytest.approx(11 / 4) and bound["best_library_ratio"] == pytest.approx(7 / 4)
+
+
+def test_round_prediction_adds_the_components():
+    target_parts = {"ar_step": 2.0, "verify_4": 3.0, "commit": 0.5}
+    drafter_parts = {"draft": 1.0, "append": 0.25, "prepare": 0.25}
+    assert le.round_seconds(target_parts, drafter_parts, 3) == 5.0
+    assert le.round_seconds(target_parts, le.SCRIPTED_COMPONENTS, 3) == 3.5
+    assert le.predicted_speedup(4.0, 2.0, 5.0) == pytest.approx(1.6)
+
+
+def test_components_are_timed_for_every_gamma(tiny_target):
+    prompt = np.random.default_rng(0).integers(0, tiny_target.config.vocab_size, (1, 9))
+    parts = le.target_components(tiny_target, prompt, [1, 3], repeats=2)
+    assert set(parts) == {"ar_step", "verify_2", "verify_4", "commit"} and all(t >= 0 for t in parts.values())
+    drafter = rj.Drafter.init(tiny_target.config, rj.DrafterConfig(block_size=3, num_layers=1,
+                                                                    reader=rj.ReaderConfig(rank=4)), seed=0)
+    d_parts = le.drafter_components(tiny_target, drafter, prompt, repeats=2)
+    assert set(d_parts) == {"draft", "append", "prepare"} and all(t >= 0 for t in d_parts.values())
+    assert le.round_seconds(parts, d_parts, 3) > 0
+
+
+def test_last_level_cache_is_read_or_none():
+    size = le.last_level_cache_bytes()
+    assert size is None or size >= 1 << 15
+    assert jnp.isfinite(jnp.float32(size or 0))
