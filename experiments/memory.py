@@ -156,7 +156,9 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
                                          "num_layers": drafter_config.num_layers, "source_layers": list(sources),
                                          "rank": drafter_config.reader.rank}}
     for dtype in (jnp.bfloat16, jnp.float32):
-        target = rj.Target(nnx.eval_shape(lambda d=dtype: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=d)))
+        # Stacked groups: what a GPU runs (Target splits them only on one CPU device).
+        target = rj.Target(nnx.eval_shape(lambda d=dtype: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=d)),
+                           group_layout="stacked")
         drafter = rj.Drafter(nnx.eval_shape(lambda d=dtype: drafter_lib.DrafterModel(drafter_config,
                                                                                     rngs=nnx.Rngs(0), dtype=d)))
         if mesh is not None:

@@ -71,7 +71,9 @@ def main(argv=None) -> None:
     config = training.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
                                           num_layers=args.layers, intermediate_size=args.intermediate,
                                           eos_token_id=data.EOS_ID)
-    target = rj.Target.init(config, seed=args.seed)
+    # Stacked groups: the layer scan keeps the training step's compile time flat in depth, and run checkpoints
+    # keep the layout they have always had, so earlier runs resume.
+    target = rj.Target.init(config, seed=args.seed, group_layout="stacked")
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
     print(f"target: {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, corpus "
           f"{corpus.manifest['train_tokens']} train tokens")

@@ -371,14 +371,16 @@ class Target:
         self.layout = layout
 
     @classmethod
-    def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32) -> Target:
+    def init(cls, config: TargetConfig, seed: int = 0, dtype=jnp.float32,
+             group_layout: GroupLayout | None = None) -> Target:
         """Random weights, made by jitted programs (eagerly, every parameter shape would compile its own
-        random-number program) that each return at most ``INIT_PROGRAM_BYTES`` (see :func:`init_state`)."""
+        random-number program) that each return at most ``INIT_PROGRAM_BYTES`` (see :func:`init_state`).
+        ``group_layout``: as in the constructor."""
         if not isinstance(config, TargetConfig):
             raise TypeError(f"config must be a TargetConfig, got {type(config).__name__}")
         build = lambda key: TargetModel(config, rngs=nnx.Rngs(key), dtype=dtype)  # noqa: E731
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(jax.random.key(0))))
-        return cls(nnx.merge(graphdef, init_state(build, seed)))
+        return cls(nnx.merge(graphdef, init_state(build, seed)), group_layout=group_layout)
 
     @classmethod
     def from_hf(cls, path, dtype=jnp.float32) -> Target:

@@ -87,8 +87,10 @@ def test_checkpoints_are_stacked_whatever_the_layout(tiny_target, tmp_path):
 def test_group_layout_is_checked(tiny_target):
     with pytest.raises(ValueError, match="group_layout must be one of"):
         rj.Target(tiny_target.model, group_layout="unrolled")
-    mesh = rj.Target(tiny_target.model, group_layout="stacked")
-    assert mesh.group_layout == "stacked"
+    assert rj.Target(tiny_target.model, group_layout="stacked").group_layout == "stacked"
+    stacked = rj.Target.init(tiny_config(), seed=0, group_layout="stacked")
+    assert stacked.group_layout == "stacked" and not isinstance(stacked.model.groups, nnx.List)
+    _assert_trees_equal(stacked.params, tiny_target.stacked_params())  # the same seed in either layout
 
 
 def test_split_decode_reads_weights_in_place():

@@ -76,7 +76,7 @@ def test_held_out_prompts_of_three_kinds():
 def _target_trainer(steps: int):
     """Graphdef, host copy of the initial parameters, optimizer and jitted step (compiled once per session)."""
     config = tiny_config()
-    target = rj.Target.init(config, seed=0)
+    target = rj.Target.init(config, seed=0, group_layout="stacked")  # as experiments.train_target trains
     optimizer = training.make_optimizer(training.OptimConfig(lr=1e-2, warmup_steps=2, total_steps=steps))
     step_fn = training.make_train_step(
         lambda params, tokens, key: training.target_loss(target.graphdef, config, params, tokens), optimizer)
