@@ -349,12 +349,14 @@ def test_capacity_exactly_enough_and_one_short(eos_runs):
 def _poisoned(target: rj.Target, path: tuple, group: int | None, value: float) -> rj.Target:
     """A copy of the target with one parameter (of one layer group) set to NaN / Inf (a new state tree:
     the original target is untouched)."""
-    params = jax.tree.map(lambda x: x, target.params)
+    stacked = target_lib.stack_groups(target.model)  # paths and group indices of the stacked layout
+    graphdef, params = nnx.split(stacked)
+    params = jax.tree.map(lambda x: x, params)
     node = params
     for key in path:
         node = node[key]
     node[...] = node[...].at[1 if group is None else group].set(value)  # row 1 / token 1 when not stacked
-    return rj.Target(nnx.merge(target.graphdef, params))
+    return rj.Target(nnx.merge(graphdef, params), group_layout=target.group_layout)
 
 
 POISON = [  # (parameter path, group, value, message): layer l sits at group l // 4, position l % 4

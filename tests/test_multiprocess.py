@@ -169,7 +169,7 @@ def _models():
 
     import ready_jax as rj
 
-    target = rj.Target.init(sharding_config(), seed=0)
+    target = rj.Target.init(sharding_config(), seed=0, group_layout="stacked")  # the layout the rules name
     drafter = rj.Drafter.init(target.config, rj.DrafterConfig(
         block_size=3, num_layers=2, markov_rank=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         intermediate_size=32, reader=rj.ReaderConfig(rank=4)), seed=1)

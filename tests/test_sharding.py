@@ -47,7 +47,8 @@ def test_every_parameter_of_every_model_kind_has_axes():
     moe = dataclasses.replace(tiny_config(), model_type="qwen3_next", num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=16, shared_expert_intermediate_size=24, attention_bias=True,
                               tie_word_embeddings=True)
-    targets = [jax.eval_shape(lambda c=c: rj.Target.init(c).params) for c in (tiny_config(), moe)]
+    # Sharding rules name the stacked layout (shard_target stacks split groups first).
+    targets = [jax.eval_shape(lambda c=c: rj.Target.init(c, group_layout="stacked").params) for c in (tiny_config(), moe)]
     base = tiny_config()
     drafters = [rj.Drafter.init(base, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8, reader=reader))
                 for reader in (None, rj.ReaderConfig(rank=4), rj.ReaderConfig(rank=4, kind="kv"))]
@@ -277,7 +278,7 @@ def main() -> None:
     import ready_jax as rj
     from ready_jax import sharding as sh
 
-    target = rj.Target.init(sharding_config(), seed=0)
+    target = rj.Target.init(sharding_config(), seed=0, group_layout="stacked")  # the layout the rules name
     drafter = rj.Drafter.init(target.config, rj.DrafterConfig(
         block_size=4, num_layers=2, markov_rank=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         intermediate_size=32, reader=rj.ReaderConfig(rank=4)), seed=1)
