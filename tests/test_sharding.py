@@ -48,7 +48,8 @@ def test_every_parameter_of_every_model_kind_has_axes():
                               moe_intermediate_size=16, shared_expert_intermediate_size=24, attention_bias=True,
                               tie_word_embeddings=True)
     # Sharding rules name the stacked layout (shard_target stacks split groups first).
-    targets = [jax.eval_shape(lambda c=c: rj.Target.init(c, group_layout="stacked").params) for c in (tiny_config(), moe)]
+    targets = [jax.eval_shape(lambda c=c: rj.Target.init(c, group_layout="stacked").params)
+               for c in (tiny_config(), moe)]
     base = tiny_config()
     drafters = [rj.Drafter.init(base, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8, reader=reader))
                 for reader in (None, rj.ReaderConfig(rank=4), rj.ReaderConfig(rank=4, kind="kv"))]
