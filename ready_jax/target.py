@@ -115,7 +115,9 @@ class TargetModel(nnx.Module):
         them) ride in the scan's carry and are updated at their group's index, so a step whose cache is
         donated writes what changed in place. As scanned inputs and stacked outputs they would be copied
         whole every step. Verify's per-position candidates are new buffers, stacked over groups. Stacked
-        groups run as a scan, split ones (an ``nnx.List``, see :func:`split_groups`) as an unrolled loop.
+        groups run as a scan, split ones (an ``nnx.List``, see :func:`split_groups`) as an unrolled loop; there
+        XLA may copy the small GDN states and conv windows once in a standalone step (it reads the next
+        group's slice from the original buffer), never the KV buffers, and nothing inside generate's loop.
         ``check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
         """
         cfg = self.config
