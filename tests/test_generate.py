@@ -171,7 +171,7 @@ TEMPERATURE = 0.5
 def small_vocab():
     """A target with a 5-token vocabulary, sharpened so its distributions are far from the drafter's."""
     cfg = tiny_config(vocab_size=VOCAB)
-    flat = {k: np.asarray(v) for k, v in flat_state(rj.Target.init(cfg, seed=5).params).items()}
+    flat = {k: np.asarray(v) for k, v in flat_state(rj.Target.init(cfg, seed=5).stacked_params()).items()}
     flat["lm_head.kernel"] = flat["lm_head.kernel"] * 25.0
     graphdef, params = nnx.split(nnx.eval_shape(lambda: rj.TargetModel(cfg, rngs=nnx.Rngs(0))))
     target = rj.Target(nnx.merge(graphdef, state_from_flat(params, flat, what="sharpened target")))
