@@ -184,7 +184,7 @@ def test_init_in_pieces_equals_one_program():
 
     build = lambda key: TargetModel(tiny_config(), rngs=nnx.Rngs(key), dtype=jnp.float32)  # noqa: E731
     pieces = init_state(build, 3, max_bytes=120_000)  # 318 KB of parameters: three programs
-    whole = rj.Target.init(tiny_config(), seed=3).params
+    whole = rj.Target.init(tiny_config(), seed=3).stacked_params()  # init_state builds the stacked layout
     assert jax.tree.structure(pieces) == jax.tree.structure(whole)
     for got, want in zip(jax.tree.leaves(pieces), jax.tree.leaves(whole), strict=True):
         np.testing.assert_array_equal(got, want)

@@ -218,8 +218,10 @@ DISTILL = dt.DistillConfig(prompt_len=6, seq_len=12, num_sequences=4, val_sequen
 
 @pytest.fixture
 def stand_in_target():
-    """All of a target that ``distilled_data`` reads once ``distill`` is replaced: its parameters (the cache key)."""
-    return SimpleNamespace(params=_target_trainer(4)[1])
+    """All of a target that ``distilled_data`` reads once ``distill`` is replaced: its stacked parameters (the
+    cache key)."""
+    params = _target_trainer(4)[1]
+    return SimpleNamespace(params=params, stacked_params=lambda: params)
 
 
 def test_distill_cache_is_kept_at_exactly_its_path(stand_in_target, fake_distill, tmp_path):
