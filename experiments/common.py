@@ -8,6 +8,7 @@ import json
 import os
 from types import ModuleType
 
+from ready_jax.cli import repo_root
 from ready_jax.provenance import environment
 
 
@@ -26,8 +27,26 @@ def write_json(path: str | os.PathLike | None, data: dict) -> None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**data, "environment": environment()}, f, indent=2, default=os.fspath)
+        json.dump(portable_paths({**data, "environment": environment()}), f, indent=2, default=os.fspath)
     print(f"wrote {path}")
+
+
+def portable_paths(value):
+    """``value`` (JSON-like) with this machine's paths made portable: the repository root as a relative path,
+    the home directory as ``~``, so a committed result names no machine."""
+    if isinstance(value, dict):
+        return {k: portable_paths(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable_paths(v) for v in value]
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and os.path.isabs(value):
+        root, home = str(repo_root()), os.path.expanduser("~")
+        if value == root or value.startswith(root + os.sep):
+            return os.path.relpath(value, root)
+        if home not in ("", "/") and value.startswith(home + os.sep):
+            return "~" + value[len(home):]
+    return value
 
 
 def pyplot():

@@ -53,3 +53,19 @@ def test_last_level_cache_is_read_or_none():
     size = le.last_level_cache_bytes()
     assert size is None or size >= 1 << 15
     assert jnp.isfinite(jnp.float32(size or 0))
+
+
+def test_results_name_no_machine_paths(tmp_path):
+    """write_json turns the repository root into relative paths and the home directory into ``~``."""
+    import json
+    import os
+
+    from experiments.common import write_json
+    from ready_jax import cli
+
+    out = tmp_path / "r.json"
+    home = os.path.expanduser("~")
+    write_json(out, {"zoo": cli.repo_path("zoo"), "cache": os.path.join(home, ".cache", "x"), "other": "/elsewhere"})
+    data = json.loads(out.read_text())
+    assert data["zoo"] == "zoo" and data["other"] == "/elsewhere"
+    assert data["cache"] == ("~/.cache/x" if home not in ("", "/") else os.path.join(home, ".cache", "x"))
