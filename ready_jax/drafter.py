@@ -14,7 +14,12 @@ What it computes, for one block (everything below was read off DeepSpec's modeli
 - **Visibility** (DeepSpec's ``create_dspark_attention_mask``): a block query sees every block
   position (bidirectional) and the context positions ``< anchor_pos``; the anchor's own context
   feature does not exist yet. Here the anchor position is ``context.lengths`` and the visible
-  context is exactly the committed slots, ``slot < context.lengths``.
+  context is exactly the committed positions, ``position < context.lengths`` (and, with
+  ``context_window = w``, ``position >= context.lengths - w``).
+- **Windowed context is a ring** (not DeepSpec's): a drafter with ``context_window = w`` keeps
+  ``min(capacity, w)`` slots and position p lives in slot ``p % slots``, so its context memory and
+  attention cost stay fixed however long the prefix grows. Keys carry RoPE at their absolute
+  positions, so where a key sits in the ring does not change the attention result.
 - **Layers**: Qwen3 decoder layers (pre-norm, q/k RMSNorm per head, full RoPE, SwiGLU MLP, no
   biases). Norms are Qwen3's ``x / rms(x) * w`` with w starting at one (unlike the target's
   zero-centred norms). The ReaDy reader, when configured, sits after the attention residual and
@@ -94,8 +99,9 @@ def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: j
                     blk_k: jax.Array, blk_v: jax.Array, window: int | None = None) -> jax.Array:
     """Block queries over [committed context ; whole block] with one softmax (GQA).
 
-    q: [B, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd] (slots >= ctx_len masked, and with ``window``
-    also slots < ctx_len - window); blk_k / blk_v: [B, G, H_kv, hd], all visible (bidirectional).
+    q: [B, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd] (a slot is visible when it holds a committed position,
+    and with ``window`` one >= ctx_len - window; see :func:`context_positions`); blk_k / blk_v:
+    [B, G, H_kv, hd], all visible (bidirectional).
     -> [B, G, H, hd]
     """
     b, g, h, hd = q.shape
@@ -103,15 +109,21 @@ def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: j
     q = q.reshape(b, g, h_kv, h // h_kv, hd)
     s_ctx = jnp.einsum("bgkrd,bskd->bkrgs", q, ctx_k).astype(jnp.float32)
     s_blk = jnp.einsum("bgkrd,bjkd->bkrgj", q, blk_k).astype(jnp.float32)
-    slot = jnp.arange(slots)[None, :]
-    visible = slot < ctx_len[:, None]                                         # [B, S]
+    visible = context_positions(ctx_len, slots) >= 0                          # [B, S]
     if window is not None:
-        visible &= slot >= ctx_len[:, None] - window
+        visible &= context_positions(ctx_len, slots) >= ctx_len[:, None] - window
     s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1).astype(q.dtype)
     out = (jnp.einsum("bkrgs,bskd->bgkrd", probs[..., :slots], ctx_v)
            + jnp.einsum("bkrgj,bjkd->bgkrd", probs[..., slots:], blk_v))
     return out.reshape(b, g, h, hd)
+
+
+def context_positions(lengths: jax.Array, slots: int) -> jax.Array:
+    """The position each context slot holds: the latest ``p < lengths[b]`` with ``p % slots == slot``, negative
+    for a slot never written. [B] -> [B, S]. In a cache that never wrapped (lengths <= slots) slot s holds s."""
+    last = lengths[:, None] - 1
+    return last - (last - jnp.arange(slots)[None, :]) % slots
 
 
 class DraftAttention(nnx.Module):
@@ -256,45 +268,43 @@ class DrafterModel(nnx.Module):
 
 # ---- pure step functions ----------------------------------------------------------------------------------
 def init_context(config: DrafterConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> ContextCache:
-    shape = (config.num_layers, batch_size, capacity, config.num_key_value_heads, config.head_dim)
+    """An empty context for up to ``capacity`` tokens: ``capacity`` slots, or with ``context_window = w`` a ring
+    of ``min(capacity, w)`` slots (see the module docstring)."""
+    slots = capacity if config.context_window is None else min(capacity, config.context_window)
+    shape = (config.num_layers, batch_size, slots, config.num_key_value_heads, config.head_dim)
     return ContextCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
-def write_context(graphdef, params, context: ContextCache, hidden: jax.Array) -> ContextCache:
-    """Project T new tokens' target features [n_ids, B, T, D] into every layer's context K/V.
+def append_context(graphdef, params, context: ContextCache, hidden: jax.Array,
+                   num_new: jax.Array | None = None) -> ContextCache:
+    """Commit the first ``num_new[b]`` (None: all T) of T new tokens' target features [n_ids, B, T, D].
 
-    They land at slots ``lengths[b] + t`` but stay invisible until :func:`commit_context`: like the
-    target's verify candidate, nothing is committed yet. Slots past the capacity are dropped.
+    Each layer's context K/V of a committed token lands at slot ``position`` (a ring: ``position % slots``,
+    and only the last ``slots`` committed tokens are written); rejected tokens are not written, and writes
+    past a full-context cache's capacity are dropped. After prefill: the prompt's features, ``num_new`` =
+    prompt lengths. After verify of ``[anchor, d_1..d_gamma]``: the verify features and ``num_new`` =
+    accepted drafts + 1.
     """
     model = nnx.merge(graphdef, params)
     with jax.named_scope("context_projection"):
         feats = model.context_features(hidden)                                # [B, T, d]
         b, t, _ = feats.shape
-        positions = context.lengths[:, None] + jnp.arange(t)[None, :]         # [B, T]
+        slots = context.capacity
+        n = jnp.full_like(context.lengths, t) if num_new is None else jnp.asarray(num_new, jnp.int32)
+        offsets = jnp.arange(t)[None, :]
+        positions = context.lengths[:, None] + offsets                        # [B, T]
         kv = [layer.self_attn.keys_values(feats, positions) for layer in model.layers]
         k = jnp.stack([k for k, _ in kv]).astype(context.k.dtype)            # [L, B, T, H_kv, hd]
         v = jnp.stack([v for _, v in kv]).astype(context.v.dtype)
+        if model.config.context_window is None:
+            target_slots = jnp.where(offsets < n[:, None], positions, slots)   # past the capacity: dropped
+        else:  # the ring: each kept token gets its own slot, so no two writes collide
+            keep = (offsets < n[:, None]) & (offsets >= n[:, None] - slots)
+            target_slots = jnp.where(keep, positions % slots, slots)
         rows = jnp.arange(b)[:, None]
-        return ContextCache(k=context.k.at[:, rows, positions].set(k, mode="drop"),
-                            v=context.v.at[:, rows, positions].set(v, mode="drop"), lengths=context.lengths)
-
-
-def commit_context(context: ContextCache, n: jax.Array) -> ContextCache:
-    """Make the next ``n[b]`` written tokens of sequence b visible: a length update."""
-    return dataclasses.replace(context, lengths=context.lengths + jnp.asarray(n, jnp.int32))
-
-
-def append_context(graphdef, params, context: ContextCache, hidden: jax.Array,
-                   num_new: jax.Array | None = None) -> ContextCache:
-    """Write features [n_ids, B, T, D] and commit the first ``num_new[b]`` (None: all T) of each row.
-
-    After prefill: the prompt's features, ``num_new`` = prompt lengths. After verify of
-    ``[anchor, d_1..d_gamma]``: the verify features and ``num_new`` = accepted drafts + 1.
-    """
-    written = write_context(graphdef, params, context, hidden)
-    n = jnp.full_like(context.lengths, hidden.shape[2]) if num_new is None else num_new
-    return commit_context(written, n)
+        return ContextCache(k=context.k.at[:, rows, target_slots].set(k, mode="drop"),
+                            v=context.v.at[:, rows, target_slots].set(v, mode="drop"), lengths=context.lengths + n)
 
 
 def prepare_reader(graphdef, params, source: TargetCache | Candidate,
@@ -443,9 +453,9 @@ class Drafter:
         """Commit target features ``hidden`` [n_ids, B, T, D] (``StepOutput.hidden`` for the ids)."""
         hidden = jnp.asarray(hidden)
         n = np.full((context.batch_size,), hidden.shape[2]) if num_new is None else np.asarray(num_new)
-        # Writes past the capacity would be dropped silently inside the step, so check on the host.
+        # Writes past a full context's capacity would be dropped silently inside the step, so check on the host.
         longest = int(np.max(np.asarray(context.lengths) + n))
-        if longest > context.capacity:
+        if self.config.context_window is None and longest > context.capacity:
             raise ValueError(f"{longest} context tokens exceed the context cache capacity {context.capacity}")
         num_new = None if num_new is None else jnp.asarray(n, jnp.int32)
         return _append_jit(self.graphdef, self.params, context, hidden, num_new)

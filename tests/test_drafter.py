@@ -201,6 +201,30 @@ def test_context_window_sees_only_the_last_w_committed_tokens(tiny_target):
     np.testing.assert_allclose(base[1], logits(unbounded, hidden)[1], atol=1e-6)
 
 
+def test_windowed_context_is_a_ring_equal_to_the_masked_full_context(tiny_target):
+    """A windowed drafter keeps w slots; after ragged appends that wrap the ring several times its drafts equal
+    the same drafter reading every committed token's K/V with the window mask, and its generate equals AR."""
+    w = 5
+    windowed = Drafter.init(tiny_target.config, _config(context_window=w), seed=8)
+    unbounded = Drafter.from_state(_config(context_window=None).resolve(tiny_target.config), windowed.flat_params())
+    shared = SharedWeights.from_target(tiny_target)
+    rng = np.random.default_rng(8)
+    ring, full = windowed.init_context(2, 64), unbounded.init_context(2, 64)
+    assert ring.capacity == w and full.capacity == 64
+    for t, n in [(9, [9, 4]), (4, [1, 4]), (4, [3, 2]), (4, [4, 1]), (4, [2, 4])]:   # prefill, then verify-like
+        hidden = jnp.asarray(rng.normal(size=(3, 2, t, 32)), jnp.float32)
+        ring = windowed.append_context(ring, hidden, np.array(n))
+        full = unbounded.append_context(full, hidden, np.array(n))
+        anchor = jnp.asarray(rng.integers(0, VOCAB, 2), jnp.int32)
+        np.testing.assert_array_equal(ring.lengths, full.lengths)
+        np.testing.assert_allclose(np.asarray(windowed.draft(ring, anchor, shared).logits),
+                                   np.asarray(windowed.draft(full, anchor, shared).logits), rtol=1e-5, atol=1e-5)
+    prompts = _prompt(9, b=2, t=11)
+    ar = rj.generate(tiny_target, prompts, 12)
+    spec = rj.generate(tiny_target, prompts, 12, drafter=windowed)
+    np.testing.assert_array_equal(spec.tokens, ar.tokens)
+
+
 def test_attention_inside_the_block_is_bidirectional(tiny_target):
     drafter = Drafter.init(tiny_target.config, _config(), seed=6)
     model = nnx.merge(drafter.graphdef, drafter.params)
