@@ -60,6 +60,16 @@ def main(argv=None) -> None:
                         help="resume from the newest checkpoint even if its hash record is missing (it is "
                         "restored if orbax reads it and the settings match, and its record is written anew)")
     parser.add_argument("--val-windows", type=int, default=64, help="validation windows per evaluation")
+    parser.add_argument("--long-range-fraction", type=float, default=0.0,
+                        help="share of training windows that get long-range recall records written over them "
+                        "(ready_jax.data.LongRangeTask; 0: the plain corpus)")
+    parser.add_argument("--long-range-records", type=int, default=12, help="record/query pairs per such window")
+    parser.add_argument("--long-range-max-distance", type=int, default=512,
+                        help="longest record-to-query distance (drawn log-uniformly from the record length up)")
+    parser.add_argument("--long-range-values", type=int, default=data.LONG_RANGE_VALUE_TOKENS,
+                        help="value tokens per record")
+    parser.add_argument("--linear-head-dim", type=int, default=128,
+                        help="key and value head dim of the Gated DeltaNet layers (their states are dim x dim)")
     parser.add_argument("--save-dir", default=None, help="write the trained target here (project format)")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="parameter dtype of the saved target")
@@ -71,6 +81,8 @@ def main(argv=None) -> None:
     config = training.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
                                           num_layers=args.layers, intermediate_size=args.intermediate,
                                           eos_token_id=data.EOS_ID)
+    config = dataclasses.replace(config, linear_key_head_dim=args.linear_head_dim,
+                                 linear_value_head_dim=args.linear_head_dim)
     # Stacked groups: the layer scan keeps the training step's compile time flat in depth, and run checkpoints
     # keep the layout they have always had, so earlier runs resume.
     target = rj.Target.init(config, seed=args.seed, group_layout="stacked")
@@ -87,10 +99,23 @@ def main(argv=None) -> None:
     train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
     val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
     eval_fn = training.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
-    batch_fn = lambda step: jnp.asarray(train_windows.batch(args.seed, step * args.batch_size,  # noqa: E731
-                                                            args.batch_size))
+    long_range = None
+    if args.long_range_fraction > 0:
+        long_range = data.LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values)
+
+    def batch_fn(step):
+        position = step * args.batch_size
+        windows = train_windows.batch(args.seed, position, args.batch_size)
+        if long_range is not None:
+            windows = data.long_range_windows(long_range, windows, args.seed, position, args.long_range_fraction,
+                                              args.long_range_max_distance, args.long_range_records)
+        return jnp.asarray(windows)
+
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
+    if long_range is not None:
+        meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
+                              "max_distance": args.long_range_max_distance, "values": args.long_range_values}
     loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                                checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
                                resume_unverified=args.resume_unverified)

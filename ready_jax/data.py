@@ -330,3 +330,150 @@ def draw_prompts(tokenizer: Tokenizer, docs: Sequence[Document], count: int, pro
             ids = ids[:prompt_tokens]
             prompts.append({"kind": kind, "name": doc.name, "ids": ids, "text": tokenizer.decode(ids)})
     return prompts
+
+
+# ---- the long-range recall task ------------------------------------------------------------------------------
+# A record is ``OPEN key v_1 .. v_n CLOSE``; the same record D tokens later is its query. A prompt ends just after
+# the query's ``OPEN key``, so the value tokens and CLOSE that follow are set by content exactly D tokens back.
+# OPEN and CLOSE are the byte-level tokens of two control bytes the corpus does not hold.
+LONG_RANGE_OPEN, LONG_RANGE_CLOSE = "\x01", "\x02"
+LONG_RANGE_VALUE_TOKENS = 5
+_PROMPT_STREAM, _TRAIN_STREAM = 0x10C, 0x7EA1  # rng namespaces: prompt seeds never give a training record
+
+
+@dataclasses.dataclass(frozen=True)
+class LongRangeTask:
+    """The record format for one tokenizer: marker ids and the pool keys and values are drawn from."""
+
+    open_id: int
+    close_id: int
+    pool: np.ndarray            # [P] ids keys and values are drawn from: every id but the special and marker ids
+    value_tokens: int = LONG_RANGE_VALUE_TOKENS
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, value_tokens: int = LONG_RANGE_VALUE_TOKENS) -> LongRangeTask:
+        if value_tokens < 1:
+            raise ValueError(f"value_tokens {value_tokens} must be >= 1")
+        markers = []
+        for text in (LONG_RANGE_OPEN, LONG_RANGE_CLOSE):
+            ids = tokenizer.encode(text).ids
+            if len(ids) != 1:
+                raise ValueError(f"the tokenizer encodes the marker {text!r} as {ids}, not one token")
+            markers.append(ids[0])
+        reserved = {EOS_ID, MASK_ID, PAD_ID, *markers}
+        pool = np.asarray([i for i in range(tokenizer.get_vocab_size()) if i not in reserved], np.int32)
+        return cls(markers[0], markers[1], pool, value_tokens)
+
+    @property
+    def record_tokens(self) -> int:
+        """R: tokens of one record (OPEN, key, values, CLOSE), also the smallest distance."""
+        return self.value_tokens + 3
+
+    def record(self, rng: np.random.Generator) -> np.ndarray:
+        """``[OPEN, key, v_1 .. v_n, CLOSE]`` with key and values drawn uniformly from the pool: [R]."""
+        body = self.pool[rng.integers(len(self.pool), size=self.value_tokens + 1)]
+        return np.concatenate([[self.open_id], body, [self.close_id]]).astype(np.int32)
+
+    def check_distance(self, distance: int) -> None:
+        if distance < self.record_tokens:
+            raise ValueError(f"distance {distance} is shorter than a record ({self.record_tokens} tokens: OPEN, "
+                             f"key, {self.value_tokens} values, CLOSE), so the query would overlap it")
+
+    def prompt(self, rng: np.random.Generator, filler: np.ndarray, distance: int, lead: int) -> dict:
+        """``lead`` filler tokens, a record, filler up to ``distance``, then the query's ``OPEN key``.
+
+        ``filler`` must hold at least ``lead + distance - R`` tokens. Returns ``{"ids", "reference"}``: the
+        prompt ([lead + distance + 2] ids) and the R - 2 tokens that answer it (values, CLOSE).
+        """
+        self.check_distance(distance)
+        gap = distance - self.record_tokens
+        if len(filler) < lead + gap:
+            raise ValueError(f"{len(filler)} filler tokens cannot give a {lead}-token lead and a {gap}-token gap")
+        record = self.record(rng)
+        ids = np.concatenate([filler[:lead], record, filler[lead:lead + gap], record[:2]])
+        return {"ids": ids.astype(np.int32).tolist(), "reference": record[2:].tolist()}
+
+    def overlay(self, rng: np.random.Generator, window: np.ndarray, max_distance: int, records: int) -> np.ndarray:
+        """A copy of ``window`` [T] with up to ``records`` record/query pairs written over it, at distances drawn
+        log-uniformly from ``R .. max_distance`` and at positions where no two pairs overlap (a pair that finds
+        no free place in a few tries is left out)."""
+        out = np.array(window, np.int32)
+        size = self.record_tokens
+        top = min(max_distance, len(out) - size)
+        taken = np.zeros(len(out), bool)
+        for _ in range(records):
+            if top < size:
+                break
+            for _try in range(8):
+                distance = int(round(np.exp(rng.uniform(np.log(size), np.log(top)))))
+                start = int(rng.integers(len(out) - size - distance + 1))
+                spans = (slice(start, start + size), slice(start + distance, start + distance + size))
+                if not any(taken[s].any() for s in spans):
+                    record = self.record(rng)
+                    for s in spans:
+                        out[s], taken[s] = record, True
+                    break
+        return out
+
+    def without_markers(self, tokens: np.ndarray) -> np.ndarray:
+        """``tokens`` with any OPEN / CLOSE id removed, so filler never holds a stray marker."""
+        tokens = np.asarray(tokens)
+        return tokens[(tokens != self.open_id) & (tokens != self.close_id)]
+
+
+def long_range_prompts(tokenizer: Tokenizer, distance: int, count: int, seed: int, *,
+                       value_tokens: int = LONG_RANGE_VALUE_TOKENS, lead: int = 32, length: int | None = None,
+                       split: str = "test") -> list[dict]:
+    """``count`` long-range recall prompts whose answer sits ``distance`` tokens back (see :class:`LongRangeTask`).
+
+    Filler is text of ``split``'s corpus documents (held-out ``test`` by default) encoded with ``tokenizer``;
+    keys and values are random. Each prompt is ``lead`` filler tokens, a record, filler, then the query's
+    ``OPEN key``; with ``length`` every prompt has exactly ``length`` tokens (the lead takes up the rest).
+    Deterministic in ``(seed, distance)``; other seeds give other filler, keys and values, and no seed gives a
+    record that :func:`long_range_windows` trains on. Each dict: ``{"ids", "reference", "distance", "name"}``
+    (``name``: the filler's first document).
+    """
+    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens)
+    task.check_distance(distance)
+    if length is not None:
+        lead = length - distance - 2
+        if lead < 0:
+            raise ValueError(f"a {length}-token prompt cannot hold a query {distance} tokens after its record")
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+    docs = split_documents(collect_documents())[split]
+    rng = np.random.default_rng([_PROMPT_STREAM, seed, distance])
+    need = lead + distance - task.record_tokens
+    encoded: dict[str, np.ndarray] = {}
+    prompts = []
+    for _ in range(count):
+        names, parts, have = [], [], 0
+        while have < need:  # the filler starts at a random token of a random document and runs on into others
+            doc = docs[int(rng.integers(len(docs)))]
+            if doc.name not in encoded:
+                encoded[doc.name] = np.append(task.without_markers(tokenizer.encode(doc.text).ids), EOS_ID)
+            ids = encoded[doc.name]
+            part = ids[int(rng.integers(len(ids))):] if not parts else ids
+            names.append(doc.name)
+            parts.append(part)
+            have += len(part)
+        filler = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+        prompt = task.prompt(rng, filler, distance, lead)
+        prompts.append(prompt | {"distance": distance, "name": names[0] if names else ""})
+    return prompts
+
+
+def long_range_windows(task: LongRangeTask, windows: np.ndarray, seed: int, position: int, fraction: float,
+                       max_distance: int, records: int) -> np.ndarray:
+    """Training windows [B, T] with records overlaid (:meth:`LongRangeTask.overlay`) on about ``fraction`` of them.
+
+    A pure function of ``(seed, position)`` (the batch's first item), so a resumed run sees the same data.
+    """
+    out = []
+    for row, window in enumerate(windows):
+        rng = np.random.default_rng([_TRAIN_STREAM, seed, position + row])
+        window = task.without_markers(window) if (window == task.open_id).any() or (window == task.close_id).any() \
+            else window
+        window = np.pad(window, (0, windows.shape[1] - len(window)), constant_values=EOS_ID)
+        out.append(task.overlay(rng, window, max_distance, records) if rng.uniform() < fraction else window)
+    return np.stack(out)
