@@ -61,6 +61,7 @@ class Arm:
     flags: tuple[str, ...] = ()
     all_seeds: bool = False
     label: str = ""
+    steps: str | None = None  # "base", "extra" or "total" (both); None: base from scratch, extra when continued
 
 
 DRAFT_LAYERS = 2  # the zoo's drafter depth
@@ -93,11 +94,14 @@ def run_name(arm: str, seed: int) -> str:
 
 # ---- train -------------------------------------------------------------------------------------------------
 def train_command(arm: Arm, seed: int, args) -> list[str]:
+    """The train_drafter command of (arm, seed); ``args.common_flags`` (if any) go to every run."""
     runs = Path(args.runs)
     first = arm.base is None
+    steps = {"base": args.dspark_steps, "extra": args.extra_steps,
+             "total": args.dspark_steps + args.extra_steps}[arm.steps or ("base" if first else "extra")]
     cmd = [sys.executable, "-m", f"{__package__}.train_drafter", "--variant", arm.variant, "--target", str(args.target),
            "--corpus", str(args.corpus), "--seed", str(seed), "--distill-cache", str(runs / "distill.npz"),
-           "--sequences", str(args.sequences), "--steps", str(args.dspark_steps if first else args.extra_steps),
+           "--sequences", str(args.sequences), "--steps", str(steps),
            "--lr", "2e-3" if first else "1e-3", "--warmup", "20" if first else "10",
            "--eval-every", "100000", "--checkpoint-every", "50", "--log-every", "50",
            "--workdir", str(runs / "work" / run_name(arm.name, seed)),
@@ -106,7 +110,7 @@ def train_command(arm: Arm, seed: int, args) -> list[str]:
         cmd += ["--num-layers", str(DRAFT_LAYERS)]
     else:
         cmd += ["--init-from", str(runs / run_name(arm.base, seed))]
-    return cmd + list(arm.flags)
+    return cmd + list(getattr(args, "common_flags", ())) + list(arm.flags)
 
 
 def train(args, table: tuple[Arm, ...]) -> None:
@@ -159,26 +163,36 @@ ZOO_DRAFTERS = (("dspark", "dspark"), ("dspark_ft", "dspark_ft"), ("ready", "rea
 
 
 def ship(args) -> None:
-    """Replace ``args.zoo`` by the target and the first seed's main drafters, with a merged manifest."""
-    runs, target_dir, zoo = Path(args.runs), Path(args.target), Path(args.zoo)
-    sources = {"target": (target_dir, json.loads((target_dir.parent / "MANIFEST.json").read_text()), target_dir.name)}
-    table_manifest = json.loads((runs / "MANIFEST.json").read_text())
-    for folder, arm in ZOO_DRAFTERS:
-        name = run_name(arm, args.seeds[0])
-        sources[folder] = (runs / name, table_manifest, name)
-    manifest = {"files": {}}
-    for folder, (src, record, recorded_as) in sources.items():
+    """Replace the zoo's target and drafters by the target and the first seed's main drafters."""
+    runs, target_dir = Path(args.runs), Path(args.target)
+    sources = {"target": target_dir}
+    sources.update({folder: runs / run_name(arm, args.seeds[0]) for folder, arm in ZOO_DRAFTERS})
+    ship_dirs(sources, Path(args.zoo))
+
+
+def ship_dirs(sources: dict[str, Path], zoo: Path) -> None:
+    """Copy each source directory to ``zoo/<folder>`` (replacing it) and record its files in ``zoo/MANIFEST.json``.
+
+    Every file must be the one recorded in the ``MANIFEST.json`` beside its source directory (training writes
+    it: sha256 and the command that made it); the zoo's entries for other folders are kept.
+    """
+    manifest_path = zoo / "MANIFEST.json"
+    old = json.loads(manifest_path.read_text())["files"] if manifest_path.exists() else {}
+    files = {rel: entry for rel, entry in old.items() if not any(rel.startswith(f"{folder}/") for folder in sources)}
+    for folder, src in sources.items():
+        record = json.loads((src.parent / "MANIFEST.json").read_text())
         for path in sorted(p for p in src.iterdir() if p.is_file()):
-            entry = record["files"].get(f"{recorded_as}/{path.name}")
+            entry = record["files"].get(f"{src.name}/{path.name}")
             if entry is None or entry["sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
                 raise SystemExit(f"{path} is not the file its manifest records; retrain or re-export it")
-            manifest["files"][f"{folder}/{path.name}"] = {**repo_relative(entry), "copied_from": relative(path)}
-    for folder in sources:
+            files[f"{folder}/{path.name}"] = {**repo_relative(entry), "copied_from": relative(path)}
+    for folder, src in sources.items():
         shutil.rmtree(zoo / folder, ignore_errors=True)
-        shutil.copytree(sources[folder][0], zoo / folder)
-    (zoo / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    total = sum(e["bytes"] for e in manifest["files"].values())
-    print(f"wrote {zoo}: {len(manifest['files'])} files, {total / 1e6:.1f} MB")
+        shutil.copytree(src, zoo / folder)
+    manifest_path.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    shipped = [e["bytes"] for rel, e in files.items() if any(rel.startswith(f"{f}/") for f in sources)]
+    print(f"wrote {len(shipped)} files ({sum(shipped) / 1e6:.1f} MB) to {zoo}; the zoo holds "
+          f"{sum(e['bytes'] for e in files.values()) / 1e6:.1f} MB in all")
 
 
 def relative(path) -> str:

@@ -105,6 +105,11 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per distilled sequence, prompt included")
     parser.add_argument("--stride", type=int, default=8, help="tokens between anchors")
+    parser.add_argument("--long-range-max-distance", type=int, default=None,
+                        help="distill long-range recall prompts (ready_jax.data.long_range_mixture) with distances "
+                        "up to this many tokens instead of corpus prompts")
+    parser.add_argument("--long-range-values", type=int, default=data.LONG_RANGE_VALUE_TOKENS,
+                        help="value tokens per long-range record")
     parser.add_argument("--distill-temperature", type=float, default=0.0,
                         help="the target's sampling temperature when distilling (0: greedy)")
     parser.add_argument("--distill-cache", default=None, help="where the distilled sequences are kept "
@@ -122,7 +127,9 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
-                                      temperature=args.distill_temperature, seed=args.data_seed)
+                                      temperature=args.distill_temperature, seed=args.data_seed,
+                                      long_range_max_distance=args.long_range_max_distance,
+                                      long_range_values=args.long_range_values)
     distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
     start = time.perf_counter()
     train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config, distill_cache)

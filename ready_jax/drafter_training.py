@@ -319,7 +319,12 @@ def default_config(target_config: TargetConfig, mask_token_id: int, **overrides)
 # ---- the whole run -------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Self-distilled sequences: ``prompt_len`` corpus tokens + ``seq_len - prompt_len`` target tokens."""
+    """Self-distilled sequences: ``prompt_len`` corpus tokens + ``seq_len - prompt_len`` target tokens.
+
+    With ``long_range_max_distance`` the prompts are long-range recall prompts instead
+    (:func:`ready_jax.data.long_range_mixture`: a record, then its query at a distance up to that many
+    tokens, so the target's continuation starts with the record's values).
+    """
 
     prompt_len: int = 64
     seq_len: int = 256
@@ -327,6 +332,8 @@ class DistillConfig:
     val_sequences: int = 16
     temperature: float = 0.0
     seed: int = 0
+    long_range_max_distance: int | None = None
+    long_range_values: int = data.LONG_RANGE_VALUE_TOKENS
 
 
 def distilled_data(target: Target, corpus, config: DistillConfig, path,
@@ -335,7 +342,8 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
     exactly that path whatever its suffix).
 
     Train prompts are seeded random corpus windows of the train split, validation prompts the first
-    windows of the validation split, so drafter validation never sees a training document. The cache is
+    windows of the validation split, so drafter validation never sees a training document (long-range
+    prompts: filler from those splits). The cache is
     written whole or not at all (a temporary file renamed over ``path``); one that cannot be read, or
     that was made with other settings or another target, is regenerated, with a note to ``log``.
     Generating prints progress to stderr.
@@ -346,9 +354,19 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
     if cached is not None:
         return cached
     new = config.seq_len - config.prompt_len
-    train_prompts = data.Windows(corpus.tokens("train"), config.prompt_len - 1).batch(
-        config.seed, 0, config.num_sequences)
-    val_prompts = data.Windows(corpus.tokens("validation"), config.prompt_len - 1).ordered(config.val_sequences)
+    if config.long_range_max_distance is None:
+        train_prompts = data.Windows(corpus.tokens("train"), config.prompt_len - 1).batch(
+            config.seed, 0, config.num_sequences)
+        val_prompts = data.Windows(corpus.tokens("validation"), config.prompt_len - 1).ordered(config.val_sequences)
+    else:
+        def recall_prompts(count: int, split: str) -> np.ndarray:
+            prompts = data.long_range_mixture(corpus.tokenizer, count, config.seed, config.prompt_len,
+                                              config.long_range_max_distance, value_tokens=config.long_range_values,
+                                              split=split)
+            return np.asarray([p["ids"] for p in prompts], np.int32)
+
+        train_prompts, val_prompts = recall_prompts(config.num_sequences, "train"), recall_prompts(
+            config.val_sequences, "validation")
     with cli.Progress("self-distillation", len(train_prompts) + len(val_prompts), "sequences") as progress:
         train = distill(target, train_prompts, new, temperature=config.temperature, seed=config.seed,
                         progress=progress)

@@ -1,9 +1,15 @@
 """The long-range recall task (``ready_jax.data``) and the long-range testbed's pieces."""
 
+import json
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+import ready_jax as rj
+from experiments import long_range as lr
+from experiments import reproduce_table as rt
 from ready_jax import cli, data
 
 
@@ -82,3 +88,99 @@ def test_training_windows_hold_records_and_their_queries(tokenizer):
     untouched = data.long_range_windows(task, windows[1:], seed=0, position=0, fraction=0.0, max_distance=100,
                                         records=6)
     np.testing.assert_array_equal(untouched, windows[1:])
+
+
+def test_mixture_prompts_have_one_length_and_many_distances(tokenizer):
+    task = data.LongRangeTask.for_tokenizer(tokenizer)
+    prompts = data.long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)
+    assert {len(p["ids"]) for p in prompts} == {96}
+    distances = [p["distance"] for p in prompts]
+    assert min(distances) >= task.record_tokens and max(distances) <= 80 and len(set(distances)) > 8
+    for p in prompts:
+        ids, d = np.asarray(p["ids"]), p["distance"]
+        np.testing.assert_array_equal(ids[len(ids) - 2 - d + 2:len(ids) - 2 - d + task.record_tokens], p["reference"])
+    assert prompts == data.long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)
+    assert prompts != data.long_range_mixture(tokenizer, 24, seed=1, length=96, max_distance=80)
+
+
+# ---- the testbed's bookkeeping ---------------------------------------------------------------------------------
+def test_arms_distances_and_commands():
+    table = {a.name: a for a in lr.arms(window=16, state_dim=64, ranks=(8, 32, 64))}
+    assert set(table) == {"dspark_window", "control", "ready", "ready_rank32", "ready_rank64", "kv_read", "dspark_full"}
+    assert {a.name for a in table.values() if a.all_seeds} == {"dspark_window", "control", "ready"}
+    assert "lossless" in table["ready_rank64"].label and "lossless" not in table["ready_rank32"].label
+    assert lr.distances(16) == [8, 32, 128, 512]
+
+    class Args:
+        runs, target, corpus, sequences, dspark_steps, extra_steps = "r", "t", "c", 8, 30, 20
+        common_flags = ("--long-range-max-distance", "600")
+
+    full = rt.train_command(table["dspark_full"], 0, Args)
+    assert full[full.index("--steps") + 1] == "50" and "--context-window" not in full  # both phases' budget
+    control = rt.train_command(table["control"], 1, Args)
+    assert control[control.index("--init-from") + 1] == "r/dspark_window_s1"
+    assert control[control.index("--steps") + 1] == "20" and control[-2:] == ["--long-range-max-distance", "600"]
+    base = rt.train_command(table["dspark_window"], 0, Args)
+    assert base[-2:] == ["--context-window", "16"]
+
+
+def test_aggregate_pairs_ready_and_control_of_each_seed():
+    table = lr.arms(16, 64, (8,))
+    per_distance = {"8": {"tau": {"ready_s0": 3.0, "control_s0": 2.0, "ready_s1": 2.0, "control_s1": 2.0,
+                                  "ready_s2": 5.0}},
+                    "32": {"tau": {"ready_s0": 1.5, "control_s0": 1.0}}}
+    summary = lr.aggregate(per_distance, table, [0, 1, 2])
+    assert summary["gains"]["8"]["ratio"]["values"] == [1.5, 1.0]                # seed 2 has no control: unpaired
+    assert summary["gains"]["32"]["tau_difference"]["values"] == [0.5]
+    assert summary["arms"]["ready"]["tau"]["8"]["n"] == 3 and "dspark_full" not in summary["arms"]
+
+
+# ---- the testbed's measurements on a tiny target ---------------------------------------------------------------
+def _drafter(target, **overrides):
+    base = dict(block_size=4, num_layers=1, markov_rank=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                intermediate_size=32, target_layer_ids=(1, 3))
+    return rj.Drafter.init(target.config, rj.DrafterConfig(**(base | overrides)), seed=0)
+
+
+def test_round_cost_is_flat_in_the_prefix_for_a_windowed_reader(tiny_target):
+    windowed = _drafter(tiny_target, context_window=8, reader=rj.ReaderConfig(source_layers=(1,), rank=4))
+    full = _drafter(tiny_target)
+    short, long = (lr.round_cost(windowed, tiny_target, p, repeats=2) for p in (16, 256))
+    assert short["context_bytes"] == long["context_bytes"] > 0 and short["reader_state_bytes"] > 0
+    full_short, full_long = (lr.round_cost(full, tiny_target, p, repeats=2) for p in (16, 256))
+    assert full_long["context_bytes"] > 4 * full_short["context_bytes"] and full_short["reader_state_bytes"] == 0
+    assert full_long["seconds"] > 0
+
+
+def test_reader_effect_is_zero_for_an_untrained_reader(tiny_target):
+    ready = _drafter(tiny_target, context_window=8, reader=rj.ReaderConfig(source_layers=(1,), rank=4))
+    prompts = np.random.default_rng(0).integers(3, 90, (2, 12)).astype(np.int32)
+    effect = lr.reader_effect(ready, tiny_target, prompts)                # W_o starts at zero: exactly no update
+    assert effect["mean_abs_logit_change"] == 0.0 and effect["top1_changed"] == 0.0 and effect["logit_std"] > 0
+    flat = dict(ready.flat_params())
+    name = next(k for k in flat if k.endswith("reader.o_proj.kernel"))
+    flat[name] = jnp.asarray(np.random.default_rng(1).normal(size=flat[name].shape), flat[name].dtype)
+    moved = lr.reader_effect(rj.Drafter.from_state(ready.config, flat), tiny_target, prompts)
+    assert moved["mean_abs_logit_change"] > 0
+
+
+def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
+    runs = tmp_path / "runs"
+    for folder in ("target", "control_s0"):
+        (runs / folder).mkdir(parents=True)
+        (runs / folder / "model.safetensors").write_bytes(folder.encode())
+    record = {"files": {f"{f}/model.safetensors": {"sha256": __import__("hashlib").sha256(f.encode()).hexdigest(),
+                                                   "bytes": len(f), "command": f"make {f}"}
+                        for f in ("target", "control_s0")}}
+    (runs / "MANIFEST.json").write_text(json.dumps(record))
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (zoo / "MANIFEST.json").write_text(json.dumps({"files": {"dspark/a": {"sha256": "x", "bytes": 1}}}))
+    rt.ship_dirs({"long_range/target": runs / "target", "long_range/control": runs / "control_s0"}, zoo)
+    files = json.loads((zoo / "MANIFEST.json").read_text())["files"]
+    assert set(files) == {"dspark/a", "long_range/target/model.safetensors", "long_range/control/model.safetensors"}
+    assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
+    assert (zoo / "long_range" / "control" / "model.safetensors").read_bytes() == b"control_s0"
+    (runs / "target" / "model.safetensors").write_bytes(b"changed")
+    with pytest.raises(SystemExit, match="not the file its manifest records"):
+        rt.ship_dirs({"long_range/target": runs / "target"}, zoo)

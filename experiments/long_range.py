@@ -1,0 +1,318 @@
+"""The long-range testbed: does reading the target's committed state help when the drafts need content that
+the drafter's own context window cannot see?
+
+The task (``ready_jax.data.LongRangeTask``): a document holds a record ``OPEN key v_1..v_n CLOSE`` and, D
+tokens later, its query ``OPEN key``; the target's next tokens are the record's values, set by content
+exactly D tokens back. A drafter whose context window W is shorter than D cannot see them; the target's
+committed Gated DeltaNet states might hold them, and a ReaDy reader reads those states.
+
+Steps (each resumable; the target is trained first with ``experiments.train_target``, see the README):
+
+    python -m experiments.long_range train --target runs/long_range/target --runs runs/long_range/drafters
+    python -m experiments.long_range ship --target runs/long_range/target --runs runs/long_range/drafters
+    python -m experiments.long_range evaluate --zoo zoo/long_range --runs runs/long_range/drafters \\
+        --out results/long_range_cpu.json --plot results/long_range_cpu.png
+    python -m experiments.long_range evaluate --zoo zoo/long_range        # the shipped testbed, in minutes
+
+``train`` trains every arm of :func:`arms` on the same self-distilled long-range data (prompts of
+``--prompt-len`` tokens, distances up to ``--max-distance``; ``experiments.train_drafter`` with
+``--long-range-max-distance``): a windowed DSpark per seed; from it, for the same number of steps, the
+control (DSpark-FT, windowed, no state access), ReaDy (windowed, rank 8), and with the first seed ReaDy at
+higher ranks and the KV-read baseline; and a full-context DSpark trained from scratch for both phases'
+steps (the upper bound). ``ship`` copies the target, the first seed's control and ReaDy into
+``zoo/long_range/{target,control,ready}`` and records them in ``zoo/MANIFEST.json``.
+
+``evaluate`` draws held-out prompts (test-split filler, seeds no drafter trained on) at D in
+{W/2, 2W, 8W, 32W}, generates each prompt's answer greedily with every drafter and without one (every
+output checked against AR), and reports per D: the target's greedy accuracy on the answers, tau per arm
+(mean and seed spread), ReaDy's paired gain over the control per seed, and, for the reader, how much its
+output moves the draft logits. It then times one drafter round (draft + context append + reader prepare)
+against prefix length for windowed ReaDy, the KV-read baseline and full-context DSpark, with the memory
+each keeps per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+import ready_jax as rj
+from ready_jax import cli, data
+from ready_jax.drafter import SharedWeights
+
+from .common import pyplot, save_figure, write_json
+from .reproduce_table import Arm, run_name, ship_dirs, spread, train
+
+ZOO_FOLDERS = (("target", None), ("control", "control"), ("ready", "ready"))
+
+
+def arms(window: int, state_dim: int, ranks: tuple[int, ...]) -> tuple[Arm, ...]:
+    """The testbed's drafters: windowed ones start from the same seed's windowed DSpark."""
+    extra = tuple(Arm(f"ready_rank{r}", "ready", "dspark_window", ("--rank", str(r)),
+                      label=f"ReaDy r{r}{' (lossless)' if r == state_dim else ''}, window {window}")
+                  for r in ranks if r != 8)
+    return (
+        Arm("dspark_window", "dspark", flags=("--context-window", str(window)), all_seeds=True,
+            label=f"DSpark, window {window}"),
+        Arm("control", "dspark-ft", "dspark_window", all_seeds=True, label=f"DSpark-FT, window {window} (control)"),
+        Arm("ready", "ready", "dspark_window", all_seeds=True, label=f"ReaDy r8, window {window}"),
+        *extra,
+        Arm("kv_read", "ready", "dspark_window", ("--reader-kind", "kv"), label=f"KV-read baseline, window {window}"),
+        Arm("dspark_full", "dspark", steps="total", label="DSpark, full context (upper bound)"),
+    )
+
+
+def distances(window: int) -> list[int]:
+    return [window // 2, 2 * window, 8 * window, 32 * window]
+
+
+# ---- evaluate: tau per distance -------------------------------------------------------------------------------
+def reader_effect(drafter: rj.Drafter, target: rj.Target, prompts: np.ndarray) -> dict:
+    """How much the reader moves the first draft block after prefill: mean |logit change| against the
+    logits' own spread, and the share of draft positions whose top token changes, reading the committed
+    states against reading zeros (which the zero-initialised reader turns into exactly no update)."""
+    cache = target.init_cache(prompts.shape[0], prompts.shape[1] + 1)
+    out = target.prefill(cache, jnp.asarray(prompts), hidden_layers=drafter.config.target_layer_ids)
+    context = drafter.append_context(drafter.init_context(prompts.shape[0], prompts.shape[1] + 1), out.hidden)
+    anchor = jnp.argmax(out.logits[:, -1], axis=-1)
+    shared = SharedWeights.from_target(target)
+    states = drafter.prepare_reader(out.cache)
+    zeros = jax.tree.map(jnp.zeros_like, states)
+    read = np.asarray(drafter.draft(context, anchor, shared, reader_states=states).logits)
+    blind = np.asarray(drafter.draft(context, anchor, shared, reader_states=zeros).logits)
+    return {"mean_abs_logit_change": float(np.abs(read - blind).mean()),
+            "logit_std": float(read.std(axis=-1).mean()),
+            "top1_changed": float((read.argmax(-1) != blind.argmax(-1)).mean())}
+
+
+def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int) -> dict:
+    per_distance = {}
+    for distance in args.distances or distances(window):
+        prompts = data.long_range_prompts(tokenizer, distance, args.prompts, args.prompt_seed)
+        ids = np.asarray([p["ids"] for p in prompts], np.int32)
+        reference = np.asarray([p["reference"] for p in prompts], np.int32)
+        new_tokens = reference.shape[1]
+        ar = rj.generate(target, ids, new_tokens)
+        correct = ar.tokens == reference
+        row = {"prompt_tokens": int(ids.shape[1]), "answer_tokens": new_tokens,
+               "target_token_accuracy": float(correct.mean()),
+               "target_answer_accuracy": float(correct.all(axis=1).mean()), "tau": {}, "reader_effect": {}}
+        for name, drafter in drafters.items():
+            out = rj.generate(target, ids, new_tokens, drafter=drafter)
+            if not np.array_equal(out.tokens, ar.tokens):
+                raise SystemExit(f"{name}, D={distance}: speculative output differs from autoregressive decoding")
+            row["tau"][name] = out.tau
+            if drafter.config.reader is not None and drafter.config.reader.kind == "state":
+                row["reader_effect"][name] = reader_effect(drafter, target, ids[:args.effect_prompts])
+        print(f"D={distance:<5} prompt {ids.shape[1]:>5} tokens  target accuracy {row['target_token_accuracy']:.1%} "
+              f"(answers {row['target_answer_accuracy']:.1%})  "
+              + "  ".join(f"{n} {t:.2f}" for n, t in row["tau"].items()), flush=True)
+        per_distance[str(distance)] = row
+    return per_distance
+
+
+def aggregate(per_distance: dict, table: tuple[Arm, ...], seeds: list[int]) -> dict:
+    """Per arm and distance: tau over seeds; per distance: ReaDy's paired gain over the control."""
+    out = {"arms": {}, "gains": {}}
+    for arm in table:
+        cells = {}
+        for distance, row in per_distance.items():
+            values = [row["tau"][run_name(arm.name, s)] for s in seeds if run_name(arm.name, s) in row["tau"]]
+            if values:
+                cells[distance] = spread(values)
+        if cells:
+            out["arms"][arm.name] = {"label": arm.label, "tau": cells}
+    for distance, row in per_distance.items():
+        pairs = [(row["tau"][run_name("ready", s)], row["tau"][run_name("control", s)]) for s in seeds
+                 if run_name("ready", s) in row["tau"] and run_name("control", s) in row["tau"]]
+        if pairs:
+            out["gains"][distance] = {"ratio": spread([r / c for r, c in pairs]),
+                                      "tau_difference": spread([r - c for r, c in pairs])}
+    return out
+
+
+# ---- evaluate: per-round cost against prefix length -----------------------------------------------------------
+def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int) -> dict:
+    """One drafter round at a committed prefix of ``prefix`` tokens (batch 1, random features): the median
+    seconds of draft + context append of a verified block + reader prepare, and the bytes the drafter keeps
+    for the sequence (its context K/V and reader states) beside the target's own cache."""
+    config = drafter.config
+    rng = np.random.default_rng(prefix)
+    gamma = config.block_size
+    features = lambda t: jnp.asarray(rng.normal(size=(len(config.target_layer_ids), 1, t,  # noqa: E731
+                                                      config.hidden_size)), jnp.float32)
+    capacity = prefix + (repeats + 1) * (gamma + 1)
+    context = drafter.append_context(drafter.init_context(1, capacity), features(prefix))
+    shared = SharedWeights.from_target(target)
+    # The reader's source: a target cache holding the prefix (a KV reader attends over all of it).
+    cache = dataclasses.replace(target.init_cache(1, capacity), lengths=jnp.full((1,), prefix, jnp.int32))
+    anchor = jnp.zeros((1,), jnp.int32)
+    block = features(gamma + 1)
+    keep = np.ones((1,), np.int32)
+
+    def one_round(context):
+        states = drafter.prepare_reader(cache) if config.reader is not None else None
+        drafts = drafter.draft(context, anchor, shared, reader_states=states)
+        context = drafter.append_context(context, block, keep)
+        jax.block_until_ready((drafts.tokens, context.k))
+        return context
+
+    context = one_round(context)  # compiles
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        context = one_round(context)
+        times.append(time.perf_counter() - start)
+    states = drafter.prepare_reader(cache) if config.reader is not None else ()
+    nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))  # noqa: E731
+    return {"prefix": prefix, "seconds": float(np.median(times)), "context_bytes": nbytes((context.k, context.v)),
+            "reader_state_bytes": nbytes(states)}
+
+
+def cost_curve(drafters: dict[str, rj.Drafter], target: rj.Target, prefixes: list[int], repeats: int) -> dict:
+    out = {}
+    for name, drafter in drafters.items():
+        out[name] = [round_cost(drafter, target, p, repeats) for p in prefixes]
+        print(f"{name:<16} " + "  ".join(f"{c['prefix']}: {c['seconds'] * 1e3:.2f} ms "
+                                         f"{(c['context_bytes'] + c['reader_state_bytes']) / 1e3:.0f} kB"
+                                         for c in out[name]), flush=True)
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+def print_report(result: dict) -> None:
+    rows = result["per_distance"]
+    print(f"\n{'arm':<42}" + "".join(f"{'D=' + d:>16}" for d in rows))
+    print(f"{'target accuracy (tokens)':<42}" + "".join(f"{r['target_token_accuracy']:>16.1%}" for r in rows.values()))
+    for arm in result["summary"]["arms"].values():
+        cells = [arm["tau"].get(d) for d in rows]
+        print(f"{arm['label'][:41]:<42}" + "".join(
+            f"{c['mean']:>9.2f} ± {c['std']:.2f}" if c and c["n"] > 1 else f"{c['mean']:>16.2f}" if c else f"{'':>16}"
+            for c in cells))
+    for distance, gain in result["summary"]["gains"].items():
+        r = gain["ratio"]
+        print(f"ReaDy / control at D={distance}: {r['mean']:.3f} ± {r['std']:.3f} over {r['n']} seeds {r['values']}")
+
+
+def plot(result: dict, window: int, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = result["per_distance"]
+    xs = [int(d) for d in rows]
+    for arm in result["summary"]["arms"].values():
+        cells = [arm["tau"].get(d) for d in rows]
+        points = [(x, c) for x, c in zip(xs, cells, strict=True) if c]
+        left.errorbar([x for x, _ in points], [c["mean"] for _, c in points], yerr=[c["std"] for _, c in points],
+                      marker="o", capsize=3, label=arm["label"])
+    left.axvline(window, color="gray", linestyle=":", label=f"window W = {window}")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("distance D from the record to its query (tokens)")
+    left.set_ylabel("tau on the answer (tokens per target pass)")
+    left.set_title("Long-range recall: tau against distance (seed spread as bars)")
+    left.legend(fontsize=7)
+    for name, curve in result["round_cost"].items():
+        right.plot([c["prefix"] for c in curve], [c["seconds"] * 1e3 for c in curve], marker="o", label=name)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("committed prefix (tokens)")
+    right.set_ylabel("drafter round (ms, batch 1)")
+    right.set_title("Drafter cost per round against prefix")
+    right.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+# ---- main ---------------------------------------------------------------------------------------------------
+def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: list[int]) -> dict[str, rj.Drafter]:
+    """Every trained run under ``runs`` (by run name), or without runs the zoo's control and ReaDy."""
+    found = {}
+    if runs is not None:
+        for arm in table:
+            for seed in seeds if arm.all_seeds else seeds[:1]:
+                path = runs / run_name(arm.name, seed)
+                if (path / "model.safetensors").exists():
+                    found[run_name(arm.name, seed)] = rj.Drafter.load(path, dtype=jnp.float32)
+                else:
+                    print(f"missing {path}: not evaluated")
+    else:
+        for folder, arm in ZOO_FOLDERS[1:]:
+            found[run_name(arm, seeds[0])] = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+    return found
+
+
+def main(argv=None) -> None:
+    parser = cli.parser("experiments.long_range", __doc__)
+    parser.add_argument("step", choices=("train", "ship", "evaluate"), help="what to do (see above)")
+    parser.add_argument("--target", default=cli.repo_path("runs", "long_range", "target"),
+                        help="train / ship: the trained long-range target (project format, with tokenizer)")
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
+    parser.add_argument("--runs", default=None, help="the drafters' runs (train, ship; evaluate: every run there "
+                        "instead of the zoo's two)")
+    parser.add_argument("--zoo", default=cli.repo_path("zoo", "long_range"),
+                        help="the shipped testbed (ship writes it; evaluate reads its target, and its drafters "
+                        "without --runs)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the main arms")
+    parser.add_argument("--window", type=int, default=16, help="context window W of the windowed drafters")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64], help="reader ranks (8 on every seed)")
+    parser.add_argument("--jobs", type=int, default=1, help="trainings at a time")
+    parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
+    parser.add_argument("--prompt-len", type=int, default=640, help="tokens of each training prompt")
+    parser.add_argument("--max-distance", type=int, default=600, help="longest training distance")
+    parser.add_argument("--dspark-steps", type=int, default=400, help="steps of drafters trained from scratch")
+    parser.add_argument("--extra-steps", type=int, default=300, help="steps of drafters continued from a DSpark")
+    parser.add_argument("--distances", type=int, nargs="+", default=None, help="evaluate: D (default W/2, 2W, 8W, 32W)")
+    parser.add_argument("--prompts", type=int, default=48, help="evaluate: held-out prompts per distance")
+    parser.add_argument("--prompt-seed", type=int, default=0, help="evaluate: which held-out prompts")
+    parser.add_argument("--effect-prompts", type=int, default=8, help="evaluate: prompts for the reader's effect")
+    parser.add_argument("--prefixes", type=int, nargs="+", default=[256, 1024, 4096, 16384],
+                        help="evaluate: prefix lengths of the per-round cost")
+    parser.add_argument("--repeats", type=int, default=20, help="evaluate: timed rounds per prefix (median)")
+    parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
+    parser.add_argument("--plot", default=None, help="write the figure here as PNG (needs matplotlib)")
+    args = parser.parse_args(argv)
+    runs = Path(args.runs) if args.runs else None
+    if args.step == "ship":
+        if runs is None:
+            raise SystemExit("ship needs --runs (the trained drafters)")
+        sources = {f"{Path(args.zoo).name}/{folder}": Path(args.target) if arm is None
+                   else runs / run_name(arm, args.seeds[0]) for folder, arm in ZOO_FOLDERS}
+        ship_dirs(sources, Path(args.zoo).parent)
+        return
+    target_dir = Path(args.target) if args.step == "train" or not (Path(args.zoo) / "target").exists() \
+        else Path(args.zoo) / "target"
+    target = rj.Target.load(target_dir, dtype=jnp.float32)
+    state_dim = target.config.linear_key_head_dim
+    table = arms(args.window, state_dim, tuple(args.ranks))
+    if args.step == "train":
+        if runs is None:
+            raise SystemExit("train needs --runs (where the drafters go)")
+        args.target, args.runs = target_dir, runs
+        args.common_flags = ("--prompt-len", str(args.prompt_len), "--seq-len", str(args.prompt_len + 14),
+                             "--stride", "1", "--long-range-max-distance", str(args.max_distance))
+        train(args, table)
+        return
+    start = time.perf_counter()
+    tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
+    drafters = load_drafters(runs, Path(args.zoo), table, args.seeds)
+    windows = {d.config.context_window for d in drafters.values()} - {None}
+    window = windows.pop() if len(windows) == 1 else args.window
+    per_distance = evaluate(args, target, tokenizer, drafters, window)
+    timed = {name: drafters[name] for name in (run_name("ready", args.seeds[0]), run_name("kv_read", args.seeds[0]),
+                                               run_name("dspark_full", args.seeds[0])) if name in drafters}
+    result = {"window": window, "per_distance": per_distance,
+              "summary": aggregate(per_distance, table, args.seeds),
+              "round_cost": cost_curve(timed, target, args.prefixes, args.repeats)}
+    print_report(result)
+    write_json(args.out, {"settings": vars(args), **result, "wall_seconds": time.perf_counter() - start})
+    if args.plot:
+        plot(result, window, args.plot)
+
+
+if __name__ == "__main__":
+    main()
