@@ -92,19 +92,23 @@ def reader_effect(drafter: rj.Drafter, target: rj.Target, prompts: np.ndarray) -
 
 
 def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int) -> dict:
+    """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR)."""
+    prompts_by_distance = {d: data.long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed)
+                           for d in args.distances or distances(window)}
+    # One prompt width for every distance, so each drafter compiles one program rather than one per distance.
+    width = max(len(p["ids"]) for prompts in prompts_by_distance.values() for p in prompts)
     per_distance = {}
-    for distance in args.distances or distances(window):
-        prompts = data.long_range_prompts(tokenizer, distance, args.prompts, args.prompt_seed)
+    for distance, prompts in prompts_by_distance.items():
         ids = np.asarray([p["ids"] for p in prompts], np.int32)
         reference = np.asarray([p["reference"] for p in prompts], np.int32)
         new_tokens = reference.shape[1]
-        ar = rj.generate(target, ids, new_tokens)
+        ar = rj.generate(target, ids, new_tokens, prompt_bucket=width)
         correct = ar.tokens == reference
         row = {"prompt_tokens": int(ids.shape[1]), "answer_tokens": new_tokens,
                "target_token_accuracy": float(correct.mean()),
                "target_answer_accuracy": float(correct.all(axis=1).mean()), "tau": {}, "reader_effect": {}}
         for name, drafter in drafters.items():
-            out = rj.generate(target, ids, new_tokens, drafter=drafter)
+            out = rj.generate(target, ids, new_tokens, drafter=drafter, prompt_bucket=width)
             if not np.array_equal(out.tokens, ar.tokens):
                 raise SystemExit(f"{name}, D={distance}: speculative output differs from autoregressive decoding")
             row["tau"][name] = out.tau
@@ -288,8 +292,8 @@ def main(argv=None) -> None:
         else Path(args.zoo) / "target"
     target = rj.Target.load(target_dir, dtype=jnp.float32)
     state_dim = target.config.linear_key_head_dim
-    table = arms(args.window, state_dim, tuple(args.ranks))
     if args.step == "train":
+        table = arms(args.window, state_dim, tuple(args.ranks))
         if runs is None:
             raise SystemExit("train needs --runs (where the drafters go)")
         args.target, args.runs = target_dir, runs
@@ -299,9 +303,12 @@ def main(argv=None) -> None:
         return
     start = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
-    drafters = load_drafters(runs, Path(args.zoo), table, args.seeds)
+    drafters = load_drafters(runs, Path(args.zoo), arms(args.window, state_dim, tuple(args.ranks)), args.seeds)
     windows = {d.config.context_window for d in drafters.values()} - {None}
-    window = windows.pop() if len(windows) == 1 else args.window
+    if len(windows) > 1:
+        raise SystemExit(f"the windowed drafters have different context windows {sorted(windows)}")
+    window = windows.pop() if windows else args.window
+    table = arms(window, state_dim, tuple(args.ranks))
     per_distance = evaluate(args, target, tokenizer, drafters, window)
     timed = {name: drafters[name] for name in (run_name("ready", args.seeds[0]), run_name("kv_read", args.seeds[0]),
                                                run_name("dspark_full", args.seeds[0])) if name in drafters}

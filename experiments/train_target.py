@@ -68,6 +68,8 @@ def main(argv=None) -> None:
                         help="longest record-to-query distance (drawn log-uniformly from the record length up)")
     parser.add_argument("--long-range-values", type=int, default=data.LONG_RANGE_VALUE_TOKENS,
                         help="value tokens per record")
+    parser.add_argument("--long-range-pool", type=int, default=data.LONG_RANGE_POOL,
+                        help="ids keys and values are drawn from (a fixed seeded subset of the vocabulary)")
     parser.add_argument("--linear-head-dim", type=int, default=128,
                         help="key and value head dim of the Gated DeltaNet layers (their states are dim x dim)")
     parser.add_argument("--save-dir", default=None, help="write the trained target here (project format)")
@@ -101,7 +103,7 @@ def main(argv=None) -> None:
     eval_fn = training.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
     long_range = None
     if args.long_range_fraction > 0:
-        long_range = data.LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values)
+        long_range = data.LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
 
     def batch_fn(step):
         position = step * args.batch_size
@@ -115,7 +117,8 @@ def main(argv=None) -> None:
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
     if long_range is not None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
-                              "max_distance": args.long_range_max_distance, "values": args.long_range_values}
+                              "max_distance": args.long_range_max_distance, "values": args.long_range_values,
+                              "pool": args.long_range_pool}
     loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                                checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
                                resume_unverified=args.resume_unverified)

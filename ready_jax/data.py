@@ -338,7 +338,12 @@ def draw_prompts(tokenizer: Tokenizer, docs: Sequence[Document], count: int, pro
 # OPEN and CLOSE are the byte-level tokens of two control bytes the corpus does not hold.
 LONG_RANGE_OPEN, LONG_RANGE_CLOSE = "\x01", "\x02"
 LONG_RANGE_VALUE_TOKENS = 5
-_PROMPT_STREAM, _TRAIN_STREAM = 0x10C, 0x7EA1  # rng namespaces: prompt seeds never give a training record
+# Keys and values come from a fixed pool of 64 ids: a tiny target learns in-context recall over a small alphabet
+# within a CPU budget (over all 4,093 ids it had learned none after 650 steps), and a drafter that cannot see the
+# record still guesses a value with probability 1/64 only.
+LONG_RANGE_POOL = 64
+# rng namespaces, so no seed of one function gives the content of another
+_PROMPT_STREAM, _MIXTURE_STREAM, _TRAIN_STREAM, _POOL_STREAM = 0x10C, 0x313, 0x7EA1, 0x9001
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +356,10 @@ class LongRangeTask:
     value_tokens: int = LONG_RANGE_VALUE_TOKENS
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer, value_tokens: int = LONG_RANGE_VALUE_TOKENS) -> LongRangeTask:
+    def for_tokenizer(cls, tokenizer: Tokenizer, value_tokens: int = LONG_RANGE_VALUE_TOKENS,
+                      pool_size: int = LONG_RANGE_POOL) -> LongRangeTask:
+        """The task for ``tokenizer``: a pool of ``pool_size`` ids (a fixed, seeded choice among every id but the
+        special and marker ids; None: all of them)."""
         if value_tokens < 1:
             raise ValueError(f"value_tokens {value_tokens} must be >= 1")
         markers = []
@@ -362,6 +370,10 @@ class LongRangeTask:
             markers.append(ids[0])
         reserved = {EOS_ID, MASK_ID, PAD_ID, *markers}
         pool = np.asarray([i for i in range(tokenizer.get_vocab_size()) if i not in reserved], np.int32)
+        if pool_size is not None:
+            if not 2 <= pool_size <= len(pool):
+                raise ValueError(f"pool_size {pool_size} must be between 2 and the {len(pool)} ordinary ids")
+            pool = np.sort(np.random.default_rng(_POOL_STREAM).choice(pool, pool_size, replace=False))
         return cls(markers[0], markers[1], pool, value_tokens)
 
     @property
@@ -369,9 +381,12 @@ class LongRangeTask:
         """R: tokens of one record (OPEN, key, values, CLOSE), also the smallest distance."""
         return self.value_tokens + 3
 
-    def record(self, rng: np.random.Generator) -> np.ndarray:
-        """``[OPEN, key, v_1 .. v_n, CLOSE]`` with key and values drawn uniformly from the pool: [R]."""
+    def record(self, rng: np.random.Generator, avoid_keys=()) -> np.ndarray:
+        """``[OPEN, key, v_1 .. v_n, CLOSE]`` with key and values drawn uniformly from the pool, the key not one
+        of ``avoid_keys``: [R]."""
         body = self.pool[rng.integers(len(self.pool), size=self.value_tokens + 1)]
+        while body[0] in avoid_keys:
+            body[0] = self.pool[rng.integers(len(self.pool))]
         return np.concatenate([[self.open_id], body, [self.close_id]]).astype(np.int32)
 
     def check_distance(self, distance: int) -> None:
@@ -396,8 +411,11 @@ class LongRangeTask:
     def overlay(self, rng: np.random.Generator, window: np.ndarray, max_distance: int, records: int) -> np.ndarray:
         """A copy of ``window`` [T] with up to ``records`` record/query pairs written over it, at distances drawn
         log-uniformly from ``R .. max_distance`` and at positions where no two pairs overlap (a pair that finds
-        no free place in a few tries is left out)."""
+        no free place in a few tries is left out); no two records share a key, so every query has one answer."""
+        if records >= len(self.pool):
+            raise ValueError(f"{records} records per window need more distinct keys than the pool's {len(self.pool)}")
         out = np.array(window, np.int32)
+        keys: set[int] = set()
         size = self.record_tokens
         top = min(max_distance, len(out) - size)
         taken = np.zeros(len(out), bool)
@@ -409,7 +427,8 @@ class LongRangeTask:
                 start = int(rng.integers(len(out) - size - distance + 1))
                 spans = (slice(start, start + size), slice(start + distance, start + distance + size))
                 if not any(taken[s].any() for s in spans):
-                    record = self.record(rng)
+                    record = self.record(rng, keys)
+                    keys.add(int(record[1]))
                     for s in spans:
                         out[s], taken[s] = record, True
                     break
@@ -422,8 +441,8 @@ class LongRangeTask:
 
 
 def long_range_prompts(tokenizer: Tokenizer, distance: int, count: int, seed: int, *,
-                       value_tokens: int = LONG_RANGE_VALUE_TOKENS, lead: int = 32, length: int | None = None,
-                       split: str = "test") -> list[dict]:
+                       value_tokens: int = LONG_RANGE_VALUE_TOKENS, pool_size: int | None = LONG_RANGE_POOL,
+                       lead: int = 32, length: int | None = None, split: str = "test") -> list[dict]:
     """``count`` long-range recall prompts whose answer sits ``distance`` tokens back (see :class:`LongRangeTask`).
 
     Filler is text of ``split``'s corpus documents (held-out ``test`` by default) encoded with ``tokenizer``;
@@ -433,22 +452,52 @@ def long_range_prompts(tokenizer: Tokenizer, distance: int, count: int, seed: in
     record that :func:`long_range_windows` trains on. Each dict: ``{"ids", "reference", "distance", "name"}``
     (``name``: the filler's first document).
     """
-    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens)
+    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens, pool_size)
     task.check_distance(distance)
     if length is not None:
         lead = length - distance - 2
         if lead < 0:
             raise ValueError(f"a {length}-token prompt cannot hold a query {distance} tokens after its record")
+    draw = _filler(tokenizer, task, split)
+    rng = np.random.default_rng([_PROMPT_STREAM, seed, distance])
+    return [_long_range_prompt(task, rng, draw, distance, lead) for _ in range(count)]
+
+
+def long_range_mixture(tokenizer: Tokenizer, count: int, seed: int, length: int, max_distance: int, *,
+                       value_tokens: int = LONG_RANGE_VALUE_TOKENS, pool_size: int | None = LONG_RANGE_POOL,
+                       split: str = "train") -> list[dict]:
+    """``count`` prompts of exactly ``length`` tokens as :func:`long_range_prompts` makes them, each at its own
+    distance drawn log-uniformly from the record length to ``min(max_distance, length - 2)``: drafter
+    training data. Filler from ``split`` (``train`` by default); deterministic in ``seed``, and no seed gives
+    a prompt of :func:`long_range_prompts`."""
+    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens, pool_size)
+    top = min(max_distance, length - 2)
+    task.check_distance(top)
+    draw = _filler(tokenizer, task, split)
+    rng = np.random.default_rng([_MIXTURE_STREAM, seed])
+    prompts = []
+    for _ in range(count):
+        distance = int(round(np.exp(rng.uniform(np.log(task.record_tokens), np.log(top)))))
+        prompts.append(_long_range_prompt(task, rng, draw, distance, length - distance - 2))
+    return prompts
+
+
+def _long_range_prompt(task: LongRangeTask, rng: np.random.Generator, draw, distance: int, lead: int) -> dict:
+    filler, name = draw(rng, lead + distance - task.record_tokens)
+    return task.prompt(rng, filler, distance, lead) | {"distance": distance, "name": name}
+
+
+def _filler(tokenizer: Tokenizer, task: LongRangeTask, split: str):
+    """``draw(rng, need) -> (tokens, first document name)``: at least ``need`` marker-free tokens of ``split``'s
+    documents, from a random token of a random document on into others (each document encoded once)."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {SPLITS}")
     docs = split_documents(collect_documents())[split]
-    rng = np.random.default_rng([_PROMPT_STREAM, seed, distance])
-    need = lead + distance - task.record_tokens
     encoded: dict[str, np.ndarray] = {}
-    prompts = []
-    for _ in range(count):
+
+    def draw(rng: np.random.Generator, need: int) -> tuple[np.ndarray, str]:
         names, parts, have = [], [], 0
-        while have < need:  # the filler starts at a random token of a random document and runs on into others
+        while have < need:
             doc = docs[int(rng.integers(len(docs)))]
             if doc.name not in encoded:
                 encoded[doc.name] = np.append(task.without_markers(tokenizer.encode(doc.text).ids), EOS_ID)
@@ -457,10 +506,9 @@ def long_range_prompts(tokenizer: Tokenizer, distance: int, count: int, seed: in
             names.append(doc.name)
             parts.append(part)
             have += len(part)
-        filler = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
-        prompt = task.prompt(rng, filler, distance, lead)
-        prompts.append(prompt | {"distance": distance, "name": names[0] if names else ""})
-    return prompts
+        return (np.concatenate(parts) if parts else np.zeros((0,), np.int32)), (names[0] if names else "")
+
+    return draw
 
 
 def long_range_windows(task: LongRangeTask, windows: np.ndarray, seed: int, position: int, fraction: float,

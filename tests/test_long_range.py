@@ -41,7 +41,21 @@ def test_prompt_answer_sits_distance_tokens_back(tokenizer, distance):
         # The markers appear nowhere else: the filler holds none.
         assert np.flatnonzero(ids == task.open_id).tolist() == [query - distance, query]
         assert np.flatnonzero(ids == task.close_id).tolist() == [query - distance + task.record_tokens - 1]
-        assert not np.isin(ref[:-1], [data.EOS_ID, data.MASK_ID, data.PAD_ID, task.open_id]).any()
+        assert np.isin(ref[:-1], task.pool).all() and ids[-1] in task.pool     # values and key from the pool
+    assert len(task.pool) == data.LONG_RANGE_POOL
+
+
+def test_pool_is_a_fixed_subset_without_special_or_marker_ids(tokenizer):
+    every = data.LongRangeTask.for_tokenizer(tokenizer, pool_size=None).pool
+    assert len(every) == tokenizer.get_vocab_size() - 5
+    task = data.LongRangeTask.for_tokenizer(tokenizer, pool_size=16)
+    assert len(set(task.pool.tolist())) == 16 and np.isin(task.pool, every).all()
+    np.testing.assert_array_equal(task.pool, data.LongRangeTask.for_tokenizer(tokenizer, pool_size=16).pool)
+    assert not np.isin([data.EOS_ID, data.MASK_ID, data.PAD_ID, task.open_id, task.close_id], every).any()
+    with pytest.raises(ValueError, match="pool_size 1 must be between 2"):
+        data.LongRangeTask.for_tokenizer(tokenizer, pool_size=1)
+    with pytest.raises(ValueError, match="need more distinct keys than the pool's 16"):
+        task.overlay(np.random.default_rng(0), np.zeros(64, np.int32), 32, records=16)
 
 
 def test_prompts_are_deterministic_and_seeds_differ(tokenizer):
@@ -84,6 +98,8 @@ def test_training_windows_hold_records_and_their_queries(tokenizer):
         for starts in by_key.values():                       # each record appears once more, later, as its query
             assert len(starts) == 2 and task.record_tokens <= starts[1] - starts[0] <= 100
             pairs += 1
+        keys = [record[1] for record in by_key]
+        assert len(set(keys)) == len(keys)                   # one answer per query
     assert pairs >= 16 * 3
     untouched = data.long_range_windows(task, windows[1:], seed=0, position=0, fraction=0.0, max_distance=100,
                                         records=6)
