@@ -72,6 +72,10 @@ def main(argv=None) -> None:
                         help="ids keys and values are drawn from (a fixed seeded subset of the vocabulary)")
     parser.add_argument("--linear-head-dim", type=int, default=128,
                         help="key and value head dim of the Gated DeltaNet layers (their states are dim x dim)")
+    parser.add_argument("--init-from", default=None,
+                        help="start from this trained target's weights (project format; its config must be the one "
+                        "the flags describe) instead of a random initialisation: a curriculum's next stage, or a "
+                        "run continued in a new workdir")
     parser.add_argument("--save-dir", default=None, help="write the trained target here (project format)")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="parameter dtype of the saved target")
@@ -88,6 +92,14 @@ def main(argv=None) -> None:
     # Stacked groups: the layer scan keeps the training step's compile time flat in depth, and run checkpoints
     # keep the layout they have always had, so earlier runs resume.
     target = rj.Target.init(config, seed=args.seed, group_layout="stacked")
+    if args.init_from:
+        start_from = rj.Target.load(args.init_from, dtype=jnp.float32)
+        if start_from.config != config:
+            differs = {k: (v, config.to_dict()[k]) for k, v in start_from.config.to_dict().items()
+                       if config.to_dict()[k] != v}
+            raise SystemExit(f"error: {args.init_from} is not the target the flags describe "
+                             f"(its, the flags'): {differs}")
+        target = rj.Target(nnx.merge(target.graphdef, start_from.stacked_params()), group_layout="stacked")
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
     print(f"target: {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, corpus "
           f"{corpus.manifest['train_tokens']} train tokens")
@@ -115,6 +127,8 @@ def main(argv=None) -> None:
 
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
+    if args.init_from:
+        meta["init_from"] = str(args.init_from)
     if long_range is not None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
                               "max_distance": args.long_range_max_distance, "values": args.long_range_values,

@@ -120,6 +120,28 @@ def test_target_rerun_without_hash_records_is_refused_and_deletes_nothing(target
     assert _files(workdir) == before
 
 
+def test_target_init_from_starts_at_the_saved_weights_and_refuses_another_shape(target_run, tmp_path, no_compiling):
+    corpus, _ = target_run
+    first = tmp_path / "first"
+    train_target.main(_target_argv(corpus, tmp_path / "w1") + ["--save-dir", str(first), "--export-dtype", "float32"])
+    # The stand-in step leaves the weights as they start, so a run started from `first` saves `first` again;
+    # the long-range flags run the recall task's batch construction on the way.
+    second = tmp_path / "second"
+    long_range = ["--long-range-fraction", "1.0", "--long-range-records", "1", "--long-range-max-distance", "12",
+                  "--long-range-values", "1", "--long-range-pool", "8", "--seed", "7"]
+    train_target.main(_target_argv(corpus, tmp_path / "w2") + long_range + [
+        "--init-from", str(first), "--save-dir", str(second), "--export-dtype", "float32"])
+    weights = lambda path: [np.asarray(x) for x in jax.tree.leaves(rj.Target.load(path).stacked_params())]  # noqa: E731
+    for x, y in zip(weights(first), weights(second), strict=True):
+        np.testing.assert_array_equal(x, y)
+    fresh = tmp_path / "fresh"
+    train_target.main(_target_argv(corpus, tmp_path / "w3") + ["--seed", "7", "--save-dir", str(fresh),
+                                                               "--export-dtype", "float32"])
+    assert any(not np.array_equal(x, y) for x, y in zip(weights(first), weights(fresh), strict=True))
+    with pytest.raises(SystemExit, match="is not the target the flags describe.*hidden_size"):
+        train_target.main(_target_argv(corpus, tmp_path / "w4", hidden=64) + ["--init-from", str(first)])
+
+
 @pytest.fixture
 def fake_distill(monkeypatch):
     """``distill`` as a constant continuation (no generation); the list of calls' prompt counts."""
