@@ -22,6 +22,12 @@ higher ranks and the KV-read baseline; and a full-context DSpark trained from sc
 steps (the upper bound). ``ship`` copies the target, the first seed's control and ReaDy into
 ``zoo/long_range/{target,control,ready}`` and records them in ``zoo/MANIFEST.json``.
 
+``cost`` alone times one drafter round against prefix length (below) for the testbed's drafter shapes on any
+target, freshly initialised, since a round's time and memory do not depend on the weights:
+
+    python -m experiments.long_range cost --target zoo/target --out results/long_range_cost_cpu.json \
+        --plot results/long_range_cost_cpu.png
+
 ``evaluate`` draws held-out prompts (test-split filler, seeds no drafter trained on) at D in
 {W/2, 2W, 8W, 32W}, generates each prompt's answer greedily with every drafter and without one (every
 output checked against AR), and reports per D: the target's greedy accuracy on the answers, tau per arm
@@ -44,6 +50,7 @@ from tokenizers import Tokenizer
 
 import ready_jax as rj
 from ready_jax import cli, data
+from ready_jax import drafter_training as dt
 from ready_jax.drafter import SharedWeights
 
 from .common import pyplot, save_figure, write_json
@@ -179,6 +186,18 @@ def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int
             "reader_state_bytes": nbytes(states)}
 
 
+def cost_drafters(target: rj.Target, window: int) -> dict[str, rj.Drafter]:
+    """The testbed's drafter shapes, freshly initialised (a round's time and memory do not depend on the
+    weights): windowed ReaDy at rank 8, the windowed KV-read baseline and full-context DSpark."""
+    def make(reader: rj.ReaderConfig | None = None, context_window: int | None = window) -> rj.Drafter:
+        config = dt.default_config(target.config, data.MASK_ID, context_window=context_window, reader=reader)
+        return rj.Drafter.init(target.config, config, seed=0)
+
+    return {run_name("ready", 0): make(rj.ReaderConfig(rank=8)),
+            run_name("kv_read", 0): make(rj.ReaderConfig(kind="kv")),
+            run_name("dspark_full", 0): make(context_window=None)}
+
+
 def cost_curve(drafters: dict[str, rj.Drafter], target: rj.Target, prefixes: list[int], repeats: int) -> dict:
     out = {}
     for name, drafter in drafters.items():
@@ -222,13 +241,36 @@ def plot(result: dict, window: int, path: str) -> None:
     left.set_ylabel("tau on the answer (tokens per target pass)")
     left.set_title("Long-range recall: tau against distance (seed spread as bars)")
     left.legend(fontsize=7)
-    for name, curve in result["round_cost"].items():
-        right.plot([c["prefix"] for c in curve], [c["seconds"] * 1e3 for c in curve], marker="o", label=name)
-    right.set_xscale("log", base=2)
-    right.set_xlabel("committed prefix (tokens)")
-    right.set_ylabel("drafter round (ms, batch 1)")
-    right.set_title("Drafter cost per round against prefix")
-    right.legend(fontsize=7)
+    draw_cost(right, result["round_cost"])
+    save_figure(fig, path)
+
+
+def draw_cost(ax, curves: dict) -> None:
+    for name, curve in curves.items():
+        ax.plot([c["prefix"] for c in curve], [c["seconds"] * 1e3 for c in curve], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("committed prefix (tokens)")
+    ax.set_ylabel("drafter round (ms, batch 1)")
+    ax.set_title("Drafter cost per round against prefix")
+    ax.legend(fontsize=7)
+
+
+def plot_cost(curves: dict, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    draw_cost(time_ax, curves)
+    for name, curve in curves.items():
+        memory_ax.plot([c["prefix"] for c in curve], [(c["context_bytes"] + c["reader_state_bytes"]) / 2**20
+                                                      for c in curve], marker="o", label=name)
+    memory_ax.set_xscale("log", base=2)
+    memory_ax.set_yscale("log")
+    memory_ax.set_xlabel("committed prefix (tokens)")
+    memory_ax.set_ylabel("drafter memory per sequence (MiB)")
+    memory_ax.set_title("Context K/V + reader state, per sequence")
+    memory_ax.legend(fontsize=7)
     save_figure(fig, path)
 
 
@@ -252,7 +294,7 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
 
 def main(argv=None) -> None:
     parser = cli.parser("experiments.long_range", __doc__)
-    parser.add_argument("step", choices=("train", "ship", "evaluate"), help="what to do (see above)")
+    parser.add_argument("step", choices=("train", "ship", "evaluate", "cost"), help="what to do (see above)")
     parser.add_argument("--target", default=cli.repo_path("runs", "long_range", "target"),
                         help="train / ship: the trained long-range target (project format, with tokenizer)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
@@ -292,6 +334,12 @@ def main(argv=None) -> None:
         else Path(args.zoo) / "target"
     target = rj.Target.load(target_dir, dtype=jnp.float32)
     state_dim = target.config.linear_key_head_dim
+    if args.step == "cost":
+        curve = cost_curve(cost_drafters(target, args.window), target, args.prefixes, args.repeats)
+        write_json(args.out, {"settings": vars(args), "window": args.window, "round_cost": curve})
+        if args.plot:
+            plot_cost(curve, args.plot)
+        return
     if args.step == "train":
         table = arms(args.window, state_dim, tuple(args.ranks))
         if runs is None:

@@ -200,3 +200,10 @@ def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
     (runs / "target" / "model.safetensors").write_bytes(b"changed")
     with pytest.raises(SystemExit, match="not the file its manifest records"):
         rt.ship_dirs({"long_range/target": runs / "target"}, zoo)
+
+
+def test_cost_drafters_have_the_testbed_shapes(tiny_target):
+    drafters = lr.cost_drafters(tiny_target, window=16)
+    ready, kv, full = (drafters[name].config for name in ("ready_s0", "kv_read_s0", "dspark_full_s0"))
+    assert ready.context_window == kv.context_window == 16 and full.context_window is None
+    assert ready.reader.kind == "state" and ready.reader.rank == 8 and kv.reader.kind == "kv" and full.reader is None
