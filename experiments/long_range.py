@@ -245,9 +245,17 @@ def plot(result: dict, window: int, path: str) -> None:
     save_figure(fig, path)
 
 
+COST_LABELS = {"ready": "ReaDy r8, windowed", "kv_read": "KV-read baseline, windowed",
+               "dspark_full": "DSpark, full context"}
+
+
+def cost_label(run: str) -> str:
+    return COST_LABELS.get(run.rpartition("_s")[0], run)
+
+
 def draw_cost(ax, curves: dict) -> None:
     for name, curve in curves.items():
-        ax.plot([c["prefix"] for c in curve], [c["seconds"] * 1e3 for c in curve], marker="o", label=name)
+        ax.plot([c["prefix"] for c in curve], [c["seconds"] * 1e3 for c in curve], marker="o", label=cost_label(name))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("committed prefix (tokens)")
@@ -264,7 +272,7 @@ def plot_cost(curves: dict, path: str) -> None:
     draw_cost(time_ax, curves)
     for name, curve in curves.items():
         memory_ax.plot([c["prefix"] for c in curve], [(c["context_bytes"] + c["reader_state_bytes"]) / 2**20
-                                                      for c in curve], marker="o", label=name)
+                                                      for c in curve], marker="o", label=cost_label(name))
     memory_ax.set_xscale("log", base=2)
     memory_ax.set_yscale("log")
     memory_ax.set_xlabel("committed prefix (tokens)")
