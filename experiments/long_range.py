@@ -253,14 +253,18 @@ def cost_label(run: str) -> str:
     return COST_LABELS.get(run.rpartition("_s")[0], run)
 
 
-def draw_cost(ax, curves: dict) -> None:
+def draw_cost(ax, curves: dict, what: str = "seconds") -> None:
+    """One line per drafter against prefix: a round's time (``"seconds"``) or its memory (``"bytes"``)."""
+    value = {"seconds": lambda c: c["seconds"] * 1e3,
+             "bytes": lambda c: (c["context_bytes"] + c["reader_state_bytes"]) / 2**20}[what]
     for name, curve in curves.items():
-        ax.plot([c["prefix"] for c in curve], [c["seconds"] * 1e3 for c in curve], marker="o", label=cost_label(name))
+        ax.plot([c["prefix"] for c in curve], [value(c) for c in curve], marker="o", label=cost_label(name))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("committed prefix (tokens)")
-    ax.set_ylabel("drafter round (ms, batch 1)")
-    ax.set_title("Drafter cost per round against prefix")
+    ax.set_ylabel("drafter round (ms, batch 1)" if what == "seconds" else "drafter memory per sequence (MiB)")
+    ax.set_title("Drafter cost per round against prefix" if what == "seconds"
+                 else "Context K/V + reader state, per sequence")
     ax.legend(fontsize=7)
 
 
@@ -269,16 +273,8 @@ def plot_cost(curves: dict, path: str) -> None:
     if plt is None:
         return
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    draw_cost(time_ax, curves)
-    for name, curve in curves.items():
-        memory_ax.plot([c["prefix"] for c in curve], [(c["context_bytes"] + c["reader_state_bytes"]) / 2**20
-                                                      for c in curve], marker="o", label=cost_label(name))
-    memory_ax.set_xscale("log", base=2)
-    memory_ax.set_yscale("log")
-    memory_ax.set_xlabel("committed prefix (tokens)")
-    memory_ax.set_ylabel("drafter memory per sequence (MiB)")
-    memory_ax.set_title("Context K/V + reader state, per sequence")
-    memory_ax.legend(fontsize=7)
+    draw_cost(time_ax, curves, "seconds")
+    draw_cost(memory_ax, curves, "bytes")
     save_figure(fig, path)
 
 
