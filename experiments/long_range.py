@@ -151,14 +151,15 @@ def aggregate(per_distance: dict, table: tuple[Arm, ...], seeds: list[int]) -> d
 # ---- evaluate: per-round cost against prefix length -----------------------------------------------------------
 def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int) -> dict:
     """One drafter round at a committed prefix of ``prefix`` tokens (batch 1, random features): the median
-    seconds of draft + context append of a verified block + reader prepare, and the bytes the drafter keeps
-    for the sequence (its context K/V and reader states) beside the target's own cache."""
+    seconds of reader prepare + draft + context append of a verified block, and the bytes the drafter keeps
+    for the sequence (its context K/V and reader states) beside the target's own cache. Caches hold the
+    prefix plus one block, as ``generate`` sizes them; every timed round starts from the same prefix."""
     config = drafter.config
     rng = np.random.default_rng(prefix)
     gamma = config.block_size
     features = lambda t: jnp.asarray(rng.normal(size=(len(config.target_layer_ids), 1, t,  # noqa: E731
                                                       config.hidden_size)), jnp.float32)
-    capacity = prefix + (repeats + 1) * (gamma + 1)
+    capacity = prefix + gamma + 1
     context = drafter.append_context(drafter.init_context(1, capacity), features(prefix))
     shared = SharedWeights.from_target(target)
     # The reader's source: a target cache holding the prefix (a KV reader attends over all of it).
@@ -172,7 +173,7 @@ def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int
         drafts = drafter.draft(context, anchor, shared, reader_states=states)
         context = drafter.append_context(context, block, keep)
         jax.block_until_ready((drafts.tokens, context.k))
-        return context
+        return dataclasses.replace(context, lengths=context.lengths - keep)  # back to the prefix
 
     context = one_round(context)  # compiles
     times = []

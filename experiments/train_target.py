@@ -95,8 +95,8 @@ def main(argv=None) -> None:
     if args.init_from:
         start_from = rj.Target.load(args.init_from, dtype=jnp.float32)
         if start_from.config != config:
-            differs = {k: (v, config.to_dict()[k]) for k, v in start_from.config.to_dict().items()
-                       if config.to_dict()[k] != v}
+            theirs, ours = start_from.config.to_dict(), config.to_dict()
+            differs = {k: (v, ours[k]) for k, v in theirs.items() if ours[k] != v}
             raise SystemExit(f"error: {args.init_from} is not the target the flags describe "
                              f"(its, the flags'): {differs}")
         target = rj.Target(nnx.merge(target.graphdef, start_from.stacked_params()), group_layout="stacked")

@@ -520,8 +520,7 @@ def long_range_windows(task: LongRangeTask, windows: np.ndarray, seed: int, posi
     out = []
     for row, window in enumerate(windows):
         rng = np.random.default_rng([_TRAIN_STREAM, seed, position + row])
-        window = task.without_markers(window) if (window == task.open_id).any() or (window == task.close_id).any() \
-            else window
+        window = task.without_markers(window)  # stray marker ids in the corpus text go; EOS fills their places
         window = np.pad(window, (0, windows.shape[1] - len(window)), constant_values=EOS_ID)
         out.append(task.overlay(rng, window, max_distance, records) if rng.uniform() < fraction else window)
     return np.stack(out)

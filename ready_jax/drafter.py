@@ -109,9 +109,10 @@ def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: j
     q = q.reshape(b, g, h_kv, h // h_kv, hd)
     s_ctx = jnp.einsum("bgkrd,bskd->bkrgs", q, ctx_k).astype(jnp.float32)
     s_blk = jnp.einsum("bgkrd,bjkd->bkrgj", q, blk_k).astype(jnp.float32)
-    visible = context_positions(ctx_len, slots) >= 0                          # [B, S]
+    held = context_positions(ctx_len, slots)                                  # [B, S]
+    visible = held >= 0
     if window is not None:
-        visible &= context_positions(ctx_len, slots) >= ctx_len[:, None] - window
+        visible &= held >= ctx_len[:, None] - window
     s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1).astype(q.dtype)
     out = (jnp.einsum("bkrgs,bskd->bgkrd", probs[..., :slots], ctx_v)
