@@ -98,9 +98,11 @@ def reader_effect(drafter: rj.Drafter, target: rj.Target, prompts: np.ndarray) -
             "top1_changed": float((read.argmax(-1) != blind.argmax(-1)).mean())}
 
 
-def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int) -> dict:
-    """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR)."""
-    prompts_by_distance = {d: data.long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed)
+def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int,
+             task: dict) -> dict:
+    """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR),
+    on held-out prompts of the task settings ``task`` (``data.long_range_settings``)."""
+    prompts_by_distance = {d: data.long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task)
                            for d in args.distances or distances(window)}
     # One prompt width for every distance, so each drafter compiles one program rather than one per distance.
     width = max(len(p["ids"]) for prompts in prompts_by_distance.values() for p in prompts)
@@ -356,16 +358,17 @@ def main(argv=None) -> None:
         return
     start = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
+    task = data.long_range_settings(target_dir)  # the records the target was trained on
     drafters = load_drafters(runs, Path(args.zoo), arms(args.window, state_dim, tuple(args.ranks)), args.seeds)
     windows = {d.config.context_window for d in drafters.values()} - {None}
     if len(windows) > 1:
         raise SystemExit(f"the windowed drafters have different context windows {sorted(windows)}")
     window = windows.pop() if windows else args.window
     table = arms(window, state_dim, tuple(args.ranks))
-    per_distance = evaluate(args, target, tokenizer, drafters, window)
+    per_distance = evaluate(args, target, tokenizer, drafters, window, task)
     timed = {name: drafters[name] for name in (run_name("ready", args.seeds[0]), run_name("kv_read", args.seeds[0]),
                                                run_name("dspark_full", args.seeds[0])) if name in drafters}
-    result = {"window": window, "per_distance": per_distance,
+    result = {"window": window, "task": task, "per_distance": per_distance,
               "summary": aggregate(per_distance, table, args.seeds),
               "round_cost": cost_curve(timed, target, args.prefixes, args.repeats)}
     print_report(result)

@@ -61,6 +61,14 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
     return dt.with_reader(base, target.config, reader, seed=args.seed)
 
 
+def long_range_task(args) -> dict:
+    """DistillConfig's long-range task settings: the flags where given, else those the target was trained on."""
+    settings = data.long_range_settings(args.target)
+    return {"long_range_values": settings["value_tokens"] if args.long_range_values is None
+            else args.long_range_values,
+            "long_range_pool": settings["pool_size"] if args.long_range_pool is None else args.long_range_pool}
+
+
 def main(argv=None) -> None:
     parser = cli.parser("experiments.train_drafter", __doc__)
     parser.add_argument("--variant", required=True, choices=dt.VARIANTS, help="which drafter (see above)")
@@ -108,8 +116,11 @@ def main(argv=None) -> None:
     parser.add_argument("--long-range-max-distance", type=int, default=None,
                         help="distill long-range recall prompts (ready_jax.data.long_range_mixture) with distances "
                         "up to this many tokens instead of corpus prompts")
-    parser.add_argument("--long-range-values", type=int, default=data.LONG_RANGE_VALUE_TOKENS,
-                        help="value tokens per long-range record")
+    parser.add_argument("--long-range-values", type=int, default=None,
+                        help="value tokens per long-range record (default: the target's long_range_task.json)")
+    parser.add_argument("--long-range-pool", type=int, default=None,
+                        help="ids long-range keys and values are drawn from (default: the target's "
+                        "long_range_task.json)")
     parser.add_argument("--distill-temperature", type=float, default=0.0,
                         help="the target's sampling temperature when distilling (0: greedy)")
     parser.add_argument("--distill-cache", default=None, help="where the distilled sequences are kept "
@@ -129,7 +140,7 @@ def main(argv=None) -> None:
     distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
                                       temperature=args.distill_temperature, seed=args.data_seed,
                                       long_range_max_distance=args.long_range_max_distance,
-                                      long_range_values=args.long_range_values)
+                                      **long_range_task(args))
     distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
     start = time.perf_counter()
     train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config, distill_cache)

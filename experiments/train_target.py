@@ -31,6 +31,10 @@ from flax import nnx
 import ready_jax as rj
 from ready_jax import cli, data, modes, provenance, training
 
+# The seed of the long-range validation windows' records: far from any --seed a run uses, so they are records no
+# training batch holds (and their text is the validation split's).
+RECALL_SEED = 0x5EED_0E7A
+
 
 def main(argv=None) -> None:
     parser = cli.parser("experiments.train_target", __doc__)
@@ -116,6 +120,14 @@ def main(argv=None) -> None:
     long_range = None
     if args.long_range_fraction > 0:
         long_range = data.LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
+        # Recall on held-out text: validation windows, every one with records.
+        recall_windows = data.long_range_windows(long_range, val_windows, RECALL_SEED, 0, 1.0,
+                                                 args.long_range_max_distance, args.long_range_records)
+        recall_eval = training.make_masked_eval(target.graphdef, config, recall_windows,
+                                                long_range.answer_mask(recall_windows), args.batch_size,
+                                                "val_recall", args.impl)
+        text_eval = eval_fn
+        eval_fn = lambda params: text_eval(params) | recall_eval(params)  # noqa: E731
 
     def batch_fn(step):
         position = step * args.batch_size
@@ -153,6 +165,8 @@ def main(argv=None) -> None:
         # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
         shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
         shutil.copy(Path(args.corpus) / "manifest.json", Path(args.save_dir) / "corpus_manifest.json")
+        if long_range is not None:
+            data.save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
         export_command = provenance.command_line("experiments.train_target", argv)
         training.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
         print(f"wrote {args.save_dir}")

@@ -434,10 +434,50 @@ class LongRangeTask:
                     break
         return out
 
+    def answer_mask(self, windows: np.ndarray) -> np.ndarray:
+        """Which next-token labels of ``windows`` [B, T + 1] are query answers: [B, T] bool, True at position t
+        when label ``windows[:, t + 1]`` is a value or the CLOSE of a record whose ``OPEN key`` appeared earlier
+        in the same window (as :meth:`overlay` writes them)."""
+        windows = np.asarray(windows)
+        mask = np.zeros((windows.shape[0], windows.shape[1] - 1), bool)
+        size = self.record_tokens
+        for row, window in enumerate(windows):
+            seen: set[int] = set()
+            for start in np.flatnonzero(window[:len(window) - size + 1] == self.open_id):
+                key = int(window[start + 1])
+                if key in seen:  # a query: the labels after its key are the answer
+                    mask[row, start + 1:start + size - 1] = True
+                seen.add(key)
+        return mask
+
     def without_markers(self, tokens: np.ndarray) -> np.ndarray:
         """``tokens`` with any OPEN / CLOSE id removed, so filler never holds a stray marker."""
         tokens = np.asarray(tokens)
         return tokens[(tokens != self.open_id) & (tokens != self.close_id)]
+
+
+# A target trained on the task records the task's settings beside its weights, so drafters distil, and the
+# testbed evaluates, the records the target learned.
+LONG_RANGE_TASK_FILE = "long_range_task.json"
+
+
+def save_long_range_settings(directory: str | os.PathLike, value_tokens: int, pool_size: int | None) -> None:
+    """Write ``<directory>/long_range_task.json``: the task settings a target was trained on."""
+    Path(directory, LONG_RANGE_TASK_FILE).write_text(
+        json.dumps({"value_tokens": value_tokens, "pool_size": pool_size}, indent=1) + "\n")
+
+
+def long_range_settings(directory: str | os.PathLike) -> dict:
+    """``{"value_tokens", "pool_size"}`` a target in ``directory`` was trained on (its long_range_task.json); the
+    defaults for a target without one. Keyword arguments for :func:`long_range_prompts` and friends."""
+    path = Path(directory, LONG_RANGE_TASK_FILE)
+    defaults = {"value_tokens": LONG_RANGE_VALUE_TOKENS, "pool_size": LONG_RANGE_POOL}
+    if not path.exists():
+        return defaults
+    settings = json.loads(path.read_text())
+    if set(settings) != set(defaults):
+        raise ValueError(f"{path} holds the keys {sorted(settings)}, not {sorted(defaults)}")
+    return settings
 
 
 def long_range_prompts(tokenizer: Tokenizer, distance: int, count: int, seed: int, *,

@@ -334,6 +334,7 @@ class DistillConfig:
     seed: int = 0
     long_range_max_distance: int | None = None
     long_range_values: int = data.LONG_RANGE_VALUE_TOKENS
+    long_range_pool: int | None = data.LONG_RANGE_POOL
 
 
 def distilled_data(target: Target, corpus, config: DistillConfig, path,
@@ -362,6 +363,7 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
         def recall_prompts(count: int, split: str) -> np.ndarray:
             prompts = data.long_range_mixture(corpus.tokenizer, count, config.seed, config.prompt_len,
                                               config.long_range_max_distance, value_tokens=config.long_range_values,
+                                              pool_size=config.long_range_pool,
                                               split=split)
             return np.asarray([p["ids"] for p in prompts], np.int32)
 

@@ -531,13 +531,20 @@ def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, impl:
     ``impl="pallas"`` runs the forward pass's Gated DeltaNet as the fused kernel (``pallas_kernels.gdn_chunked``);
     its gradient is the XLA reference's either way.
     """
+    ce, correct = next_token_scores(graphdef, config, params, tokens, impl)
+    return ce.mean(), {"accuracy": correct.astype(jnp.float32).mean()}
+
+
+def next_token_scores(graphdef, config: TargetConfig, params, tokens: jax.Array,
+                      impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """Per position of windows ``tokens`` [B, T + 1]: the cross-entropy of the next token [B, T] and whether the
+    target's argmax is that token [B, T] (chunked GDN form)."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = cache_lib.init_cache(config, inputs.shape[0], inputs.shape[1], dtype)
     logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", impl=impl).logits  # [B, T, V]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))
-    return ce.mean(), {"accuracy": accuracy}
+    return ce, jnp.argmax(logits, -1) == labels
 
 
 def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,
@@ -551,5 +558,26 @@ def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_
         mean = float(np.mean([float(r[0]) for r in results]))
         return {"val_loss": mean, "val_ppl": perplexity(mean),
                 "val_accuracy": float(np.mean([float(r[1]["accuracy"]) for r in results]))}
+
+    return eval_fn
+
+
+def make_masked_eval(graphdef, config: TargetConfig, windows: np.ndarray, mask: np.ndarray, batch_size: int,
+                     name: str, impl: str = "xla") -> Callable:
+    """``eval_fn(params) -> {<name>_loss, <name>_accuracy}``: mean next-token cross-entropy and greedy accuracy
+    over the positions ``mask`` [N, T] marks in windows [N, T + 1] (N cut to batches), e.g. the answers of
+    long-range queries (``data.LongRangeTask.answer_mask``)."""
+    scores = jax.jit(lambda params, tokens: next_token_scores(graphdef, config, params, tokens, impl))
+    starts = range(0, len(windows) - batch_size + 1, batch_size)
+    if not mask[:len(starts) * batch_size].any():
+        raise ValueError(f"the {name} mask marks no position of the evaluated windows")
+
+    def eval_fn(params) -> dict:
+        ce_sum = correct_sum = count = 0.0
+        for i in starts:
+            ce, correct = (np.asarray(x) for x in scores(params, jnp.asarray(windows[i:i + batch_size])))
+            m = mask[i:i + batch_size]
+            ce_sum, correct_sum, count = ce_sum + ce[m].sum(), correct_sum + correct[m].sum(), count + m.sum()
+        return {f"{name}_loss": float(ce_sum / count), f"{name}_accuracy": float(correct_sum / count)}
 
     return eval_fn

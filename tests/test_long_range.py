@@ -106,6 +106,58 @@ def test_training_windows_hold_records_and_their_queries(tokenizer):
     np.testing.assert_array_equal(untouched, windows[1:])
 
 
+def test_answer_mask_marks_exactly_the_queries_values_and_close(tokenizer):
+    task = data.LongRangeTask.for_tokenizer(tokenizer, value_tokens=3)
+    windows = np.random.default_rng(1).integers(200, 600, (8, 129)).astype(np.int32)
+    out = data.long_range_windows(task, windows, seed=2, position=0, fraction=1.0, max_distance=60, records=4)
+    mask = task.answer_mask(out)
+    assert mask.shape == (8, 128)
+    for row, row_mask in zip(out, mask, strict=True):
+        expected = np.zeros(128, bool)
+        seen = set()
+        for start, record in _records(row, task):
+            if record[1] in seen:                              # the query: labels after its key
+                expected[start + 1:start + task.record_tokens - 1] = True
+                np.testing.assert_array_equal(row[start + 2:start + task.record_tokens], record[2:])
+            seen.add(record[1])
+        np.testing.assert_array_equal(row_mask, expected)
+        assert row_mask.sum() == (task.value_tokens + 1) * (len(_records(row, task)) // 2)
+    assert not task.answer_mask(windows).any()                 # no records, no answers
+
+
+def test_masked_eval_scores_only_the_marked_positions(tiny_target):
+    from ready_jax import training
+    config = tiny_target.config
+    windows = np.random.default_rng(0).integers(3, config.vocab_size, (4, 17)).astype(np.int32)
+    mask = np.zeros((4, 16), bool)
+    mask[:, 5] = mask[1, 9] = True
+    ce, correct = (np.asarray(x) for x in training.next_token_scores(
+        tiny_target.graphdef, config, tiny_target.params, jnp.asarray(windows)))
+    got = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "recall")(tiny_target.params)
+    assert got["recall_loss"] == pytest.approx(ce[mask].mean(), rel=1e-5)
+    assert got["recall_accuracy"] == pytest.approx(correct[mask].mean())
+    assert got["recall_loss"] != pytest.approx(ce.mean(), rel=1e-3)
+    with pytest.raises(ValueError, match="the recall mask marks no position"):
+        training.make_masked_eval(tiny_target.graphdef, config, windows, np.zeros_like(mask), 2, "recall")
+
+
+def test_task_settings_come_from_the_target_unless_flags_say_otherwise(tmp_path):
+    import argparse
+
+    from experiments import train_drafter
+    defaults = {"value_tokens": data.LONG_RANGE_VALUE_TOKENS, "pool_size": data.LONG_RANGE_POOL}
+    assert data.long_range_settings(tmp_path) == defaults               # a target never trained on the task
+    data.save_long_range_settings(tmp_path, 3, 256)
+    assert data.long_range_settings(tmp_path) == {"value_tokens": 3, "pool_size": 256}
+    flags = argparse.Namespace(target=tmp_path, long_range_values=None, long_range_pool=None)
+    assert train_drafter.long_range_task(flags) == {"long_range_values": 3, "long_range_pool": 256}
+    flags.long_range_pool = 64
+    assert train_drafter.long_range_task(flags) == {"long_range_values": 3, "long_range_pool": 64}
+    (tmp_path / data.LONG_RANGE_TASK_FILE).write_text('{"value_tokens": 3, "pool": 256}')
+    with pytest.raises(ValueError, match="holds the keys"):
+        data.long_range_settings(tmp_path)
+
+
 def test_mixture_prompts_have_one_length_and_many_distances(tokenizer):
     task = data.LongRangeTask.for_tokenizer(tokenizer)
     prompts = data.long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)

@@ -24,8 +24,8 @@ from test_training import _target_trainer
 
 import ready_jax as rj
 from experiments import train_drafter, train_target
+from ready_jax import data, training
 from ready_jax import drafter_training as dt
-from ready_jax import training
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,7 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainers' steps and evaluations replaced by :func:`_advance` and a constant."""
     monkeypatch.setattr(training, "make_train_step", lambda *args, **kwargs: _advance)
     monkeypatch.setattr(training, "make_target_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
+    monkeypatch.setattr(training, "make_masked_eval", lambda *args, **kwargs: lambda params: {"val_recall_loss": 1.0})
     monkeypatch.setattr(dt, "make_drafter_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
 
 
@@ -134,6 +135,9 @@ def test_target_init_from_starts_at_the_saved_weights_and_refuses_another_shape(
     weights = lambda path: [np.asarray(x) for x in jax.tree.leaves(rj.Target.load(path).stacked_params())]  # noqa: E731
     for x, y in zip(weights(first), weights(second), strict=True):
         np.testing.assert_array_equal(x, y)
+    # The recall task's settings travel with the target trained on it, and only with it.
+    assert data.long_range_settings(second) == {"value_tokens": 1, "pool_size": 8}
+    assert not (first / data.LONG_RANGE_TASK_FILE).exists()
     fresh = tmp_path / "fresh"
     train_target.main(_target_argv(corpus, tmp_path / "w3") + ["--seed", "7", "--save-dir", str(fresh),
                                                                "--export-dtype", "float32"])
