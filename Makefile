@@ -23,8 +23,10 @@ $(VENV)/.installed-%: pyproject.toml
 demo: $(call stamp,$(DEMO_EXTRAS))
 	$(PY) -m experiments.compare_zoo
 
+# Test files are spread over TEST_WORKERS processes whole (--dist loadfile), so a file's module fixtures are built once.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(PY) -m pip install -q ruff
