@@ -74,6 +74,12 @@ def main(argv=None) -> None:
                         help="value tokens per record")
     parser.add_argument("--long-range-pool", type=int, default=data.LONG_RANGE_POOL,
                         help="ids keys and values are drawn from (a fixed seeded subset of the vocabulary)")
+    parser.add_argument("--attention-window", type=int, default=None,
+                        help="on a share of the training windows (--attention-window-fraction), the full-attention "
+                        "layers see only this many positions back, so what lies further back must be carried "
+                        "in the Gated DeltaNet states (the model is unchanged; None: always full attention)")
+    parser.add_argument("--attention-window-fraction", type=float, default=0.5,
+                        help="share of training windows whose attention is restricted (with --attention-window)")
     parser.add_argument("--linear-head-dim", type=int, default=128,
                         help="key and value head dim of the Gated DeltaNet layers (their states are dim x dim)")
     parser.add_argument("--init-from", default=None,
@@ -85,6 +91,9 @@ def main(argv=None) -> None:
                         help="parameter dtype of the saved target")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
+        parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
+                     f"{args.attention_window_fraction} in (0, 1]")
     produced_by = training.run_provenance(args.workdir, "experiments.train_target", argv)
 
     corpus = data.prepare_corpus(args.corpus, args.vocab)
@@ -111,8 +120,12 @@ def main(argv=None) -> None:
     optim = training.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                                  weight_decay=args.weight_decay, clip_norm=args.clip)
     optimizer = training.make_optimizer(optim)
-    loss_fn = lambda params, tokens, key: training.target_loss(target.graphdef, config, params, tokens,  # noqa: E731
-                                                               args.impl)
+
+    def loss_fn(params, tokens, key):
+        rows = None if args.attention_window is None else training.attention_windows(
+            key, tokens.shape[0], tokens.shape[1] - 1, args.attention_window_fraction, args.attention_window)
+        return training.target_loss(target.graphdef, config, params, tokens, args.impl, rows)
+
     step_fn = training.make_train_step(loss_fn, optimizer)
     train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
     val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
@@ -126,8 +139,13 @@ def main(argv=None) -> None:
         recall_eval = training.make_masked_eval(target.graphdef, config, recall_windows,
                                                 long_range.answer_mask(recall_windows), args.batch_size,
                                                 "val_recall", args.impl)
-        text_eval = eval_fn
-        eval_fn = lambda params: text_eval(params) | recall_eval(params)  # noqa: E731
+        evals = [eval_fn, recall_eval]
+        if args.attention_window is not None:
+            # Recall through the Gated DeltaNet states alone: every row's attention restricted.
+            evals.append(training.make_masked_eval(target.graphdef, config, recall_windows,
+                                                   long_range.answer_mask(recall_windows), args.batch_size,
+                                                   "val_state_recall", args.impl, args.attention_window))
+        eval_fn = lambda params: {k: v for f in evals for k, v in f(params).items()}  # noqa: E731
 
     def batch_fn(step):
         position = step * args.batch_size
@@ -141,6 +159,8 @@ def main(argv=None) -> None:
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
     if args.init_from:
         meta["init_from"] = str(args.init_from)
+    if args.attention_window is not None:
+        meta["attention_window"] = {"window": args.attention_window, "fraction": args.attention_window_fraction}
     if long_range is not None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
                               "max_distance": args.long_range_max_distance, "values": args.long_range_values,

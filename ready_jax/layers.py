@@ -134,13 +134,15 @@ class GatedAttention(nnx.Module):
         self.rotary_dim, self.rope_theta = config.rotary_dim, config.rope_theta
 
     def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array,
-                 group: jax.Array | None = None) -> tuple[jax.Array, AttentionCache]:
+                 group: jax.Array | None = None, window: jax.Array | None = None) -> tuple[jax.Array, AttentionCache]:
         """x: [B, T, D]; the block sits at positions ``starts[b] + t``. ``cache`` holds every group's
         buffers (k, v: [G, B, S, H_kv, D]) and this layer is group ``group``, or (``group=None``) just
         this layer's [B, S, H_kv, D]. Returns the output and the buffers with the block's K/V written at
-        those slots: only T slots are written, so a donated cache is updated in place, not copied."""
+        those slots: only T slots are written, so a donated cache is updated in place, not copied.
+        ``window`` [B]: row b's queries see only the last ``window[b]`` positions, their own included (a
+        training-time restriction, see ``training.attention_windows``; None: every earlier position)."""
         if group is None:
-            out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0))
+            out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window)
             return out, jax.tree.map(lambda a: a[0], stacked)
         b, t, _ = x.shape
         hd = self.head_dim
@@ -165,6 +167,8 @@ class GatedAttention(nnx.Module):
         scores = jnp.einsum("btgrd,bsgd->bgrts", q, k_all).astype(jnp.float32) * hd**-0.5
         slots = jnp.arange(k_all.shape[1])
         visible = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
+        if window is not None:
+            visible &= slots[None, None, :] > positions[:, :, None] - window[:, None, None]
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_all).reshape(b, t, self.num_heads * hd)

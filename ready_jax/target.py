@@ -61,12 +61,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, impl="xla"):
+    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, impl="xla", attention_window=None):
         """``layer_cache``: this group's entry, or for attention with ``group`` given every group's KV
-        buffers (written at ``group``)."""
+        buffers (written at ``group``). ``attention_window`` [B]: see :func:`extend`."""
         x = self.input_layernorm(h)
         if self.is_attention:
-            mixed, layer_cache = self.self_attn(x, layer_cache, starts, group)
+            mixed, layer_cache = self.self_attn(x, layer_cache, starts, group, attention_window)
         else:
             mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl)
         h = h + mixed
@@ -108,7 +108,7 @@ class TargetModel(nnx.Module):
         return self.lm_head(h)
 
     def run_layers(self, h, layers_cache, starts, num_new, *, form: Form, hidden_layers: Sequence[int],
-                   impl: Impl = "xla", check_finite: bool = False):
+                   impl: Impl = "xla", check_finite: bool = False, attention_window: jax.Array | None = None):
         """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D]).
 
         Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
@@ -119,6 +119,7 @@ class TargetModel(nnx.Module):
         XLA may copy the small GDN states and conv windows once in a standalone step (it reads the next
         group's slice from the original buffer), never the KV buffers, and nothing inside generate's loop.
         ``check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
+        ``attention_window`` [B]: see :func:`extend`.
         """
         cfg = self.config
         p, num_hidden = cfg.group_size, len(hidden_layers)
@@ -141,7 +142,8 @@ class TargetModel(nnx.Module):
                 elif in_place[j]:
                     entry = carried[j]
                 with jax.named_scope(f"layer_{j}"):
-                    h, entry = layer(h, entry, starts, num_new, g, form=form, impl=impl)
+                    h, entry = layer(h, entry, starts, num_new, g, form=form, impl=impl,
+                                     attention_window=attention_window)
                 if check_finite:
                     if not layer.is_attention:
                         for x in jax.tree.leaves(entry):
@@ -240,7 +242,8 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
            form: Form = "chunked", hidden_layers: Sequence[int] = (), impl: Impl = "xla",
-           check_finite: bool = False, logits_at: jax.Array | None = None) -> StepOutput:
+           check_finite: bool = False, logits_at: jax.Array | None = None,
+           attention_window: jax.Array | None = None) -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
@@ -252,6 +255,9 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     in ``0..vocab_size-1`` and ``0 <= num_new[b] <= T``; outside it the result is undefined.
     ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
     prompt token's, and [B, T, V] float32 logits of long prompts outweigh the cache.
+    ``attention_window`` [B] int: row b's full-attention layers see only its last ``attention_window[b]``
+    positions; a training-time restriction (``training.attention_windows``) that makes the Gated DeltaNet
+    states carry what lies further back. None: full attention, the architecture as it is.
     """
     model = nnx.merge(graphdef, params)
     if check_finite:
@@ -263,7 +269,8 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     if check_finite:
         debug.check_finite(h, "token embeddings")
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
-                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite)
+                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite,
+                                         attention_window=attention_window)
     with jax.named_scope("lm_head"):
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]

@@ -525,26 +525,43 @@ def small_target_config(vocab_size: int, *, hidden_size: int = 256, num_layers: 
         tie_word_embeddings=True, eos_token_ids=(eos_token_id,), max_position_embeddings=4096)
 
 
-def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, impl: str = "xla") -> tuple[jax.Array, dict]:
+def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, impl: str = "xla",
+                attention_window: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy of windows ``tokens`` [B, T + 1] with the chunked GDN form.
 
     ``impl="pallas"`` runs the forward pass's Gated DeltaNet as the fused kernel (``pallas_kernels.gdn_chunked``);
-    its gradient is the XLA reference's either way.
+    its gradient is the XLA reference's either way. ``attention_window`` [B]: see :func:`attention_windows`.
     """
-    ce, correct = next_token_scores(graphdef, config, params, tokens, impl)
+    ce, correct = next_token_scores(graphdef, config, params, tokens, impl, attention_window)
     return ce.mean(), {"accuracy": correct.astype(jnp.float32).mean()}
 
 
-def next_token_scores(graphdef, config: TargetConfig, params, tokens: jax.Array,
-                      impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+def next_token_scores(graphdef, config: TargetConfig, params, tokens: jax.Array, impl: str = "xla",
+                      attention_window: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per position of windows ``tokens`` [B, T + 1]: the cross-entropy of the next token [B, T] and whether the
-    target's argmax is that token [B, T] (chunked GDN form)."""
+    target's argmax is that token [B, T] (chunked GDN form; ``attention_window`` [B]: ``target.extend``'s)."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = cache_lib.init_cache(config, inputs.shape[0], inputs.shape[1], dtype)
-    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", impl=impl).logits  # [B, T, V]
+    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", impl=impl,
+                               attention_window=attention_window).logits                       # [B, T, V]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return ce, jnp.argmax(logits, -1) == labels
+
+
+def attention_windows(key: jax.Array, batch_size: int, length: int, fraction: float, window: int) -> jax.Array:
+    """Per row of a training batch, how far back its full-attention layers see: ``window`` positions for about
+    ``fraction`` of the rows (drawn with ``key``), ``length`` (everything) for the rest. [B] int32.
+
+    Rows whose attention cannot reach content further back than ``window`` must carry it in their Gated
+    DeltaNet states to predict it; the model itself is unchanged and decodes with full attention.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"attention-window fraction {fraction} must be between 0 and 1")
+    if window < 1:
+        raise ValueError(f"attention window {window} must be at least 1 position")
+    short = jax.random.uniform(key, (batch_size,)) < fraction
+    return jnp.where(short, window, length).astype(jnp.int32)
 
 
 def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,
@@ -563,11 +580,13 @@ def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_
 
 
 def make_masked_eval(graphdef, config: TargetConfig, windows: np.ndarray, mask: np.ndarray, batch_size: int,
-                     name: str, impl: str = "xla") -> Callable:
+                     name: str, impl: str = "xla", attention_window: int | None = None) -> Callable:
     """``eval_fn(params) -> {<name>_loss, <name>_accuracy}``: mean next-token cross-entropy and greedy accuracy
     over the positions ``mask`` [N, T] marks in windows [N, T + 1] (N cut to batches), e.g. the answers of
-    long-range queries (``data.LongRangeTask.answer_mask``)."""
-    scores = jax.jit(lambda params, tokens: next_token_scores(graphdef, config, params, tokens, impl))
+    long-range queries (``data.LongRangeTask.answer_mask``); with ``attention_window``, every row's attention
+    sees only that many positions back (what the Gated DeltaNet states alone carry further back)."""
+    rows = None if attention_window is None else jnp.full((batch_size,), attention_window, jnp.int32)
+    scores = jax.jit(lambda params, tokens: next_token_scores(graphdef, config, params, tokens, impl, rows))
     starts = range(0, len(windows) - batch_size + 1, batch_size)
     if not mask[:len(starts) * batch_size].any():
         raise ValueError(f"the {name} mask marks no position of the evaluated windows")

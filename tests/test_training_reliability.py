@@ -288,3 +288,15 @@ def test_failed_distill_cache_write_leaves_the_old_cache(stand_in_target, fake_d
     with pytest.raises(OSError, match="disk full"):
         dt.distilled_data(stand_in_target, CORPUS, dataclasses.replace(DISTILL, seed=1), cache)  # other data: rewritten
     assert cache.read_bytes() == before and os.listdir(tmp_path) == ["distill.npz"]
+
+
+def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, tmp_path, no_compiling):
+    corpus, _ = target_run
+    flags = ["--long-range-fraction", "1.0", "--long-range-records", "1", "--long-range-max-distance", "12",
+             "--long-range-values", "1", "--long-range-pool", "8", "--attention-window", "4"]
+    train_target.main(_target_argv(corpus, tmp_path / "w") + flags)
+    settings = json.loads((tmp_path / "w" / training.SETTINGS_FILE).read_text())
+    assert settings["attention_window"] == {"window": 4, "fraction": 0.5}
+    for bad in (["--attention-window", "0"], ["--attention-window", "4", "--attention-window-fraction", "0"]):
+        with pytest.raises(SystemExit):
+            train_target.main(_target_argv(corpus, tmp_path / "bad") + bad)

@@ -1,0 +1,85 @@
+"""Restricted attention for training (``extend(attention_window=...)``, ``training.attention_windows``): rows
+whose full-attention layers see only their last W positions, so the Gated DeltaNet states must carry the rest."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from ready_jax import cache as cache_lib
+from ready_jax import target as target_lib
+from ready_jax import training
+from ready_jax.layers import GatedAttention
+
+
+def _empty_kv(config, batch: int, capacity: int) -> cache_lib.AttentionCache:
+    shape = (batch, capacity, config.num_key_value_heads, config.head_dim)
+    return cache_lib.AttentionCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
+
+
+def test_windowed_attention_equals_attention_over_the_last_w_positions():
+    """Query t of a row with window w sees exactly positions t-w+1..t: the same as running the unrestricted
+    layer on those w tokens alone (RoPE scores depend only on offsets, so they may start at position 0)."""
+    config = tiny_config()
+    t, windows = 9, (3, 5)
+    layer = GatedAttention(config, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (len(windows), t, config.hidden_size))
+    got, _ = layer(x, _empty_kv(config, len(windows), t), jnp.zeros((len(windows),), jnp.int32),
+                   window=jnp.asarray(windows, jnp.int32))
+    # The reference, one row per (row, query): its last w tokens, right-padded (causal: padding after the
+    # query changes nothing), through the unrestricted layer.
+    pairs = [(row, q, max(0, q - w + 1)) for row, w in enumerate(windows) for q in range(t)]
+    width = max(windows)
+    alone = jnp.stack([jnp.pad(x[row, first:q + 1], ((0, width - (q + 1 - first)), (0, 0))) for row, q, first in pairs])
+    ref, _ = layer(alone, _empty_kv(config, len(pairs), width), jnp.zeros((len(pairs),), jnp.int32))
+    for i, (row, q, first) in enumerate(pairs):
+        np.testing.assert_allclose(got[row, q], ref[i, q - first], rtol=2e-5, atol=2e-6)
+
+
+def test_a_window_as_long_as_the_sequence_is_full_attention_and_a_short_one_is_not(tiny_target):
+    config = tiny_target.config
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, config.vocab_size, (2, 24)), jnp.int32)
+    run = jax.jit(lambda params, window: target_lib.extend(
+        tiny_target.graphdef, params, cache_lib.init_cache(config, 2, 24), tokens, attention_window=window).logits)
+
+    def logits(window):
+        return np.asarray(run(tiny_target.params, window))
+
+    full = logits(None)
+    np.testing.assert_array_equal(logits(jnp.asarray([24, 24], jnp.int32)), full)
+    mixed = logits(jnp.asarray([24, 4], jnp.int32))
+    np.testing.assert_array_equal(mixed[0], full[0])                      # rows are independent
+    np.testing.assert_allclose(mixed[1, :4], full[1, :4], rtol=1e-5, atol=1e-6)  # nothing cut off yet
+    assert np.abs(mixed[1, 4:] - full[1, 4:]).max() > 1e-3                # later positions lose the early ones
+
+
+def test_attention_windows_draws_the_restricted_rows_from_the_key():
+    key = jax.random.key(5)
+    np.testing.assert_array_equal(training.attention_windows(key, 6, 128, 0.0, 16), [128] * 6)
+    np.testing.assert_array_equal(training.attention_windows(key, 6, 128, 1.0, 16), [16] * 6)
+    half = np.asarray(training.attention_windows(key, 4096, 128, 0.5, 16))
+    assert set(np.unique(half)) == {16, 128} and abs((half == 16).mean() - 0.5) < 0.05
+    np.testing.assert_array_equal(training.attention_windows(key, 4096, 128, 0.5, 16), half)   # a pure function
+    assert not np.array_equal(training.attention_windows(jax.random.key(6), 4096, 128, 0.5, 16), half)
+    with pytest.raises(ValueError, match="fraction 1.5 must be between 0 and 1"):
+        training.attention_windows(key, 4, 128, 1.5, 16)
+    with pytest.raises(ValueError, match="attention window 0 must be at least 1"):
+        training.attention_windows(key, 4, 128, 0.5, 0)
+
+
+def test_masked_eval_with_a_window_scores_the_windowed_model(tiny_target):
+    config = tiny_target.config
+    windows = np.random.default_rng(2).integers(3, config.vocab_size, (2, 21)).astype(np.int32)
+    mask = np.zeros((2, 20), bool)
+    mask[:, 15:] = True
+    scores = jax.jit(lambda params, tokens: training.next_token_scores(
+        tiny_target.graphdef, config, params, tokens, attention_window=jnp.asarray([3, 3], jnp.int32)))
+    ce, correct = (np.asarray(x) for x in scores(tiny_target.params, jnp.asarray(windows)))
+    got = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state",
+                                    attention_window=3)(tiny_target.params)
+    assert got["state_loss"] == pytest.approx(ce[mask].mean(), rel=1e-5)
+    assert got["state_accuracy"] == pytest.approx(correct[mask].mean())
+    full = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state")(tiny_target.params)
+    assert full["state_loss"] != pytest.approx(got["state_loss"], rel=1e-4)
