@@ -30,7 +30,9 @@ target, freshly initialised, since a round's time and memory do not depend on th
 
 ``evaluate`` draws held-out prompts (test-split filler, seeds no drafter trained on) at D in
 {W/2, 2W, 8W, 32W}, generates each prompt's answer greedily with every drafter and without one (every
-output checked against AR), and reports per D: the target's greedy accuracy on the answers, tau per arm
+output checked against AR), and reports per D: the target's greedy accuracy on the answers, and how much of
+them it still gets with its attention cut to the last W positions (what its Gated DeltaNet states alone
+carry across D: a lower bound on what a state reader can find there), tau per arm
 (mean and seed spread), ReaDy's paired gain over the control per seed, and, for the reader, how much its
 output moves the draft logits. It then times one drafter round (draft + context append + reader prepare)
 against prefix length for windowed ReaDy, the KV-read baseline and full-context DSpark, with the memory
@@ -51,6 +53,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cli, data
 from ready_jax import drafter_training as dt
+from ready_jax import target as target_lib
 from ready_jax.drafter import SharedWeights
 
 from .common import pyplot, save_figure, write_json
@@ -98,6 +101,18 @@ def reader_effect(drafter: rj.Drafter, target: rj.Target, prompts: np.ndarray) -
             "top1_changed": float((read.argmax(-1) != blind.argmax(-1)).mean())}
 
 
+def state_carried_accuracy(target: rj.Target, ids: np.ndarray, reference: np.ndarray, window: int) -> float:
+    """Teacher-forced token accuracy on the answers ``reference`` [B, A] after prompts ``ids`` [B, P] when the
+    target's full-attention layers see only the last ``window`` positions: what the target recovers of
+    content further back through its Gated DeltaNet states alone, the states a ReaDy reader reads."""
+    tokens = np.concatenate([ids, reference[:, :-1]], axis=1)
+    restricted = jnp.full((ids.shape[0],), window, jnp.int32)
+    logits = jax.jit(lambda params: target_lib.extend(
+        target.graphdef, params, target.init_cache(*tokens.shape), jnp.asarray(tokens),
+        attention_window=restricted).logits[:, ids.shape[1] - 1:])(target.params)
+    return float((np.asarray(jnp.argmax(logits, -1)) == reference).mean())
+
+
 def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int,
              task: dict) -> dict:
     """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR),
@@ -115,7 +130,9 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
         correct = ar.tokens == reference
         row = {"prompt_tokens": int(ids.shape[1]), "answer_tokens": new_tokens,
                "target_token_accuracy": float(correct.mean()),
-               "target_answer_accuracy": float(correct.all(axis=1).mean()), "tau": {}, "reader_effect": {}}
+               "target_answer_accuracy": float(correct.all(axis=1).mean()),
+               "state_carried_accuracy": state_carried_accuracy(target, ids, reference, window),
+               "tau": {}, "reader_effect": {}}
         for name, drafter in drafters.items():
             out = rj.generate(target, ids, new_tokens, drafter=drafter, prompt_bucket=width)
             if not np.array_equal(out.tokens, ar.tokens):
@@ -124,7 +141,8 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
             if drafter.config.reader is not None and drafter.config.reader.kind == "state":
                 row["reader_effect"][name] = reader_effect(drafter, target, ids[:args.effect_prompts])
         print(f"D={distance:<5} prompt {ids.shape[1]:>5} tokens  target accuracy {row['target_token_accuracy']:.1%} "
-              f"(answers {row['target_answer_accuracy']:.1%})  "
+              f"(answers {row['target_answer_accuracy']:.1%}; attention cut to W: "
+              f"{row['state_carried_accuracy']:.1%})  "
               + "  ".join(f"{n} {t:.2f}" for n, t in row["tau"].items()), flush=True)
         per_distance[str(distance)] = row
     return per_distance
@@ -216,6 +234,8 @@ def print_report(result: dict) -> None:
     rows = result["per_distance"]
     print(f"\n{'arm':<42}" + "".join(f"{'D=' + d:>16}" for d in rows))
     print(f"{'target accuracy (tokens)':<42}" + "".join(f"{r['target_token_accuracy']:>16.1%}" for r in rows.values()))
+    print(f"{'  ... attention cut to W (state alone)':<42}"
+          + "".join(f"{r['state_carried_accuracy']:>16.1%}" for r in rows.values()))
     for arm in result["summary"]["arms"].values():
         cells = [arm["tau"].get(d) for d in rows]
         print(f"{arm['label'][:41]:<42}" + "".join(

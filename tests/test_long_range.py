@@ -259,3 +259,12 @@ def test_cost_drafters_have_the_testbed_shapes(tiny_target):
     ready, kv, full = (drafters[name].config for name in ("ready_s0", "kv_read_s0", "dspark_full_s0"))
     assert ready.context_window == kv.context_window == 16 and full.context_window is None
     assert ready.reader.kind == "state" and ready.reader.rank == 8 and kv.reader.kind == "kv" and full.reader is None
+
+
+def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target):
+    """Against the target's own greedy answers: every token with attention over the whole prompt, fewer once
+    the attention is cut to the last position (this random target's states carry little)."""
+    ids = np.random.default_rng(3).integers(3, tiny_target.config.vocab_size, (4, 20)).astype(np.int32)
+    own = np.asarray(rj.generate(tiny_target, ids, 4).tokens)
+    assert lr.state_carried_accuracy(tiny_target, ids, own, 24) == 1.0
+    assert lr.state_carried_accuracy(tiny_target, ids, own, 1) < 1.0
