@@ -46,7 +46,7 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
     """The variant's starting drafter (fp32 for training)."""
     if args.variant == "dspark":
         overrides = dict(block_size=args.block_size, num_layers=args.num_layers, markov_rank=args.markov_rank,
-                         context_window=args.context_window)
+                         context_window=args.context_window, target_layer_ids=args.target_layers)
         config = dt.default_config(target.config, data.MASK_ID, **overrides)
         return rj.Drafter.init(target.config, config, seed=args.seed)
     if args.init_from is None:
@@ -99,6 +99,9 @@ def main(argv=None) -> None:
     parser.add_argument("--block-size", type=int, default=7, help="drafts per round (dspark)")
     parser.add_argument("--num-layers", type=int, default=2, help="draft layers (dspark)")
     parser.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (dspark)")
+    parser.add_argument("--target-layers", type=int, nargs="+", default=None,
+                        help="target layers whose outputs form the drafter's context features (dspark; None: "
+                        "DeepSpec's spread, num-layers ids from 1 to L - 3)")
     parser.add_argument("--context-window", type=int, default=None,
                         help="draft attention sees only the last N committed context tokens (None: all)")
     parser.add_argument("--source-layers", type=int, nargs="+", default=None,
@@ -137,6 +140,10 @@ def main(argv=None) -> None:
         corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    try:  # before distilling, so a drafter shape the target cannot feed fails at once
+        drafter = build_drafter(args, target)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
                                       temperature=args.distill_temperature, seed=args.data_seed,
                                       long_range_max_distance=args.long_range_max_distance,
@@ -147,7 +154,6 @@ def main(argv=None) -> None:
     print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
           f"({time.perf_counter() - start:.0f} s)")
 
-    drafter = build_drafter(args, target)
     layout = dt.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(drafter.params))
     print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.num_anchors} anchors per sequence, "

@@ -300,3 +300,17 @@ def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, t
     for bad in (["--attention-window", "0"], ["--attention-window", "4", "--attention-window-fraction", "0"]):
         with pytest.raises(SystemExit):
             train_target.main(_target_argv(corpus, tmp_path / "bad") + bad)
+
+
+def test_drafter_target_layers_are_the_context_features_and_checked_before_distilling(tmp_path, fake_distill,
+                                                                                      no_compiling):
+    _tiny_corpus(tmp_path / "corpus", tiny_config().vocab_size)
+    rj.Target.init(tiny_config(), seed=0).save(tmp_path / "target")
+    argv = _drafter_argv(tmp_path / "corpus", tmp_path / "target", tmp_path / "w1", num_layers=1)
+    train_drafter.main(argv + ["--target-layers", "2", "5", "--save-dir", str(tmp_path / "drafter")])
+    assert rj.Drafter.load(tmp_path / "drafter").config.target_layer_ids == (2, 5)
+    calls = len(fake_distill)
+    argv = _drafter_argv(tmp_path / "corpus", tmp_path / "target", tmp_path / "w2", num_layers=1)
+    with pytest.raises(SystemExit, match=r"error: .*target_layer_ids \[8\] are outside the target's decoder layers"):
+        train_drafter.main(argv + ["--target-layers", "8"])
+    assert len(fake_distill) == calls                       # refused before any distillation
