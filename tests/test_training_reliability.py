@@ -290,7 +290,7 @@ def test_failed_distill_cache_write_leaves_the_old_cache(stand_in_target, fake_d
     assert cache.read_bytes() == before and os.listdir(tmp_path) == ["distill.npz"]
 
 
-def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, tmp_path, no_compiling):
+def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, tmp_path, no_compiling, capsys):
     corpus, _ = target_run
     flags = ["--long-range-fraction", "1.0", "--long-range-records", "1", "--long-range-max-distance", "12",
              "--long-range-values", "1", "--long-range-pool", "8", "--attention-window", "4"]
@@ -300,6 +300,8 @@ def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, t
     for bad in (["--attention-window", "0"], ["--attention-window", "4", "--attention-window-fraction", "0"]):
         with pytest.raises(SystemExit):
             train_target.main(_target_argv(corpus, tmp_path / "bad") + bad)
+        assert "--attention-window-fraction" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()                 # refused before the run starts
 
 
 def test_drafter_target_layers_are_the_context_features_and_checked_before_distilling(tmp_path, fake_distill,
