@@ -82,6 +82,12 @@ def main(argv=None) -> None:
                         help="share of training windows whose attention is restricted (with --attention-window)")
     parser.add_argument("--linear-head-dim", type=int, default=128,
                         help="key and value head dim of the Gated DeltaNet layers (their states are dim x dim)")
+    parser.add_argument("--linear-memory", type=float, default=None, metavar="HALF_LIFE",
+                        help="before training, set the last --linear-memory-heads value heads of every Gated DeltaNet "
+                        "layer to a constant decay whose half-life is this many tokens (HF's initialisation forgets "
+                        "within a few tokens, so a state gets no gradient to carry anything further back)")
+    parser.add_argument("--linear-memory-heads", type=int, default=1,
+                        help="value heads per Gated DeltaNet layer that --linear-memory resets")
     parser.add_argument("--init-from", default=None,
                         help="start from this trained target's weights (project format; its config must be the one "
                         "the flags describe) instead of a random initialisation: a curriculum's next stage, or a "
@@ -94,14 +100,19 @@ def main(argv=None) -> None:
     if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
         parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
                      f"{args.attention_window_fraction} in (0, 1]")
-    produced_by = training.run_provenance(args.workdir, "experiments.train_target", argv)
-
+    if args.linear_memory is not None and (args.linear_memory <= 0 or args.linear_memory_heads < 1):
+        parser.error(f"--linear-memory {args.linear_memory} must be > 0 tokens and --linear-memory-heads "
+                     f"{args.linear_memory_heads} >= 1")
     corpus = data.prepare_corpus(args.corpus, args.vocab)
     config = training.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
                                           num_layers=args.layers, intermediate_size=args.intermediate,
                                           eos_token_id=data.EOS_ID)
     config = dataclasses.replace(config, linear_key_head_dim=args.linear_head_dim,
                                  linear_value_head_dim=args.linear_head_dim)
+    if args.linear_memory is not None and args.linear_memory_heads > config.linear_num_value_heads:
+        raise SystemExit(f"error: --linear-memory-heads {args.linear_memory_heads} exceeds the "
+                         f"{config.linear_num_value_heads} value heads of each Gated DeltaNet layer")
+    produced_by = training.run_provenance(args.workdir, "experiments.train_target", argv)
     # Stacked groups: the layer scan keeps the training step's compile time flat in depth, and run checkpoints
     # keep the layout they have always had, so earlier runs resume.
     target = rj.Target.init(config, seed=args.seed, group_layout="stacked")
@@ -113,6 +124,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"error: {args.init_from} is not the target the flags describe "
                              f"(its, the flags'): {differs}")
         target = rj.Target(nnx.merge(target.graphdef, start_from.stacked_params()), group_layout="stacked")
+    if args.linear_memory is not None:
+        params = training.lengthen_linear_memory(target.params, args.linear_memory, args.linear_memory_heads)
+        target = rj.Target(nnx.merge(target.graphdef, params), group_layout="stacked")
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
     print(f"target: {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, corpus "
           f"{corpus.manifest['train_tokens']} train tokens")
@@ -161,6 +175,8 @@ def main(argv=None) -> None:
         meta["init_from"] = str(args.init_from)
     if args.attention_window is not None:
         meta["attention_window"] = {"window": args.attention_window, "fraction": args.attention_window_fraction}
+    if args.linear_memory is not None:
+        meta["linear_memory"] = {"half_life": args.linear_memory, "heads": args.linear_memory_heads}
     if long_range is not None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
                               "max_distance": args.long_range_max_distance, "values": args.long_range_values,

@@ -564,6 +564,38 @@ def attention_windows(key: jax.Array, batch_size: int, length: int, fraction: fl
     return jnp.where(short, window, length).astype(jnp.int32)
 
 
+def lengthen_linear_memory(params, half_life: float, heads: int):
+    """``params`` (a target's, any group layout) with the last ``heads`` value heads of every Gated DeltaNet layer
+    set to forget at one constant rate: A = 1, ``dt_bias`` = softplus^-1(ln 2 / half_life) and a zero
+    ``in_proj_a`` column, so g = -ln 2 / half_life for every input and the state halves every ``half_life``
+    tokens until training learns a gate. Every other weight is unchanged.
+
+    HF's initialisation (A ~ U(0.01, 16), ``dt_bias`` = 1) gives g = -1.31 A: such a state forgets within a few
+    tokens, so nothing D >> 10 tokens back reaches the loss through it and no gradient teaches it to remember.
+    A long-memory head starts where that gradient exists.
+    """
+    if half_life <= 0:
+        raise ValueError(f"half_life {half_life} must be a positive number of tokens")
+    dt_bias = math.log(math.expm1(math.log(2.0) / half_life))
+    names = {"A_log": 0.0, "dt_bias": dt_bias, "in_proj_a": 0.0}
+    found = []
+
+    def reset(path, leaf):
+        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        name = next((n for n in names if n in keys), None)
+        if "linear_attn" not in keys or name is None:
+            return leaf
+        if not 1 <= heads <= leaf.shape[-1]:
+            raise ValueError(f"heads {heads} must be between 1 and the {leaf.shape[-1]} value heads per layer")
+        found.append(name)
+        return leaf.at[..., -heads:].set(names[name])
+
+    out = jax.tree_util.tree_map_with_path(reset, params)
+    if not found:
+        raise ValueError("params hold no Gated DeltaNet layer (no linear_attn A_log / dt_bias / in_proj_a)")
+    return out
+
+
 def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,
                      impl: str = "xla") -> Callable:
     """``eval_fn(params) -> {val_loss, val_ppl, val_accuracy}`` over fixed windows [N, T + 1] (N cut to batches)."""

@@ -1,5 +1,7 @@
-"""Restricted attention for training (``extend(attention_window=...)``, ``training.attention_windows``): rows
-whose full-attention layers see only their last W positions, so the Gated DeltaNet states must carry the rest."""
+"""Training a target to carry content in its Gated DeltaNet states: restricted attention
+(``extend(attention_window=...)``, ``training.attention_windows``), rows whose full-attention layers see only their
+last W positions, so the states must carry the rest; and long-memory heads (``training.lengthen_linear_memory``),
+so a state keeps content long enough for that to be learned."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +11,8 @@ from conftest import tiny_config
 from flax import nnx
 
 from ready_jax import cache as cache_lib
+from ready_jax import dispatch, training
 from ready_jax import target as target_lib
-from ready_jax import training
 from ready_jax.layers import GatedAttention
 
 
@@ -83,3 +85,51 @@ def test_masked_eval_with_a_window_scores_the_windowed_model(tiny_target):
     assert got["state_accuracy"] == pytest.approx(correct[mask].mean())
     full = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state")(tiny_target.params)
     assert full["state_loss"] != pytest.approx(got["state_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("group_layout", ["split", "stacked"])
+def test_lengthened_linear_memory_decays_at_its_half_life_whatever_the_input(monkeypatch, group_layout):
+    """The decay every Gated DeltaNet layer really uses: the reset heads g = -ln 2 / half_life at every token,
+    the other heads their own input-dependent gate as before; nothing but the three reset slices changes."""
+    config = tiny_config()
+    target = target_lib.Target.init(config, seed=0, group_layout=group_layout)
+    params = training.lengthen_linear_memory(target.params, 64.0, 1)
+    decays = []
+    real = dispatch.gated_delta_chunked
+
+    def recording(q, k, v, g, beta, state, impl):
+        jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)  # stacked layers: a scan
+        return real(q, k, v, g, beta, state, impl=impl)
+
+    monkeypatch.setattr(dispatch, "gated_delta_chunked", recording)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 12)), jnp.int32)
+
+    def gates(p):
+        decays.clear()
+        jax.block_until_ready(target_lib.extend(target.graphdef, p, cache_lib.init_cache(config, 2, 12), tokens,
+                                                form="chunked").logits)
+        jax.effects_barrier()
+        return list(decays)                                   # per GDN layer: [B, T, H_v]
+
+    before, after = gates(target.params), gates(params)
+    assert len(after) == config.layer_types.count("linear_attention")
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_allclose(new[..., -1], -np.log(2) / 64, rtol=1e-6)
+        assert np.ptp(old[..., -1]) > 0                       # it was input-dependent before
+    np.testing.assert_array_equal(after[0][..., :-1], before[0][..., :-1])  # same input: the other heads' gates
+    changed = []
+    for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(target.params), jax.tree.leaves(params),
+                                strict=True):
+        if not np.array_equal(old, new):
+            changed.append(jax.tree_util.keystr(path))
+            np.testing.assert_array_equal(new[..., :-1], old[..., :-1])        # only the last head's slice
+    assert changed and all(any(n in c for n in ("A_log", "dt_bias", "in_proj_a")) for c in changed)
+
+
+def test_lengthen_linear_memory_refuses_what_it_cannot_do(tiny_target):
+    with pytest.raises(ValueError, match="half_life"):
+        training.lengthen_linear_memory(tiny_target.params, 0.0, 1)
+    with pytest.raises(ValueError, match="value heads"):
+        training.lengthen_linear_memory(tiny_target.params, 64.0, tiny_config().linear_num_value_heads + 1)
+    with pytest.raises(ValueError, match="no Gated DeltaNet"):
+        training.lengthen_linear_memory({"embed": jnp.zeros((4, 2))}, 64.0, 1)

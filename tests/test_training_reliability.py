@@ -304,6 +304,23 @@ def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, t
     assert not (tmp_path / "bad").exists()                 # refused before the run starts
 
 
+def test_target_linear_memory_is_a_recorded_setting_and_checked(target_run, tmp_path, no_compiling, capsys):
+    corpus, _ = target_run
+    train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "32"])
+    settings = json.loads((tmp_path / "w" / training.SETTINGS_FILE).read_text())
+    assert settings["linear_memory"] == {"half_life": 32.0, "heads": 1}
+    with pytest.raises(SystemExit, match="linear_memory"):                       # not the run in that workdir
+        train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "64"])
+    for bad in (["--linear-memory", "0"], ["--linear-memory", "32", "--linear-memory-heads", "0"]):
+        with pytest.raises(SystemExit):
+            train_target.main(_target_argv(corpus, tmp_path / "bad") + bad)
+        assert "--linear-memory-heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--linear-memory-heads 3 exceeds the 2 value heads"):
+        train_target.main(_target_argv(corpus, tmp_path / "bad") + ["--linear-memory", "32", "--linear-memory-heads",
+                                                                    "3"])
+    assert not (tmp_path / "bad").exists()                 # refused before the run starts
+
+
 def test_drafter_target_layers_are_the_context_features_and_checked_before_distilling(tmp_path, fake_distill,
                                                                                       no_compiling):
     _tiny_corpus(tmp_path / "corpus", tiny_config().vocab_size)
