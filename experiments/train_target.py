@@ -88,6 +88,9 @@ def main(argv=None) -> None:
                         "within a few tokens, so a state gets no gradient to carry anything further back)")
     parser.add_argument("--linear-memory-heads", type=int, default=1,
                         help="value heads per Gated DeltaNet layer that --linear-memory resets")
+    parser.add_argument("--hold-linear-memory", action="store_true",
+                        help="keep the --linear-memory heads' decay fixed through training (their other weights "
+                        "learn); trained freely, language modelling makes them forget again")
     parser.add_argument("--init-from", default=None,
                         help="start from this trained target's weights (project format; its config must be the one "
                         "the flags describe) instead of a random initialisation: a curriculum's next stage, or a "
@@ -100,6 +103,8 @@ def main(argv=None) -> None:
     if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
         parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
                      f"{args.attention_window_fraction} in (0, 1]")
+    if args.hold_linear_memory and args.linear_memory is None:
+        parser.error("--hold-linear-memory holds the heads --linear-memory resets: give --linear-memory too")
     if args.linear_memory is not None and (args.linear_memory <= 0 or args.linear_memory_heads < 1):
         parser.error(f"--linear-memory {args.linear_memory} must be > 0 tokens and --linear-memory-heads "
                      f"{args.linear_memory_heads} >= 1")
@@ -136,6 +141,8 @@ def main(argv=None) -> None:
     optimizer = training.make_optimizer(optim)
 
     def loss_fn(params, tokens, key):
+        if args.hold_linear_memory:
+            params = training.hold_linear_memory(params, args.linear_memory_heads)
         rows = None if args.attention_window is None else training.attention_windows(
             key, tokens.shape[0], tokens.shape[1] - 1, args.attention_window_fraction, args.attention_window)
         return training.target_loss(target.graphdef, config, params, tokens, args.impl, rows)
@@ -176,7 +183,8 @@ def main(argv=None) -> None:
     if args.attention_window is not None:
         meta["attention_window"] = {"window": args.attention_window, "fraction": args.attention_window_fraction}
     if args.linear_memory is not None:
-        meta["linear_memory"] = {"half_life": args.linear_memory, "heads": args.linear_memory_heads}
+        meta["linear_memory"] = {"half_life": args.linear_memory, "heads": args.linear_memory_heads,
+                                 "held": args.hold_linear_memory}
     if long_range is not None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
                               "max_distance": args.long_range_max_distance, "values": args.long_range_values,

@@ -596,6 +596,22 @@ def lengthen_linear_memory(params, half_life: float, heads: int):
     return out
 
 
+def hold_linear_memory(params, heads: int):
+    """``params`` with the last ``heads`` value heads' decay weights of every Gated DeltaNet layer (``A_log``,
+    ``dt_bias``, the ``in_proj_a`` column) behind ``stop_gradient``: used inside a loss, training leaves those
+    heads' decay as it is (a fixed multi-scale decay, as RetNet's) while everything else, their write strength
+    ``beta`` included, learns. Without it, language modelling pulls :func:`lengthen_linear_memory`'s heads back
+    to forgetting within a thousand steps, before any long-range use of them can form."""
+
+    def hold(path, leaf):
+        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        if "linear_attn" not in keys or not {"A_log", "dt_bias", "in_proj_a"} & set(keys):
+            return leaf
+        return jnp.concatenate([leaf[..., :-heads], jax.lax.stop_gradient(leaf[..., -heads:])], axis=-1)
+
+    return jax.tree_util.tree_map_with_path(hold, params)
+
+
 def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,
                      impl: str = "xla") -> Callable:
     """``eval_fn(params) -> {val_loss, val_ppl, val_accuracy}`` over fixed windows [N, T + 1] (N cut to batches)."""

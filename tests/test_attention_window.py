@@ -133,3 +133,28 @@ def test_lengthen_linear_memory_refuses_what_it_cannot_do(tiny_target):
         training.lengthen_linear_memory(tiny_target.params, 64.0, tiny_config().linear_num_value_heads + 1)
     with pytest.raises(ValueError, match="no Gated DeltaNet"):
         training.lengthen_linear_memory({"embed": jnp.zeros((4, 2))}, 64.0, 1)
+
+
+def test_held_linear_memory_gets_no_gradient_and_everything_else_does(tiny_target):
+    """A loss through ``hold_linear_memory`` leaves the held heads' decay weights a zero gradient, and the rest
+    of every leaf (the other heads' slices, and every other weight) the gradient it had without holding."""
+    config = tiny_config()
+    params = training.lengthen_linear_memory(tiny_target.params, 64.0, 1)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(3, config.vocab_size, (2, 13)), jnp.int32)
+
+    def loss(p, held):
+        p = training.hold_linear_memory(p, 1) if held else p
+        return training.target_loss(tiny_target.graphdef, config, p, tokens)[0]
+
+    free, held = (jax.grad(loss)(params, h) for h in (False, True))
+    decay_leaves = 0
+    for (path, f), h in zip(jax.tree_util.tree_leaves_with_path(free), jax.tree.leaves(held), strict=True):
+        name = jax.tree_util.keystr(path)
+        if "linear_attn" in name and any(n in name for n in ("A_log", "dt_bias", "in_proj_a")):
+            decay_leaves += 1
+            np.testing.assert_array_equal(h[..., -1], 0.0)
+            assert np.abs(f[..., -1]).max() > 0             # ... which a free run would have moved
+            np.testing.assert_allclose(h[..., :-1], f[..., :-1], rtol=1e-5, atol=1e-8)
+        else:
+            np.testing.assert_allclose(h, f, rtol=1e-5, atol=1e-8)
+    assert decay_leaves == 3 * config.layer_types.count("linear_attention")

@@ -306,15 +306,16 @@ def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, t
 
 def test_target_linear_memory_is_a_recorded_setting_and_checked(target_run, tmp_path, no_compiling, capsys):
     corpus, _ = target_run
-    train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "32"])
+    train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "32", "--hold-linear-memory"])
     settings = json.loads((tmp_path / "w" / training.SETTINGS_FILE).read_text())
-    assert settings["linear_memory"] == {"half_life": 32.0, "heads": 1}
+    assert settings["linear_memory"] == {"half_life": 32.0, "heads": 1, "held": True}
     with pytest.raises(SystemExit, match="linear_memory"):                       # not the run in that workdir
         train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "64"])
-    for bad in (["--linear-memory", "0"], ["--linear-memory", "32", "--linear-memory-heads", "0"]):
+    for bad in (["--linear-memory", "0"], ["--linear-memory", "32", "--linear-memory-heads", "0"],
+                ["--hold-linear-memory"]):
         with pytest.raises(SystemExit):
             train_target.main(_target_argv(corpus, tmp_path / "bad") + bad)
-        assert "--linear-memory-heads" in capsys.readouterr().err
+        assert "--linear-memory" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--linear-memory-heads 3 exceeds the 2 value heads"):
         train_target.main(_target_argv(corpus, tmp_path / "bad") + ["--linear-memory", "32", "--linear-memory-heads",
                                                                     "3"])
