@@ -32,7 +32,8 @@ target, freshly initialised, since a round's time and memory do not depend on th
 {W/2, 2W, 8W, 32W}, generates each prompt's answer greedily with every drafter and without one (every
 output checked against AR), and reports per D: the target's greedy accuracy on the answers, and how much of
 them it still gets with its attention cut to the last W positions (what its Gated DeltaNet states alone
-carry across D: a lower bound on what a state reader can find there), tau per arm
+carry across D: a lower bound on what a state reader can find there), how much of the record each Gated
+DeltaNet head's decay alone keeps until the query, tau per arm
 (mean and seed spread), ReaDy's paired gain over the control per seed, and, for the reader, how much its
 output moves the draft logits. It then times one drafter round (draft + context append + reader prepare)
 against prefix length for windowed ReaDy, the KV-read baseline and full-context DSpark, with the memory
@@ -113,6 +114,27 @@ def state_carried_accuracy(target: rj.Target, ids: np.ndarray, reference: np.nda
     return float((np.asarray(jnp.argmax(logits, -1)) == reference).mean())
 
 
+def state_retention(target: rj.Target, ids: np.ndarray, distance: int) -> list[list[float]]:
+    """Per Gated DeltaNet layer and value head, how much of a record's first value write is still in the state
+    at the end of prompts ``ids`` [B, P] whose record lies ``distance`` back (``data.LongRangeTask.prompt``):
+    exp(sum of the layer's g over the tokens after it), averaged over the prompts. The decay alone: the delta
+    rule's overwrites can only lower it. Near 0 means the state cannot carry the record, whatever its training
+    did. [GDN layers][H_v]"""
+    config, tokens = target.config, jnp.asarray(ids)
+    out = target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape), tokens,
+                            hidden_layers=tuple(range(config.num_hidden_layers)))
+    model = target_lib.split_groups(target.model)
+    layer_inputs = [model.embed_tokens(tokens), *out.hidden[:-1]]             # [B, P, D] into each layer
+    first_after = ids.shape[1] - distance + 1             # the token after the record's first value
+    retention = []
+    for i, x in enumerate(layer_inputs):
+        layer = model.groups[i // config.group_size].layers[i % config.group_size]
+        if not layer.is_attention:
+            g = layer.linear_attn.decay(layer.input_layernorm(x))              # [B, P, H_v]
+            retention.append(np.exp(np.asarray(g[:, first_after:]).sum(axis=1)).mean(axis=0).tolist())
+    return retention
+
+
 def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int,
              task: dict) -> dict:
     """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR),
@@ -132,6 +154,7 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
                "target_token_accuracy": float(correct.mean()),
                "target_answer_accuracy": float(correct.all(axis=1).mean()),
                "state_carried_accuracy": state_carried_accuracy(target, ids, reference, window),
+               "state_retention": state_retention(target, ids[:args.effect_prompts], distance),
                "tau": {}, "reader_effect": {}}
         for name, drafter in drafters.items():
             out = rj.generate(target, ids, new_tokens, drafter=drafter, prompt_bucket=width)
@@ -142,7 +165,8 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
                 row["reader_effect"][name] = reader_effect(drafter, target, ids[:args.effect_prompts])
         print(f"D={distance:<5} prompt {ids.shape[1]:>5} tokens  target accuracy {row['target_token_accuracy']:.1%} "
               f"(answers {row['target_answer_accuracy']:.1%}; attention cut to W: "
-              f"{row['state_carried_accuracy']:.1%})  "
+              f"{row['state_carried_accuracy']:.1%}; longest state memory keeps "
+              f"{max(max(heads) for heads in row['state_retention']):.2g} of the record)  "
               + "  ".join(f"{n} {t:.2f}" for n, t in row["tau"].items()), flush=True)
         per_distance[str(distance)] = row
     return per_distance
@@ -236,6 +260,9 @@ def print_report(result: dict) -> None:
     print(f"{'target accuracy (tokens)':<42}" + "".join(f"{r['target_token_accuracy']:>16.1%}" for r in rows.values()))
     print(f"{'  ... attention cut to W (state alone)':<42}"
           + "".join(f"{r['state_carried_accuracy']:>16.1%}" for r in rows.values()))
+    if all("state_retention" in r for r in rows.values()):  # results from before it was measured lack it
+        print(f"{'  longest GDN memory: share of record kept':<42}"
+              + "".join(f"{max(max(h) for h in r['state_retention']):>16.2g}" for r in rows.values()))
     for arm in result["summary"]["arms"].values():
         cells = [arm["tau"].get(d) for d in rows]
         print(f"{arm['label'][:41]:<42}" + "".join(

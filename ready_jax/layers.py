@@ -197,6 +197,11 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)
         self.out_proj = linear(c.linear_value_dim, c.hidden_size, rngs=rngs, dtype=dtype)
 
+    def decay(self, x: jax.Array) -> jax.Array:
+        """g = log of the share of the state each token of x [B, T, D] keeps: [B, T, H_v] float32, <= 0."""
+        a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
+
     def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
                  form: str, impl: Impl = "xla") -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
         """x: [B, T, D] new tokens after the committed ones (one group's cache slice).
@@ -221,8 +226,7 @@ class GatedDeltaNet(nnx.Module):
         v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
 
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))          # [B, T, H_v]
-        a = self.in_proj_a(x).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        g = self.decay(x)
 
         if form == "candidates":
             o, states = dispatch.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True,

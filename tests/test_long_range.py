@@ -2,15 +2,19 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
+from flax import nnx
 from tokenizers import Tokenizer
 
 import ready_jax as rj
 from experiments import long_range as lr
 from experiments import reproduce_table as rt
-from ready_jax import cli, data
+from ready_jax import cli, data, dispatch, training
+from ready_jax import target as target_lib
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +272,31 @@ def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target)
     own = np.asarray(rj.generate(tiny_target, ids, 4).tokens)
     assert lr.state_carried_accuracy(tiny_target, ids, own, 24) == 1.0
     assert lr.state_carried_accuracy(tiny_target, ids, own, 1) < 1.0
+
+
+@pytest.mark.parametrize("group_layout", ["split", "stacked"])
+def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(monkeypatch, group_layout):
+    """Against the decays the layers really apply (captured where they enter the delta rule), and exact for
+    heads of known half-life: 2^-(D-1)/H over the D - 1 tokens that follow the record's first value."""
+    config = tiny_config()
+    base = rj.Target.init(config, seed=0, group_layout=group_layout)
+    target = rj.Target(nnx.merge(base.graphdef, training.lengthen_linear_memory(base.params, 8.0, 1)),
+                       group_layout=group_layout)
+    ids = np.random.default_rng(4).integers(3, config.vocab_size, (3, 20)).astype(np.int32)
+    distance = 12
+    retention = lr.state_retention(target, ids, distance)
+    decays = []
+    real = dispatch.gated_delta_chunked
+
+    def recording(q, k, v, g, beta, state, impl):
+        jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)
+        return real(q, k, v, g, beta, state, impl=impl)
+
+    monkeypatch.setattr(dispatch, "gated_delta_chunked", recording)
+    jax.block_until_ready(target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape),
+                                            jnp.asarray(ids)).logits)
+    jax.effects_barrier()
+    assert len(retention) == len(decays) == config.layer_types.count("linear_attention")
+    for got, g in zip(retention, decays, strict=True):
+        np.testing.assert_allclose(got, np.exp(g[:, -(distance - 1):].sum(axis=1)).mean(axis=0), rtol=1e-4)
+        np.testing.assert_allclose(got[-1], 0.5 ** ((distance - 1) / 8.0), rtol=1e-5)
