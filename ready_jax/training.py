@@ -61,8 +61,18 @@ class OptimConfig:
                                                   end_value=self.lr * self.min_lr_ratio)
 
 
+def decays(path, leaf) -> bool:
+    """Whether AdamW's weight decay applies to the parameter at ``path``: to weight matrices (and the embedding),
+    not to vectors (norm weights, the Gated DeltaNet's per-head ``A_log`` and ``dt_bias``, biases). Stacked
+    layer groups (``params["groups"]["layers"]``) carry a leading group axis that does not make a vector a
+    matrix."""
+    keys = [getattr(k, "key", None) for k in path[:2]]
+    group_axes = 1 if keys == ["groups", "layers"] else 0
+    return leaf.ndim - group_axes >= 2
+
+
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(config.schedule(), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay,

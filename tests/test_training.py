@@ -274,3 +274,19 @@ def test_zoo_manifest_hashes_match_files():
     on_disk = {p.relative_to(ZOO).as_posix() for p in ZOO.rglob("*") if p.is_file() and p.name != "MANIFEST.json"}
     assert on_disk == listed, f"unlisted: {sorted(on_disk - listed)}; missing: {sorted(listed - on_disk)}"
 
+
+
+@pytest.mark.parametrize("group_layout", ["split", "stacked"])
+def test_weight_decay_shrinks_matrices_only_in_either_group_layout(group_layout):
+    """With zero gradients an AdamW step is its weight decay alone: every matrix shrinks, and no vector (norm
+    weights, A_log, dt_bias) moves, although stacked groups give each vector a leading group axis."""
+    target = rj.Target.init(tiny_config(), seed=0, group_layout=group_layout)
+    optimizer = training.make_optimizer(training.OptimConfig(lr=0.1, warmup_steps=0, total_steps=10))
+    params = target.params
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    moved = {jax.tree_util.keystr(path): bool(np.abs(u).max() > 0)
+             for path, u in jax.tree_util.tree_leaves_with_path(updates)}
+    vectors = [p for p in moved if any(n in p for n in ("A_log", "dt_bias", "norm", "layernorm"))]
+    assert len(vectors) >= 4 and not any(moved[p] for p in vectors)
+    assert all(moved[p] for p in moved if p not in vectors)
