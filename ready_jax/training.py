@@ -586,19 +586,16 @@ def lengthen_linear_memory(params, half_life: float, heads: int):
     """
     if half_life <= 0:
         raise ValueError(f"half_life {half_life} must be a positive number of tokens")
-    dt_bias = math.log(math.expm1(math.log(2.0) / half_life))
-    names = {"A_log": 0.0, "dt_bias": dt_bias, "in_proj_a": 0.0}
+    value = {"A_log": 0.0, "dt_bias": math.log(math.expm1(math.log(2.0) / half_life)), "in_proj_a": 0.0}
     found = []
 
     def reset(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-        name = next((n for n in names if n in keys), None)
-        if "linear_attn" not in keys or name is None:
+        name = _decay_weight(path)
+        if name is None:
             return leaf
-        if not 1 <= heads <= leaf.shape[-1]:
-            raise ValueError(f"heads {heads} must be between 1 and the {leaf.shape[-1]} value heads per layer")
+        _check_heads(heads, leaf.shape[-1])
         found.append(name)
-        return leaf.at[..., -heads:].set(names[name])
+        return leaf.at[..., -heads:].set(value[name])
 
     out = jax.tree_util.tree_map_with_path(reset, params)
     if not found:
@@ -614,12 +611,27 @@ def hold_linear_memory(params, heads: int):
     to forgetting within a thousand steps, before any long-range use of them can form."""
 
     def hold(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-        if "linear_attn" not in keys or not {"A_log", "dt_bias", "in_proj_a"} & set(keys):
+        if _decay_weight(path) is None:
             return leaf
+        _check_heads(heads, leaf.shape[-1])
         return jnp.concatenate([leaf[..., :-heads], jax.lax.stop_gradient(leaf[..., -heads:])], axis=-1)
 
     return jax.tree_util.tree_map_with_path(hold, params)
+
+
+# A Gated DeltaNet's decay weights: g = -exp(A_log) softplus(x W_a + dt_bias).
+_DECAY_WEIGHTS = ("A_log", "dt_bias", "in_proj_a")
+
+
+def _decay_weight(path) -> str | None:
+    """Which of a Gated DeltaNet layer's decay weights (their last axis: value heads) the leaf at ``path`` is."""
+    keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+    return next((n for n in _DECAY_WEIGHTS if n in keys), None) if "linear_attn" in keys else None
+
+
+def _check_heads(heads: int, value_heads: int) -> None:
+    if not 1 <= heads <= value_heads:
+        raise ValueError(f"heads {heads} must be between 1 and the {value_heads} value heads per layer")
 
 
 def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,

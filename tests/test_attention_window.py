@@ -133,6 +133,8 @@ def test_lengthen_linear_memory_refuses_what_it_cannot_do(tiny_target):
         training.lengthen_linear_memory(tiny_target.params, 64.0, tiny_config().linear_num_value_heads + 1)
     with pytest.raises(ValueError, match="no Gated DeltaNet"):
         training.lengthen_linear_memory({"embed": jnp.zeros((4, 2))}, 64.0, 1)
+    with pytest.raises(ValueError, match="heads 0"):                     # would hold every head
+        training.hold_linear_memory(tiny_target.params, 0)
 
 
 def test_held_linear_memory_gets_no_gradient_and_everything_else_does(tiny_target):
