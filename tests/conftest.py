@@ -18,10 +18,11 @@ os.environ["READY_JAX_COMPILE_CACHE"] = "0"
 import gc  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import ready_jax as rj  # noqa: E402
-from ready_jax import generation  # noqa: E402
+from ready_jax import dispatch, generation  # noqa: E402
 
 MAX_MEMORY_MAPS = 30_000  # Linux's default limit per process is 65530 (vm.max_map_count)
 
@@ -64,3 +65,25 @@ def tiny_moe_target() -> rj.Target:
     cfg = dataclasses.replace(tiny_config(), model_type="qwen3_next", num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=16, shared_expert_intermediate_size=24)
     return rj.Target.init(cfg, seed=1)
+
+
+@pytest.fixture
+def applied_decays(monkeypatch):
+    """``applied_decays(run) -> [g per Gated DeltaNet layer, [B, T, H_v]]``: the decays the layers hand to the
+    chunked delta rule while ``run()`` executes (captured there, so in a scan of stacked groups too)."""
+    real = dispatch.gated_delta_chunked
+    decays = []
+
+    def recording(q, k, v, g, beta, state, impl):
+        jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)
+        return real(q, k, v, g, beta, state, impl=impl)
+
+    monkeypatch.setattr(dispatch, "gated_delta_chunked", recording)
+
+    def capture(run) -> list:
+        decays.clear()
+        jax.block_until_ready(run())
+        jax.effects_barrier()
+        return list(decays)
+
+    return capture

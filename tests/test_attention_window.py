@@ -11,8 +11,8 @@ from conftest import tiny_config
 from flax import nnx
 
 from ready_jax import cache as cache_lib
-from ready_jax import dispatch, training
 from ready_jax import target as target_lib
+from ready_jax import training
 from ready_jax.layers import GatedAttention
 
 
@@ -88,28 +88,17 @@ def test_masked_eval_with_a_window_scores_the_windowed_model(tiny_target):
 
 
 @pytest.mark.parametrize("group_layout", ["split", "stacked"])
-def test_lengthened_linear_memory_decays_at_its_half_life_whatever_the_input(monkeypatch, group_layout):
+def test_lengthened_linear_memory_decays_at_its_half_life_whatever_the_input(applied_decays, group_layout):
     """The decay every Gated DeltaNet layer really uses: the reset heads g = -ln 2 / half_life at every token,
     the other heads their own input-dependent gate as before; nothing but the three reset slices changes."""
     config = tiny_config()
     target = target_lib.Target.init(config, seed=0, group_layout=group_layout)
     params = training.lengthen_linear_memory(target.params, 64.0, 1)
-    decays = []
-    real = dispatch.gated_delta_chunked
-
-    def recording(q, k, v, g, beta, state, impl):
-        jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)  # stacked layers: a scan
-        return real(q, k, v, g, beta, state, impl=impl)
-
-    monkeypatch.setattr(dispatch, "gated_delta_chunked", recording)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 12)), jnp.int32)
 
-    def gates(p):
-        decays.clear()
-        jax.block_until_ready(target_lib.extend(target.graphdef, p, cache_lib.init_cache(config, 2, 12), tokens,
-                                                form="chunked").logits)
-        jax.effects_barrier()
-        return list(decays)                                   # per GDN layer: [B, T, H_v]
+    def gates(p):                                             # per GDN layer: [B, T, H_v]
+        return applied_decays(lambda: target_lib.extend(target.graphdef, p, cache_lib.init_cache(config, 2, 12),
+                                                        tokens, form="chunked").logits)
 
     before, after = gates(target.params), gates(params)
     assert len(after) == config.layer_types.count("linear_attention")

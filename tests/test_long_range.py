@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from experiments import long_range as lr
 from experiments import reproduce_table as rt
-from ready_jax import cli, data, dispatch, training
+from ready_jax import cli, data, training
 from ready_jax import target as target_lib
 
 
@@ -275,7 +274,7 @@ def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target)
 
 
 @pytest.mark.parametrize("group_layout", ["split", "stacked"])
-def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(monkeypatch, group_layout):
+def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(applied_decays, group_layout):
     """Against the decays the layers really apply (captured where they enter the delta rule), and exact for
     heads of known half-life: 2^-(D-1)/H over the D - 1 tokens that follow the record's first value."""
     config = tiny_config()
@@ -285,17 +284,8 @@ def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(mo
     ids = np.random.default_rng(4).integers(3, config.vocab_size, (3, 20)).astype(np.int32)
     distance = 12
     retention = lr.state_retention(target, ids, distance)
-    decays = []
-    real = dispatch.gated_delta_chunked
-
-    def recording(q, k, v, g, beta, state, impl):
-        jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)
-        return real(q, k, v, g, beta, state, impl=impl)
-
-    monkeypatch.setattr(dispatch, "gated_delta_chunked", recording)
-    jax.block_until_ready(target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape),
-                                            jnp.asarray(ids)).logits)
-    jax.effects_barrier()
+    decays = applied_decays(lambda: target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape),
+                                                      jnp.asarray(ids)).logits)
     assert len(retention) == len(decays) == config.layer_types.count("linear_attention")
     for got, g in zip(retention, decays, strict=True):
         np.testing.assert_allclose(got, np.exp(g[:, -(distance - 1):].sum(axis=1)).mean(axis=0), rtol=1e-4)

@@ -275,7 +275,6 @@ def test_zoo_manifest_hashes_match_files():
     assert on_disk == listed, f"unlisted: {sorted(on_disk - listed)}; missing: {sorted(listed - on_disk)}"
 
 
-
 @pytest.mark.parametrize("group_layout", ["split", "stacked"])
 def test_weight_decay_shrinks_matrices_only_in_either_group_layout(group_layout):
     """With zero gradients an AdamW step is its weight decay alone: every matrix shrinks, and no vector (norm
