@@ -6,6 +6,8 @@ Linear kernels are stored ``[in, out]`` (HF stores ``[out, in]``; the converters
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,6 +18,8 @@ from .config import TargetConfig
 from .modes import Impl
 
 _normal = nnx.initializers.normal(0.02)
+# softplus(dt_bias) of a fresh Gated DeltaNet head is drawn log-uniformly from this range (see GatedDeltaNet).
+DT_INIT_RANGE = (1e-3, 1e-1)
 
 
 def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: bool = False) -> nnx.Linear:
@@ -191,7 +195,13 @@ class GatedDeltaNet(nnx.Module):
         bound = 1.0 / self.kernel_size**0.5  # PyTorch's default conv init for one input channel
         self.conv_weight = nnx.Param(jax.random.uniform(rngs.params(), (self.kernel_size, c.conv_dim), dtype,
                                                         -bound, bound))  # [K, C]
-        self.dt_bias = nnx.Param(jnp.ones((c.linear_num_value_heads,), dtype))
+        # Training-grade decay init (Mamba-2's, as fla's Gated DeltaNet): softplus(dt_bias) log-uniform in
+        # [1e-3, 1e-1] and A ~ U(0.01, 16), so g = -A softplus(dt_bias) spans half-lives from under a token to
+        # thousands of tokens. HF's placeholder (dt_bias = 1, g = -1.31 A) made every head forget within a few
+        # tokens, so no gradient reached a state for content further back; loaded checkpoints replace both.
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (c.linear_num_value_heads,), jnp.float32,
+                                        math.log(DT_INIT_RANGE[0]), math.log(DT_INIT_RANGE[1])))
+        self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(dtype))  # softplus^-1(dt)
         a_init = jax.random.uniform(rngs.params(), (c.linear_num_value_heads,), jnp.float32, 0.01, 16.0)
         self.A_log = nnx.Param(jnp.log(a_init).astype(dtype))
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)

@@ -580,9 +580,10 @@ def lengthen_linear_memory(params, half_life: float, heads: int):
     ``in_proj_a`` column, so g = -ln 2 / half_life for every input and the state halves every ``half_life``
     tokens until training learns a gate. Every other weight is unchanged.
 
-    HF's initialisation (A ~ U(0.01, 16), ``dt_bias`` = 1) gives g = -1.31 A: such a state forgets within a few
-    tokens, so nothing D >> 10 tokens back reaches the loss through it and no gradient teaches it to remember.
-    A long-memory head starts where that gradient exists.
+    Targets trained with HF's placeholder initialisation (A ~ U(0.01, 16), ``dt_bias`` = 1, so g = -1.31 A; the
+    layers now start from Mamba-2's, see ``layers.GatedDeltaNet``) forget within a few tokens, so nothing
+    D >> 10 tokens back reaches the loss through their states and no gradient teaches them to remember. A
+    long-memory head starts where that gradient exists.
     """
     if half_life <= 0:
         raise ValueError(f"half_life {half_life} must be a positive number of tokens")

@@ -289,3 +289,20 @@ def test_weight_decay_shrinks_matrices_only_in_either_group_layout(group_layout)
     vectors = [p for p in moved if any(n in p for n in ("A_log", "dt_bias", "norm", "layernorm"))]
     assert len(vectors) >= 4 and not any(moved[p] for p in vectors)
     assert all(moved[p] for p in moved if p not in vectors)
+
+
+def test_fresh_gated_deltanet_heads_get_the_training_grade_decay():
+    """A fresh target's GDN heads start with softplus(dt_bias) spread log-uniformly over DT_INIT_RANGE (HF's
+    placeholder dt_bias = 1 gives 1.31, and every head then forgets within a few tokens), so with A ~ U(0.01, 16)
+    some heads keep most of a write for tens of tokens and a gradient reaches their states from there."""
+    from ready_jax.layers import DT_INIT_RANGE
+
+    target = rj.Target.init(tiny_config(), seed=3, group_layout="stacked")
+    leaves = {jax.tree_util.keystr(p): np.asarray(x, np.float64) for p, x in jax.tree_util.tree_leaves_with_path(
+        target.params) if "linear_attn" in jax.tree_util.keystr(p)}
+    dt = np.log1p(np.exp(np.concatenate([x.ravel() for k, x in leaves.items() if "dt_bias" in k])))
+    a = np.exp(np.concatenate([x.ravel() for k, x in leaves.items() if "A_log" in k]))
+    assert dt.size >= 8 and DT_INIT_RANGE[0] <= dt.min() and dt.max() <= DT_INIT_RANGE[1]
+    assert dt.max() / dt.min() > 5  # spread, not one rate
+    kept_over_32 = np.exp(-32 * a * dt)  # with a zero in_proj_a input
+    assert kept_over_32.max() > 0.5
