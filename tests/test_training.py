@@ -16,6 +16,7 @@ from flax import nnx
 import ready_jax as rj
 from ready_jax import data, training
 from ready_jax import drafter_training as dt
+from ready_jax.layers import DT_INIT_RANGE
 from ready_jax.reader import committed_states
 
 pytestmark = pytest.mark.slow
@@ -295,8 +296,6 @@ def test_fresh_gated_deltanet_heads_get_the_training_grade_decay():
     """A fresh target's GDN heads start with softplus(dt_bias) spread log-uniformly over DT_INIT_RANGE (HF's
     placeholder dt_bias = 1 gives 1.31, and every head then forgets within a few tokens), so with A ~ U(0.01, 16)
     some heads keep most of a write for tens of tokens and a gradient reaches their states from there."""
-    from ready_jax.layers import DT_INIT_RANGE
-
     target = rj.Target.init(tiny_config(), seed=3, group_layout="stacked")
     leaves = {jax.tree_util.keystr(p): np.asarray(x, np.float64) for p, x in jax.tree_util.tree_leaves_with_path(
         target.params) if "linear_attn" in jax.tree_util.keystr(p)}
