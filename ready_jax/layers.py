@@ -22,6 +22,12 @@ _normal = nnx.initializers.normal(0.02)
 DT_INIT_RANGE = (1e-3, 1e-1)
 
 
+def inverse_softplus(y):
+    """x with softplus(x) = y > 0 (``y + log(1 - exp(-y))``, accurate for small y): a decay rate as ``dt_bias``."""
+    y = jnp.asarray(y, jnp.float32)
+    return y + jnp.log(-jnp.expm1(-y))
+
+
 def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: bool = False) -> nnx.Linear:
     return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype,
                       kernel_init=_normal, rngs=rngs)
@@ -201,7 +207,7 @@ class GatedDeltaNet(nnx.Module):
         # tokens, so no gradient reached a state for content further back; loaded checkpoints replace both.
         dt = jnp.exp(jax.random.uniform(rngs.params(), (c.linear_num_value_heads,), jnp.float32,
                                         math.log(DT_INIT_RANGE[0]), math.log(DT_INIT_RANGE[1])))
-        self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(dtype))  # softplus^-1(dt)
+        self.dt_bias = nnx.Param(inverse_softplus(dt).astype(dtype))
         a_init = jax.random.uniform(rngs.params(), (c.linear_num_value_heads,), jnp.float32, 0.01, 16.0)
         self.A_log = nnx.Param(jnp.log(a_init).astype(dtype))
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)

@@ -37,7 +37,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from . import cache as cache_lib
-from . import provenance, sharding
+from . import layers, provenance, sharding
 from . import target as target_lib
 from .checkpoint import replace_atomically
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
@@ -587,7 +587,7 @@ def lengthen_linear_memory(params, half_life: float, heads: int):
     """
     if half_life <= 0:
         raise ValueError(f"half_life {half_life} must be a positive number of tokens")
-    value = {"A_log": 0.0, "dt_bias": math.log(math.expm1(math.log(2.0) / half_life)), "in_proj_a": 0.0}
+    value = {"A_log": 0.0, "dt_bias": layers.inverse_softplus(math.log(2.0) / half_life), "in_proj_a": 0.0}
     found = []
 
     def reset(path, leaf):
