@@ -91,6 +91,10 @@ def main(argv=None) -> None:
     parser.add_argument("--hold-linear-memory", action="store_true",
                         help="keep the --linear-memory heads' decay fixed through training (their other weights "
                         "learn); trained freely, language modelling makes them forget again")
+    parser.add_argument("--mimetic-init", action="store_true",
+                        help="start every Gated DeltaNet layer set up for associative recall (keys = queries, keys "
+                        "from the previous token: training.mimetic_recall_init), so recall through the states "
+                        "forms in hundreds of steps instead of after a plateau of thousands; fresh targets only")
     parser.add_argument("--init-from", default=None,
                         help="start from this trained target's weights (project format; its config must be the one "
                         "the flags describe) instead of a random initialisation: a curriculum's next stage, or a "
@@ -103,6 +107,8 @@ def main(argv=None) -> None:
     if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
         parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
                      f"{args.attention_window_fraction} in (0, 1]")
+    if args.mimetic_init and args.init_from:
+        parser.error("--mimetic-init sets up a fresh initialisation; --init-from starts from trained weights")
     if args.hold_linear_memory and args.linear_memory is None:
         parser.error("--hold-linear-memory holds the heads --linear-memory resets: give --linear-memory too")
     if args.linear_memory is not None and (args.linear_memory <= 0 or args.linear_memory_heads < 1):
@@ -129,6 +135,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"error: {args.init_from} is not the target the flags describe "
                              f"(its, the flags'): {differs}")
         target = rj.Target(nnx.merge(target.graphdef, start_from.stacked_params()), group_layout="stacked")
+    if args.mimetic_init:
+        target = rj.Target(nnx.merge(target.graphdef, training.mimetic_recall_init(target.params, config)),
+                           group_layout="stacked")
     if args.linear_memory is not None:
         params = training.lengthen_linear_memory(target.params, args.linear_memory, args.linear_memory_heads)
         target = rj.Target(nnx.merge(target.graphdef, params), group_layout="stacked")
@@ -180,6 +189,8 @@ def main(argv=None) -> None:
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
     if args.init_from:
         meta["init_from"] = str(args.init_from)
+    if args.mimetic_init:
+        meta["mimetic_init"] = True
     if args.attention_window is not None:
         meta["attention_window"] = {"window": args.attention_window, "fraction": args.attention_window_fraction}
     if args.linear_memory is not None:

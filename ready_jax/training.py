@@ -604,6 +604,49 @@ def lengthen_linear_memory(params, half_life: float, heads: int):
     return out
 
 
+def mimetic_recall_init(params, config: TargetConfig):
+    """``params`` (a fresh target's, any group layout) with every Gated DeltaNet layer set up to recall by
+    association from the start (mimetic initialisation: Trockman et al., "Mimetic Initialization Helps State
+    Space Models Learn to Recall", 2024, adapted to the delta rule):
+
+    - the key projection is the query projection (``in_proj_qkv``'s key columns copy its query columns), so a
+      query meets the keys written for the same input with cosine 1;
+    - the depthwise conv passes queries and values through from the current token and keys from the previous
+      one (one-hot taps), so the state written at token t maps the token before it to token t's value.
+
+    A query at a repeated token then reads what followed that token's earlier occurrence: the one-layer
+    associative recall a state needs for the long-range task, which from a random initialisation forms only
+    after a plateau of thousands of steps. The decay, gates and every other weight keep their initialisation,
+    and training may undo all of it: this is a starting point, not a constraint. The model is unchanged.
+    """
+    key_dim, taps = config.linear_key_dim, config.linear_conv_kernel_dim
+    if taps < 2:
+        raise ValueError(f"a conv of {taps} tap cannot shift keys by one token: mimetic recall needs >= 2")
+    found = []
+
+    def reset(path, leaf):
+        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        if "linear_attn" not in keys:
+            return leaf
+        if "in_proj_qkv" in keys:                                   # [..., D, C]: query | key | value columns
+            found.append("in_proj_qkv")
+            return leaf.at[..., key_dim:2 * key_dim].set(leaf[..., :key_dim])
+        if "conv_weight" in keys:                                   # [..., K, C]: tap K - 1 is the current token
+            found.append("conv_weight")
+            current = jnp.zeros(leaf.shape[-2], leaf.dtype).at[taps - 1].set(1)
+            previous = jnp.zeros(leaf.shape[-2], leaf.dtype).at[taps - 2].set(1)
+            channel_taps = jnp.concatenate([jnp.tile(current[:, None], (1, key_dim)),
+                                            jnp.tile(previous[:, None], (1, key_dim)),
+                                            jnp.tile(current[:, None], (1, leaf.shape[-1] - 2 * key_dim))], axis=1)
+            return jnp.broadcast_to(channel_taps, leaf.shape)
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(reset, params)
+    if not found:
+        raise ValueError("params hold no Gated DeltaNet layer (no linear_attn in_proj_qkv / conv_weight)")
+    return out
+
+
 def hold_linear_memory(params, heads: int):
     """``params`` with the last ``heads`` value heads' decay weights of every Gated DeltaNet layer (``A_log``,
     ``dt_bias``, the ``in_proj_a`` column) behind ``stop_gradient``: used inside a loss, training leaves those
