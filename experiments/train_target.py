@@ -74,6 +74,9 @@ def main(argv=None) -> None:
                         help="value tokens per record")
     parser.add_argument("--long-range-pool", type=int, default=data.LONG_RANGE_POOL,
                         help="ids keys and values are drawn from (a fixed seeded subset of the vocabulary)")
+    parser.add_argument("--recall-warmup", type=int, default=0, metavar="STEPS",
+                        help="the first STEPS steps train on records over random pool ids instead of corpus text "
+                        "(every window; data.LongRangeTask.pool_filler), where recall is all there is to learn")
     parser.add_argument("--attention-window", type=int, default=None,
                         help="on a share of the training windows (--attention-window-fraction), the full-attention "
                         "layers see only this many positions back, so what lies further back must be carried "
@@ -107,6 +110,8 @@ def main(argv=None) -> None:
     if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
         parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
                      f"{args.attention_window_fraction} in (0, 1]")
+    if args.recall_warmup and args.long_range_fraction <= 0:
+        parser.error("--recall-warmup trains on long-range records: give --long-range-fraction too")
     if args.mimetic_init and args.init_from:
         parser.error("--mimetic-init sets up a fresh initialisation; --init-from starts from trained weights")
     if args.hold_linear_memory and args.linear_memory is None:
@@ -181,8 +186,10 @@ def main(argv=None) -> None:
         position = step * args.batch_size
         windows = train_windows.batch(args.seed, position, args.batch_size)
         if long_range is not None:
-            windows = data.long_range_windows(long_range, windows, args.seed, position, args.long_range_fraction,
-                                              args.long_range_max_distance, args.long_range_records)
+            warmup = step < args.recall_warmup
+            windows = data.long_range_windows(long_range, windows, args.seed, position,
+                                              1.0 if warmup else args.long_range_fraction,
+                                              args.long_range_max_distance, args.long_range_records, pool_filler=warmup)
         return jnp.asarray(windows)
 
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
@@ -191,6 +198,8 @@ def main(argv=None) -> None:
         meta["init_from"] = str(args.init_from)
     if args.mimetic_init:
         meta["mimetic_init"] = True
+    if args.recall_warmup:
+        meta["recall_warmup"] = args.recall_warmup
     if args.attention_window is not None:
         meta["attention_window"] = {"window": args.attention_window, "fraction": args.attention_window_fraction}
     if args.linear_memory is not None:

@@ -451,6 +451,11 @@ class LongRangeTask:
                 seen.add(key)
         return mask
 
+    def pool_filler(self, rng: np.random.Generator, shape) -> np.ndarray:
+        """Random pool ids of ``shape``: filler with no structure of its own, so records are all there is to learn
+        (the recall warm-up of ``experiments.train_target``, ``experiments.recall_probe``)."""
+        return self.pool[rng.integers(len(self.pool), size=shape)].astype(np.int32)
+
     def without_markers(self, tokens: np.ndarray) -> np.ndarray:
         """``tokens`` with any OPEN / CLOSE id removed, so filler never holds a stray marker."""
         tokens = np.asarray(tokens)
@@ -553,14 +558,17 @@ def _filler(tokenizer: Tokenizer, task: LongRangeTask, split: str):
 
 
 def long_range_windows(task: LongRangeTask, windows: np.ndarray, seed: int, position: int, fraction: float,
-                       max_distance: int, records: int) -> np.ndarray:
-    """Training windows [B, T] with records overlaid (:meth:`LongRangeTask.overlay`) on about ``fraction`` of them.
+                       max_distance: int, records: int, *, pool_filler: bool = False) -> np.ndarray:
+    """Training windows [B, T] with records overlaid (:meth:`LongRangeTask.overlay`) on about ``fraction`` of them;
+    with ``pool_filler``, the windows' text is first replaced by random pool ids (:meth:`LongRangeTask.pool_filler`).
 
     A pure function of ``(seed, position)`` (the batch's first item), so a resumed run sees the same data.
     """
     out = []
     for row, window in enumerate(windows):
         rng = np.random.default_rng([_TRAIN_STREAM, seed, position + row])
+        if pool_filler:
+            window = task.pool_filler(rng, windows.shape[1])
         window = task.without_markers(window)  # stray marker ids in the corpus text go; EOS fills their places
         window = np.pad(window, (0, windows.shape[1] - len(window)), constant_values=EOS_ID)
         out.append(task.overlay(rng, window, max_distance, records) if rng.uniform() < fraction else window)
