@@ -77,6 +77,9 @@ def main(argv=None) -> None:
     parser.add_argument("--recall-warmup", type=int, default=0, metavar="STEPS",
                         help="the first STEPS steps train on records over random pool ids instead of corpus text "
                         "(every window; data.LongRangeTask.pool_filler), where recall is all there is to learn")
+    parser.add_argument("--pool-filler-fraction", type=float, default=0.0,
+                        help="after any --recall-warmup, the share of training windows whose text is random pool ids "
+                        "(keeps the recall the warm-up formed in the gradient while the corpus is learned)")
     parser.add_argument("--attention-window", type=int, default=None,
                         help="on a share of the training windows (--attention-window-fraction), the full-attention "
                         "layers see only this many positions back, so what lies further back must be carried "
@@ -110,8 +113,11 @@ def main(argv=None) -> None:
     if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
         parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
                      f"{args.attention_window_fraction} in (0, 1]")
-    if args.recall_warmup and args.long_range_fraction <= 0:
-        parser.error("--recall-warmup trains on long-range records: give --long-range-fraction too")
+    if (args.recall_warmup or args.pool_filler_fraction) and args.long_range_fraction <= 0:
+        parser.error("--recall-warmup and --pool-filler-fraction train on long-range records: give "
+                     "--long-range-fraction too")
+    if not 0.0 <= args.pool_filler_fraction <= 1.0:
+        parser.error(f"--pool-filler-fraction {args.pool_filler_fraction} must be between 0 and 1")
     if args.mimetic_init and args.init_from:
         parser.error("--mimetic-init sets up a fresh initialisation; --init-from starts from trained weights")
     if args.hold_linear_memory and args.linear_memory is None:
@@ -189,7 +195,8 @@ def main(argv=None) -> None:
             warmup = step < args.recall_warmup
             windows = data.long_range_windows(long_range, windows, args.seed, position,
                                               1.0 if warmup else args.long_range_fraction,
-                                              args.long_range_max_distance, args.long_range_records, pool_filler=warmup)
+                                              args.long_range_max_distance, args.long_range_records,
+                                              pool_filler=1.0 if warmup else args.pool_filler_fraction)
         return jnp.asarray(windows)
 
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
@@ -200,6 +207,8 @@ def main(argv=None) -> None:
         meta["mimetic_init"] = True
     if args.recall_warmup:
         meta["recall_warmup"] = args.recall_warmup
+    if args.pool_filler_fraction:
+        meta["pool_filler_fraction"] = args.pool_filler_fraction
     if args.attention_window is not None:
         meta["attention_window"] = {"window": args.attention_window, "fraction": args.attention_window_fraction}
     if args.linear_memory is not None:

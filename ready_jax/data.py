@@ -558,16 +558,16 @@ def _filler(tokenizer: Tokenizer, task: LongRangeTask, split: str):
 
 
 def long_range_windows(task: LongRangeTask, windows: np.ndarray, seed: int, position: int, fraction: float,
-                       max_distance: int, records: int, *, pool_filler: bool = False) -> np.ndarray:
+                       max_distance: int, records: int, *, pool_filler: float = 0.0) -> np.ndarray:
     """Training windows [B, T] with records overlaid (:meth:`LongRangeTask.overlay`) on about ``fraction`` of them;
-    with ``pool_filler``, the windows' text is first replaced by random pool ids (:meth:`LongRangeTask.pool_filler`).
+    the text of about ``pool_filler`` of them is first replaced by random pool ids (:meth:`LongRangeTask.pool_filler`).
 
     A pure function of ``(seed, position)`` (the batch's first item), so a resumed run sees the same data.
     """
     out = []
     for row, window in enumerate(windows):
         rng = np.random.default_rng([_TRAIN_STREAM, seed, position + row])
-        if pool_filler:
+        if pool_filler and rng.uniform() < pool_filler:  # no draw without it: the corpus windows stay as they were
             window = task.pool_filler(rng, windows.shape[1])
         window = task.without_markers(window)  # stray marker ids in the corpus text go; EOS fills their places
         window = np.pad(window, (0, windows.shape[1] - len(window)), constant_values=EOS_ID)

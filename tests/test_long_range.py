@@ -114,13 +114,18 @@ def test_pool_filler_windows_hold_only_pool_ids_and_records(tokenizer):
     position, like every training window), with the records written over them as usual."""
     task = data.LongRangeTask.for_tokenizer(tokenizer, value_tokens=3, pool_size=64)
     windows = np.random.default_rng(0).integers(200, 600, (8, 129)).astype(np.int32)
-    out = data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=True)
+    out = data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=1.0)
     np.testing.assert_array_equal(out, data.long_range_windows(task, windows[::-1], 0, 16, 1.0, 100, 4,
-                                                               pool_filler=True))   # the text plays no part
-    assert not np.array_equal(out, data.long_range_windows(task, windows, 0, 24, 1.0, 100, 4, pool_filler=True))
+                                                               pool_filler=1.0))   # the text plays no part
+    assert not np.array_equal(out, data.long_range_windows(task, windows, 0, 24, 1.0, 100, 4, pool_filler=1.0))
     assert set(np.unique(out)) <= {*task.pool.tolist(), task.open_id, task.close_id}
     assert len(np.unique(out)) > 48                                     # the pool's ids, spread
     assert task.answer_mask(out).sum(1).min() >= task.value_tokens + 1  # every window has a query
+    mixed = data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=0.5)
+    text = [bool(np.isin(row, windows).sum() > 64) for row in mixed]   # corpus text left in the window
+    assert 0 < sum(text) < len(text)
+    np.testing.assert_array_equal(data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4),
+                                  data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=0.0))
 
 
 def test_answer_mask_marks_exactly_the_queries_values_and_close(tokenizer):
