@@ -625,7 +625,7 @@ def mimetic_recall_init(params, config: TargetConfig):
     found = []
 
     def reset(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        keys = _path_keys(path)
         if "linear_attn" not in keys:
             return leaf
         if "in_proj_qkv" in keys:                                   # [..., D, C]: query | key | value columns
@@ -667,9 +667,14 @@ def hold_linear_memory(params, heads: int):
 _DECAY_WEIGHTS = ("A_log", "dt_bias", "in_proj_a")
 
 
+def _path_keys(path) -> list[str]:
+    """The names along a parameter tree path (dict keys and attribute names)."""
+    return [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+
+
 def _decay_weight(path) -> str | None:
     """Which of a Gated DeltaNet layer's decay weights (their last axis: value heads) the leaf at ``path`` is."""
-    keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+    keys = _path_keys(path)
     return next((n for n in _DECAY_WEIGHTS if n in keys), None) if "linear_attn" in keys else None
 
 
