@@ -633,12 +633,9 @@ def mimetic_recall_init(params, config: TargetConfig):
             return leaf.at[..., key_dim:2 * key_dim].set(leaf[..., :key_dim])
         if "conv_weight" in keys:                                   # [..., K, C]: tap K - 1 is the current token
             found.append("conv_weight")
-            current = jnp.zeros(leaf.shape[-2], leaf.dtype).at[taps - 1].set(1)
-            previous = jnp.zeros(leaf.shape[-2], leaf.dtype).at[taps - 2].set(1)
-            channel_taps = jnp.concatenate([jnp.tile(current[:, None], (1, key_dim)),
-                                            jnp.tile(previous[:, None], (1, key_dim)),
-                                            jnp.tile(current[:, None], (1, leaf.shape[-1] - 2 * key_dim))], axis=1)
-            return jnp.broadcast_to(channel_taps, leaf.shape)
+            keys_channels = slice(key_dim, 2 * key_dim)
+            return (jnp.zeros_like(leaf).at[..., taps - 1, :].set(1)
+                    .at[..., taps - 1, keys_channels].set(0).at[..., taps - 2, keys_channels].set(1))
         return leaf
 
     out = jax.tree_util.tree_map_with_path(reset, params)
