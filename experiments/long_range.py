@@ -17,10 +17,12 @@ Steps (each resumable; the target is trained first with ``experiments.train_targ
 ``train`` trains every arm of :func:`arms` on the same self-distilled long-range data (prompts of
 ``--prompt-len`` tokens, distances up to ``--max-distance``; ``experiments.train_drafter`` with
 ``--long-range-max-distance``): a windowed DSpark per seed; from it, for the same number of steps, the
-control (DSpark-FT, windowed, no state access), ReaDy (windowed, rank 8), and with the first seed ReaDy at
-higher ranks and the KV-read baseline; and a full-context DSpark trained from scratch for both phases'
-steps (the upper bound). ``ship`` copies the target, the first seed's control and ReaDy into
-``zoo/long_range/{target,control,ready}`` and records them in ``zoo/MANIFEST.json``.
+control (DSpark-FT, windowed, no state access), ReaDy (windowed, rank 8; with ``--seed-ranks`` other ranks
+too), and with the first seed ReaDy at the other ``--ranks`` and the KV-read baseline; and a full-context
+DSpark trained from scratch for both phases' steps (the upper bound). ``ship`` copies the target, the first
+seed's control and ReaDy (``--ship-ready``: rank 8, or the arm of another rank) into
+``zoo/long_range/{target,control,ready}`` and records them in ``zoo/MANIFEST.json``; ``evaluate`` without
+``--runs`` names the zoo's ReaDy by its rank.
 
 ``cost`` alone times one drafter round against prefix length (below) for the testbed's drafter shapes on any
 target, freshly initialised, since a round's time and memory do not depend on the weights:
@@ -60,14 +62,26 @@ from ready_jax.drafter import SharedWeights
 from .common import pyplot, save_figure, write_json
 from .reproduce_table import Arm, run_name, ship_dirs, spread, train
 
-ZOO_FOLDERS = (("target", None), ("control", "control"), ("ready", "ready"))
+ZOO_DRAFTERS = ("control", "ready")  # zoo/long_range/<folder>; the target sits beside them in "target"
 
 
-def arms(window: int, state_dim: int, ranks: tuple[int, ...]) -> tuple[Arm, ...]:
-    """The testbed's drafters: windowed ones start from the same seed's windowed DSpark."""
-    extra = tuple(Arm(f"ready_rank{r}", "ready", "dspark_window", ("--rank", str(r)),
+def reader_arm(config: rj.DrafterConfig) -> str:
+    """The arm a windowed drafter belongs to, from its config: the control, ReaDy at rank 8, ReaDy at another
+    rank (``ready_rank<r>``) or the KV-read baseline."""
+    reader = config.reader
+    if reader is None:
+        return "control"
+    if reader.kind == "kv":
+        return "kv_read"
+    return "ready" if reader.rank == 8 else f"ready_rank{reader.rank}"
+
+
+def arms(window: int, state_dim: int, ranks: tuple[int, ...], seed_ranks: tuple[int, ...] = (8,)) -> tuple[Arm, ...]:
+    """The testbed's drafters: windowed ones start from the same seed's windowed DSpark. ReaDy at rank 8 and
+    at every rank in ``seed_ranks`` trains on every seed; the other ranks on the first seed only."""
+    extra = tuple(Arm(f"ready_rank{r}", "ready", "dspark_window", ("--rank", str(r)), all_seeds=r in seed_ranks,
                       label=f"ReaDy r{r}{' (lossless)' if r == state_dim else ''}, window {window}")
-                  for r in ranks if r != 8)
+                  for r in dict.fromkeys((*ranks, *seed_ranks)) if r != 8)
     return (
         Arm("dspark_window", "dspark", flags=("--context-window", str(window)), all_seeds=True,
             label=f"DSpark, window {window}"),
@@ -173,7 +187,8 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
 
 
 def aggregate(per_distance: dict, table: tuple[Arm, ...], seeds: list[int]) -> dict:
-    """Per arm and distance: tau over seeds; per distance: ReaDy's paired gain over the control."""
+    """Per arm and distance: tau over seeds; per reader arm (ReaDy at each rank, the KV-read baseline) and
+    distance: its gain over the control, paired by seed."""
     out = {"arms": {}, "gains": {}}
     for arm in table:
         cells = {}
@@ -183,12 +198,15 @@ def aggregate(per_distance: dict, table: tuple[Arm, ...], seeds: list[int]) -> d
                 cells[distance] = spread(values)
         if cells:
             out["arms"][arm.name] = {"label": arm.label, "tau": cells}
-    for distance, row in per_distance.items():
-        pairs = [(row["tau"][run_name("ready", s)], row["tau"][run_name("control", s)]) for s in seeds
-                 if run_name("ready", s) in row["tau"] and run_name("control", s) in row["tau"]]
-        if pairs:
-            out["gains"][distance] = {"ratio": spread([r / c for r, c in pairs]),
-                                      "tau_difference": spread([r - c for r, c in pairs])}
+    for arm in table:
+        if arm.variant != "ready":
+            continue
+        for distance, row in per_distance.items():
+            pairs = [(row["tau"][run_name(arm.name, s)], row["tau"][run_name("control", s)]) for s in seeds
+                     if run_name(arm.name, s) in row["tau"] and run_name("control", s) in row["tau"]]
+            if pairs:
+                out["gains"].setdefault(arm.name, {})[distance] = {
+                    "ratio": spread([r / c for r, c in pairs]), "tau_difference": spread([r - c for r, c in pairs])}
     return out
 
 
@@ -268,9 +286,11 @@ def print_report(result: dict) -> None:
         print(f"{arm['label'][:41]:<42}" + "".join(
             f"{c['mean']:>9.2f} ± {c['std']:.2f}" if c and c["n"] > 1 else f"{c['mean']:>16.2f}" if c else f"{'':>16}"
             for c in cells))
-    for distance, gain in result["summary"]["gains"].items():
-        r = gain["ratio"]
-        print(f"ReaDy / control at D={distance}: {r['mean']:.3f} ± {r['std']:.3f} over {r['n']} seeds {r['values']}")
+    for name, by_distance in result["summary"]["gains"].items():
+        for distance, gain in by_distance.items():
+            r = gain["ratio"]
+            print(f"{name} / control at D={distance}: {r['mean']:.3f} ± {r['std']:.3f} over {r['n']} seed(s) "
+                  f"{[round(v, 3) for v in r['values']]}")
 
 
 def plot(result: dict, window: int, path: str) -> None:
@@ -341,8 +361,9 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
                 else:
                     print(f"missing {path}: not evaluated")
     else:
-        for folder, arm in ZOO_FOLDERS[1:]:
-            found[run_name(arm, seeds[0])] = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+        for folder in ZOO_DRAFTERS:
+            drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+            found[run_name(reader_arm(drafter.config), seeds[0])] = drafter
     return found
 
 
@@ -360,6 +381,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the main arms")
     parser.add_argument("--window", type=int, default=16, help="context window W of the windowed drafters")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64], help="reader ranks (8 on every seed)")
+    parser.add_argument("--seed-ranks", type=int, nargs="+", default=[8],
+                        help="reader ranks trained and evaluated on every seed (the others on the first seed only)")
+    parser.add_argument("--ship-ready", default="ready",
+                        help="ship: the ReaDy arm shipped as the zoo's ready (ready: rank 8; ready_rank<r>: rank r)")
     parser.add_argument("--jobs", type=int, default=1, help="trainings at a time")
     parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=640, help="tokens of each training prompt")
@@ -380,9 +405,9 @@ def main(argv=None) -> None:
     if args.step == "ship":
         if runs is None:
             raise SystemExit("ship needs --runs (the trained drafters)")
-        sources = {f"{Path(args.zoo).name}/{folder}": Path(args.target) if arm is None
-                   else runs / run_name(arm, args.seeds[0]) for folder, arm in ZOO_FOLDERS}
-        ship_dirs(sources, Path(args.zoo).parent)
+        shipped = {"target": Path(args.target), "control": runs / run_name("control", args.seeds[0]),
+                   "ready": runs / run_name(args.ship_ready, args.seeds[0])}
+        ship_dirs({f"{Path(args.zoo).name}/{folder}": path for folder, path in shipped.items()}, Path(args.zoo).parent)
         return
     target_dir = Path(args.target) if args.step == "train" or not (Path(args.zoo) / "target").exists() \
         else Path(args.zoo) / "target"
@@ -395,7 +420,7 @@ def main(argv=None) -> None:
             plot_cost(curve, args.plot)
         return
     if args.step == "train":
-        table = arms(args.window, state_dim, tuple(args.ranks))
+        table = arms(args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks))
         if runs is None:
             raise SystemExit("train needs --runs (where the drafters go)")
         args.target, args.runs = target_dir, runs
@@ -406,12 +431,13 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
     task = data.long_range_settings(target_dir)  # the records the target was trained on
-    drafters = load_drafters(runs, Path(args.zoo), arms(args.window, state_dim, tuple(args.ranks)), args.seeds)
+    drafters = load_drafters(runs, Path(args.zoo), arms(args.window, state_dim, tuple(args.ranks),
+                                                        tuple(args.seed_ranks)), args.seeds)
     windows = {d.config.context_window for d in drafters.values()} - {None}
     if len(windows) > 1:
         raise SystemExit(f"the windowed drafters have different context windows {sorted(windows)}")
     window = windows.pop() if windows else args.window
-    table = arms(window, state_dim, tuple(args.ranks))
+    table = arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks))
     per_distance = evaluate(args, target, tokenizer, drafters, window, task)
     timed = {name: drafters[name] for name in (run_name("ready", args.seeds[0]), run_name("kv_read", args.seeds[0]),
                                                run_name("dspark_full", args.seeds[0])) if name in drafters}

@@ -214,14 +214,24 @@ def test_arms_distances_and_commands():
     assert base[-2:] == ["--context-window", "16"]
 
 
-def test_aggregate_pairs_ready_and_control_of_each_seed():
-    table = lr.arms(16, 64, (8,))
+def test_seed_ranks_train_that_rank_on_every_seed():
+    table = {a.name: a for a in lr.arms(16, 64, (8, 32), seed_ranks=(8, 64))}
+    assert table["ready_rank64"].all_seeds and not table["ready_rank32"].all_seeds
+    assert table["ready_rank64"].flags == ("--rank", "64") and "ready_rank8" not in table
+
+
+def test_aggregate_pairs_each_reader_arm_with_the_control_of_each_seed():
+    table = lr.arms(16, 64, (8, 64), seed_ranks=(8, 64))
     per_distance = {"8": {"tau": {"ready_s0": 3.0, "control_s0": 2.0, "ready_s1": 2.0, "control_s1": 2.0,
-                                  "ready_s2": 5.0}},
+                                  "ready_s2": 5.0, "ready_rank64_s1": 3.0, "kv_read_s0": 2.2}},
                     "32": {"tau": {"ready_s0": 1.5, "control_s0": 1.0}}}
     summary = lr.aggregate(per_distance, table, [0, 1, 2])
-    assert summary["gains"]["8"]["ratio"]["values"] == [1.5, 1.0]                # seed 2 has no control: unpaired
-    assert summary["gains"]["32"]["tau_difference"]["values"] == [0.5]
+    gains = summary["gains"]
+    assert gains["ready"]["8"]["ratio"]["values"] == [1.5, 1.0]                  # seed 2 has no control: unpaired
+    assert gains["ready"]["32"]["tau_difference"]["values"] == [0.5]
+    assert gains["ready_rank64"]["8"]["ratio"]["values"] == [1.5] and "32" not in gains["ready_rank64"]
+    assert gains["kv_read"]["8"]["ratio"]["values"] == pytest.approx([1.1])
+    assert "control" not in gains and "dspark_full" not in gains
     assert summary["arms"]["ready"]["tau"]["8"]["n"] == 3 and "dspark_full" not in summary["arms"]
 
 
@@ -274,6 +284,30 @@ def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
     (runs / "target" / "model.safetensors").write_bytes(b"changed")
     with pytest.raises(SystemExit, match="not the file its manifest records"):
         rt.ship_dirs({"long_range/target": runs / "target"}, zoo)
+
+
+def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_path, tiny_target):
+    runs = tmp_path / "runs"
+    sources = {"target": "target", "control_s0": "control", "ready_s0": "ready", "ready_rank64_s0": "ready"}
+    records = {}
+    for folder, kind in sources.items():
+        (runs / folder).mkdir(parents=True)
+        payload = f"{folder} ({kind})".encode()
+        (runs / folder / "model.safetensors").write_bytes(payload)
+        records[f"{folder}/model.safetensors"] = {"sha256": __import__("hashlib").sha256(payload).hexdigest(),
+                                                  "bytes": len(payload), "command": f"make {folder}"}
+    (runs / "MANIFEST.json").write_text(json.dumps({"files": records}))
+    zoo = tmp_path / "zoo" / "long_range"
+    lr.main(["ship", "--runs", str(runs), "--target", str(runs / "target"), "--zoo", str(zoo), "--ship-ready",
+             "ready_rank64"])
+    files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
+    assert files["long_range/ready/model.safetensors"]["command"] == "make ready_rank64_s0"
+    assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
+
+    readers = (None, rj.ReaderConfig(source_layers=(1,), rank=8), rj.ReaderConfig(source_layers=(1,), rank=4),
+               rj.ReaderConfig(kind="kv", source_layers=(3,), rank=8))
+    assert [lr.reader_arm(_drafter(tiny_target, reader=r).config) for r in readers] == \
+        ["control", "ready", "ready_rank4", "kv_read"]
 
 
 def test_cost_drafters_have_the_testbed_shapes(tiny_target):
