@@ -56,8 +56,10 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cli, data
 from ready_jax import drafter_training as dt
+from ready_jax import reader as reader_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter import SharedWeights
+from ready_jax.ops.gated_delta import normalized_query_key
 
 from .common import pyplot, save_figure, write_json
 from .reproduce_table import Arm, run_name, ship_dirs, spread, train
@@ -134,29 +136,129 @@ def state_retention(target: rj.Target, ids: np.ndarray, distance: int) -> list[l
     exp(sum of the layer's g over the tokens after it), averaged over the prompts. The decay alone: the delta
     rule's overwrites can only lower it. Near 0 means the state cannot carry the record, whatever its training
     did. [GDN layers][H_v]"""
-    config, tokens = target.config, jnp.asarray(ids)
-    out = target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape), tokens,
-                            hidden_layers=tuple(range(config.num_hidden_layers)))
-    model = target_lib.split_groups(target.model)
-    layer_inputs = [model.embed_tokens(tokens), *out.hidden[:-1]]             # [B, P, D] into each layer
     first_after = ids.shape[1] - distance + 1             # the token after the record's first value
     retention = []
-    for i, x in enumerate(layer_inputs):
-        layer = model.groups[i // config.group_size].layers[i % config.group_size]
+    for layer, x in decoder_layers(target, ids):
         if not layer.is_attention:
             g = layer.linear_attn.decay(layer.input_layernorm(x))              # [B, P, H_v]
             retention.append(np.exp(np.asarray(g[:, first_after:]).sum(axis=1)).mean(axis=0).tolist())
     return retention
 
 
+def decoder_layers(target: rj.Target, ids: np.ndarray) -> list[tuple]:
+    """(decoder layer module, its input hidden states [B, P, D]) of every layer, for a fresh run over ids [B, P]."""
+    config, tokens = target.config, jnp.asarray(ids)
+    out = target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape), tokens,
+                            hidden_layers=tuple(range(config.num_hidden_layers)))
+    model = target_lib.split_groups(target.model)
+    inputs = [model.embed_tokens(tokens), *out.hidden[:-1]]
+    return [(model.groups[i // config.group_size].layers[i % config.group_size], x) for i, x in enumerate(inputs)]
+
+
+def delta_vectors(layer, x: jax.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k [B, T, H_v, d_k] as the delta rule reads and writes with them, and v [B, T, H_v, d_v], all fp32, of
+    the Gated DeltaNet decoder layer ``layer`` over its input x [B, T, D] from a sequence's start."""
+    attn = layer.linear_attn
+    conv = jnp.zeros((x.shape[0], attn.kernel_size - 1, attn.in_proj_qkv.kernel.shape[1]), x.dtype)
+    q, k, v, _ = attn.delta_inputs(layer.input_layernorm(x), conv)
+    q, k = normalized_query_key(q, k, attn.num_v_heads)
+    return np.asarray(q), np.asarray(k), np.asarray(v, np.float32)
+
+
+def rank_retrieval(target: rj.Target, ids: np.ndarray, reference: np.ndarray, open_id: int,
+                   source_layers: tuple[int, ...], bases: dict[str, tuple[jax.Array, jax.Array]]) -> dict:
+    """Does a rank-r view of the committed states still hold the record? Per basis and (source layer, value
+    head) pair, the share of lookups the state answers.
+
+    A lookup: after prompts ids [B, P] (each holds one record, ``OPEN key v_1 .. CLOSE``, then the query
+    ``OPEN key``) and the answer ``reference`` [B, A] teacher-forced, the layer's own query at answer token j
+    (the token before answer token j+1) reads the state committed after the prompt, ``o = S^T q``; it finds
+    the answer when ``o`` is closer (cosine) to the value the record wrote for answer token j+1 than to every
+    other value written in the prompt. ``"lossless"`` reads S; each entry of ``bases``, ``name: (U [M, d_k, r],
+    V [M, d_v, r])`` with pair m = source index * H_v + head, reads the compressed ``C = U^T S V`` as the reader
+    does (``(U^T q)^T C`` against ``V^T v``). Returns ``{basis: [[share per value head] per source layer]}``.
+    """
+    prompt_len, answer_len = ids.shape[1], reference.shape[1]
+    tokens = np.concatenate([ids, reference[:, :-1]], axis=1)
+    layers = decoder_layers(target, tokens)
+    cache = target.prefill(target.init_cache(*ids.shape), jnp.asarray(ids)).cache
+    states = np.asarray(reader_lib.committed_states(cache, source_layers))    # [B, M, d_k, d_v]
+    record = np.argmax(ids == open_id, axis=1)                 # the first OPEN of each prompt opens its record
+    answer_at = record[:, None] + 3 + np.arange(answer_len - 1)  # where the record wrote answer tokens 1..A-1
+    lookups = np.arange(prompt_len, prompt_len + answer_len - 1)  # answer tokens 0..A-2 in ``tokens``
+    found = {name: [] for name in ("lossless", *bases)}
+    for index, layer_id in enumerate(source_layers):
+        q, _, v = delta_vectors(*layers[layer_id])
+        heads = v.shape[2]
+        pairs = slice(index * heads, (index + 1) * heads)
+        for name in found:
+            layer_bases = None if name == "lossless" else tuple(np.asarray(b[pairs], np.float32) for b in bases[name])
+            found[name].append(lookup_shares(states[:, pairs], q[:, lookups], v[:, :prompt_len], answer_at,
+                                             layer_bases))
+    return found
+
+
+def lookup_shares(states: np.ndarray, queries: np.ndarray, values: np.ndarray, answer_at: np.ndarray,
+                  bases: tuple[np.ndarray, np.ndarray] | None = None) -> list[float]:
+    """Per value head, the share of lookups a state answers (see :func:`rank_retrieval`): states [B, H, d_k, d_v]
+    read with queries [B, J, H, d_k] find position ``answer_at`` [B, J] among the values [B, P, H, d_v] written
+    before; with ``bases`` (U [H, d_k, r], V [H, d_v, r]) through the compressed ``U^T S V``."""
+    shares = []
+    for head in range(states.shape[1]):
+        s, q, v = states[:, head], queries[:, :, head], values[:, :, head]
+        if bases is not None:
+            u_h, v_h = bases[0][head], bases[1][head]
+            s, q, v = u_h.T @ s @ v_h, q @ u_h, v @ v_h
+        read = np.einsum("bjk,bkv->bjv", q, s)                                          # [B, J, d_v or r]
+        cosine = np.einsum("bjv,bpv->bjp", read, v) / (
+            np.linalg.norm(read, axis=-1)[..., None] * np.linalg.norm(v, axis=-1)[:, None] + 1e-9)
+        shares.append(float((cosine.argmax(-1) == answer_at).mean()))
+    return shares
+
+
+def retrieval_by_basis(target: rj.Target, ids: np.ndarray, reference: np.ndarray, open_id: int,
+                       readers: dict[str, rj.Drafter]) -> dict:
+    """:func:`rank_retrieval` through each state reader's own bases (its first reader layer's, for readers of the
+    first one's source layers) and through the principal bases at each of their ranks."""
+    sources = next(iter(readers.values())).config.reader.source_layers
+    bases = {}
+    for name, drafter in readers.items():
+        if drafter.config.reader.source_layers == sources:
+            layer = drafter.config.reader.inject_layers[0]
+            flat = drafter.flat_params()
+            bases[name] = (flat[f"layers.{layer}.reader.key_basis"], flat[f"layers.{layer}.reader.value_basis"])
+    for rank in sorted({d.config.reader.rank for d in readers.values()}):
+        bases[f"principal_r{rank}"] = principal_bases(target, ids, sources, rank)
+    return {"source_layers": list(sources), "found": rank_retrieval(target, ids, reference, open_id, sources, bases)}
+
+
+def principal_bases(target: rj.Target, ids: np.ndarray, source_layers: tuple[int, ...], rank: int) -> tuple:
+    """The best rank-``rank`` bases of the source layers' keys and values over prompts ids [B, P] in the
+    least-squares sense (top eigenvectors of their second moments), per pair: U [M, d_k, r], V [M, d_v, r]."""
+    layers = decoder_layers(target, ids)
+    keys, values = [], []
+    for layer_id in source_layers:
+        _, k, v = delta_vectors(*layers[layer_id])
+        for head in range(v.shape[2]):
+            keys.append(k[:, :, head].reshape(-1, k.shape[-1]))
+            values.append(v[:, :, head].reshape(-1, v.shape[-1]))
+
+    def top(rows):
+        _, vectors = np.linalg.eigh(rows.T @ rows)
+        return vectors[:, ::-1][:, :rank]
+    return np.stack([top(r) for r in keys]), np.stack([top(r) for r in values])
+
+
 def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int,
              task: dict) -> dict:
     """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR),
-    on held-out prompts of the task settings ``task`` (``data.long_range_settings``)."""
+    on held-out prompts of the task settings ``task`` (``data.long_range_settings``), and how much of the record
+    the state readers' bases keep (:func:`retrieval_by_basis`)."""
     prompts_by_distance = {d: data.long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task)
                            for d in args.distances or distances(window)}
     # One prompt width for every distance, so each drafter compiles one program rather than one per distance.
     width = max(len(p["ids"]) for prompts in prompts_by_distance.values() for p in prompts)
+    open_id = data.LongRangeTask.for_tokenizer(tokenizer, **task).open_id
     per_distance = {}
     for distance, prompts in prompts_by_distance.items():
         ids = np.asarray([p["ids"] for p in prompts], np.int32)
@@ -170,6 +272,10 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
                "state_carried_accuracy": state_carried_accuracy(target, ids, reference, window),
                "state_retention": state_retention(target, ids[:args.effect_prompts], distance),
                "tau": {}, "reader_effect": {}}
+        readers = {name: drafter for name, drafter in drafters.items()
+                   if drafter.config.reader is not None and drafter.config.reader.kind == "state"}
+        if readers:
+            row["rank_retrieval"] = retrieval_by_basis(target, ids, reference, open_id, readers)
         for name, drafter in drafters.items():
             out = rj.generate(target, ids, new_tokens, drafter=drafter, prompt_bucket=width)
             if not np.array_equal(out.tokens, ar.tokens):
@@ -182,6 +288,10 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
               f"{row['state_carried_accuracy']:.1%}; longest state memory keeps "
               f"{max(max(heads) for heads in row['state_retention']):.2g} of the record)  "
               + "  ".join(f"{n} {t:.2f}" for n, t in row["tau"].items()), flush=True)
+        if readers:
+            print("  state lookups found (best source pair): " + "  ".join(
+                f"{n} {max(max(h) for h in found):.2f}" for n, found in row["rank_retrieval"]["found"].items()),
+                flush=True)
         per_distance[str(distance)] = row
     return per_distance
 

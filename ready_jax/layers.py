@@ -218,6 +218,22 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
 
+    def delta_inputs(self, x: jax.Array, conv: jax.Array) -> tuple[jax.Array, ...]:
+        """The delta rule's q, k ``[B, T, H_k, d_k]`` and v ``[B, T, H_v, d_v]`` for the new tokens x [B, T, D]
+        (before the rule's L2 norm of q and k), after the projections of the ``K-1`` tokens before them,
+        ``conv`` [B, K-1, C] (zeros at a sequence's start), through the causal conv and SiLU; and the conv
+        window [B, K-1+T, C] the cache keeps its last K-1 rows of."""
+        b, t, _ = x.shape
+        window = jnp.concatenate([conv, self.in_proj_qkv(x).astype(conv.dtype)], axis=1)
+        w = self.conv_weight[...]
+        mixed = jax.nn.silu(sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size)))
+        mixed = mixed.astype(x.dtype)                                          # [B, T, C]
+        key_dim = self.num_k_heads * self.head_k_dim
+        q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
+        return q, k, v, window
+
     def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
                  form: str, impl: Impl = "xla") -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
         """x: [B, T, D] new tokens after the committed ones (one group's cache slice).
@@ -232,15 +248,7 @@ class GatedDeltaNet(nnx.Module):
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
-        window = jnp.concatenate([cache.conv, self.in_proj_qkv(x).astype(cache.conv.dtype)], axis=1)
-        w = self.conv_weight[...]
-        conv = sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size))
-        mixed = jax.nn.silu(conv).astype(x.dtype)                              # [B, T, C]
-        key_dim = self.num_k_heads * self.head_k_dim
-        q = mixed[..., :key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
-        k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
-        v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
-
+        q, k, v, window = self.delta_inputs(x, cache.conv)
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))          # [B, T, H_v]
         g = self.decay(x)
 

@@ -310,6 +310,43 @@ def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_pa
         ["control", "ready", "ready_rank4", "kv_read"]
 
 
+def test_lookup_shares_find_what_a_state_wrote_unless_the_basis_drops_its_key():
+    """A state that wrote six values under orthonormal keys answers a query at any of those keys exactly,
+    through bases that span the queried keys and the values too, and not through a key basis that misses them."""
+    rng = np.random.default_rng(0)
+    keys = np.linalg.qr(rng.normal(size=(2, 8, 8)))[0].transpose(0, 2, 1)[:, :6]       # [H, P, d_k], orthonormal
+    values = rng.normal(size=(1, 6, 2, 8))                                                 # [B, P, H, d_v]
+    states = np.einsum("hpk,phv->hkv", keys, values[0])[None]                              # [B, H, d_k, d_v]
+    answer_at = np.array([[1, 3, 4]])
+    queries = keys[:, answer_at[0]].transpose(1, 0, 2)[None]                               # [B, J, H, d_k]
+    assert lr.lookup_shares(states, queries, values, answer_at) == [1.0, 1.0]
+    value_basis = np.linalg.qr(values[0].transpose(1, 2, 0))[0]                            # [H, d_v, 6]
+    spanning = keys[:, [1, 3, 4]].transpose(0, 2, 1)                                       # [H, d_k, 3]
+    missing = keys[:, [0, 2, 5]].transpose(0, 2, 1)
+    assert lr.lookup_shares(states, queries, values, answer_at, (spanning, value_basis)) == [1.0, 1.0]
+    assert lr.lookup_shares(states, queries, values, answer_at, (missing, value_basis)) == [0.0, 0.0]
+
+
+def test_rank_retrieval_through_full_rank_orthonormal_bases_is_lossless(tiny_target):
+    config = tiny_target.config
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, config.vocab_size, (4, 24)).astype(np.int32)
+    reference = rng.integers(3, config.vocab_size, (4, 5)).astype(np.int32)
+    ids[:, [5, -2]] = 2                                                  # the record's and the query's OPEN
+    ids[:, 6:11] = np.concatenate([ids[:, -1:], reference[:, :4]], axis=1)  # the record: key, then the answer
+    sources = (0, 4)
+    pairs = len(sources) * config.linear_num_value_heads
+    rotations = tuple(np.linalg.qr(rng.normal(size=(pairs, d, d)))[0]
+                      for d in (config.linear_key_head_dim, config.linear_value_head_dim))
+    principal = lr.principal_bases(tiny_target, ids, sources, rank=3)
+    assert principal[0].shape == (pairs, config.linear_key_head_dim, 3)
+    gram = np.einsum("mkr,mks->mrs", principal[0], principal[0])
+    np.testing.assert_allclose(gram, np.broadcast_to(np.eye(3), gram.shape), atol=1e-5)
+    found = lr.rank_retrieval(tiny_target, ids, reference, 2, sources, {"rotated": rotations, "principal": principal})
+    assert found["rotated"] == found["lossless"] and len(found["lossless"]) == 2
+    assert all(len(heads) == config.linear_num_value_heads for heads in found["principal"])
+
+
 def test_cost_drafters_have_the_testbed_shapes(tiny_target):
     drafters = lr.cost_drafters(tiny_target, window=16)
     ready, kv, full = (drafters[name].config for name in ("ready_s0", "kv_read_s0", "dspark_full_s0"))
@@ -343,3 +380,28 @@ def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(ap
     for got, g in zip(retention, decays, strict=True):
         np.testing.assert_allclose(got, np.exp(g[:, -(distance - 1):].sum(axis=1)).mean(axis=0), rtol=1e-4)
         np.testing.assert_allclose(got[-1], 0.5 ** ((distance - 1) / 8.0), rtol=1e-5)
+
+
+# ---- the shipped testbed ---------------------------------------------------------------------------------------
+SHIPPED = cli.repo_path("zoo", "long_range")
+
+
+@pytest.mark.skipif(not (SHIPPED / "target").exists(), reason="zoo/long_range is not shipped")
+def test_shipped_testbed_recalls_through_the_states_and_its_drafters_are_lossless():
+    """What the README's testbed table rests on, on a few held-out prompts beyond the drafters' window: the
+    target answers, it still answers with its attention cut to the window (the record is in its states), and
+    generating with the shipped control and ReaDy gives exactly the target's greedy answers."""
+    target = rj.Target.load(SHIPPED / "target", dtype=jnp.float32)
+    tokenizer = Tokenizer.from_file(str(SHIPPED / "target" / data.MODEL_TOKENIZER))
+    prompts = data.long_range_prompts(tokenizer, 32, 8, seed=5, **data.long_range_settings(SHIPPED / "target"))
+    ids = np.asarray([p["ids"] for p in prompts], np.int32)
+    reference = np.asarray([p["reference"] for p in prompts], np.int32)
+    ar = rj.generate(target, ids, reference.shape[1])
+    assert (ar.tokens == reference).mean() >= 0.9
+    drafters = {folder: rj.Drafter.load(SHIPPED / folder, dtype=jnp.float32) for folder in lr.ZOO_DRAFTERS}
+    window = drafters["control"].config.context_window
+    assert window is not None and window == drafters["ready"].config.context_window < 32
+    assert lr.state_carried_accuracy(target, ids, reference, window) >= 0.9
+    assert drafters["ready"].config.reader is not None and drafters["control"].config.reader is None
+    for drafter in drafters.values():
+        np.testing.assert_array_equal(rj.generate(target, ids, reference.shape[1], drafter=drafter).tokens, ar.tokens)

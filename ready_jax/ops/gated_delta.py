@@ -84,17 +84,23 @@ def _prepare(
     ``[B, T, H_v]`` and the state ``[B, H_v, d_k, d_v]`` (zeros when initial_state is None).
     """
     check_shapes(q, k, v, g, beta, initial_state)
-    num_k_heads, k_dim = q.shape[2:]
-    num_v_heads = v.shape[2]
+    k_dim, num_v_heads = q.shape[3], v.shape[2]
     if initial_state is None:
         state = jnp.zeros((q.shape[0], num_v_heads, k_dim, v.shape[3]), jnp.float32)
     else:
         state = initial_state.astype(jnp.float32)
 
+    q, k = normalized_query_key(q, k, num_v_heads)
+    return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), state
+
+
+def normalized_query_key(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:
+    """q, k ``[B, T, H_k, d_k]`` as the recurrence reads and writes with them: L2-normalised in fp32, q then
+    scaled by ``d_k ** -0.5``, both repeated to ``num_v_heads`` heads -> two ``[B, T, H_v, d_k]``."""
+    k_dim = q.shape[-1]
     q = _l2norm(q.astype(jnp.float32)) * k_dim**-0.5
     k = _l2norm(k.astype(jnp.float32))
-    q, k = (jnp.repeat(x, num_v_heads // num_k_heads, axis=2) for x in (q, k))
-    return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), state
+    return tuple(jnp.repeat(x, num_v_heads // q.shape[2], axis=2) for x in (q, k))
 
 
 def _delta_step(
