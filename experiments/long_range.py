@@ -359,15 +359,15 @@ def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int
             "reader_state_bytes": nbytes(states)}
 
 
-def cost_drafters(target: rj.Target, window: int) -> dict[str, rj.Drafter]:
+def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,)) -> dict[str, rj.Drafter]:
     """The testbed's drafter shapes, freshly initialised (a round's time and memory do not depend on the
-    weights): windowed ReaDy at rank 8, the windowed KV-read baseline and full-context DSpark."""
+    weights): windowed ReaDy at each of ``ranks``, the windowed KV-read baseline and full-context DSpark."""
     def make(reader: rj.ReaderConfig | None = None, context_window: int | None = window) -> rj.Drafter:
         config = dt.default_config(target.config, data.MASK_ID, context_window=context_window, reader=reader)
         return rj.Drafter.init(target.config, config, seed=0)
 
-    return {run_name("ready", 0): make(rj.ReaderConfig(rank=8)),
-            run_name("kv_read", 0): make(rj.ReaderConfig(kind="kv")),
+    readers = {run_name("ready" if r == 8 else f"ready_rank{r}", 0): make(rj.ReaderConfig(rank=r)) for r in ranks}
+    return {**readers, run_name("kv_read", 0): make(rj.ReaderConfig(kind="kv")),
             run_name("dspark_full", 0): make(context_window=None)}
 
 
@@ -430,7 +430,10 @@ COST_LABELS = {"ready": "ReaDy r8, windowed", "kv_read": "KV-read baseline, wind
 
 
 def cost_label(run: str) -> str:
-    return COST_LABELS.get(run.rpartition("_s")[0], run)
+    arm = run.rpartition("_s")[0]
+    if arm.startswith("ready_rank"):
+        return f"ReaDy r{arm.removeprefix('ready_rank')}, windowed"
+    return COST_LABELS.get(arm, run)
 
 
 def draw_cost(ax, curves: dict, what: str = "seconds") -> None:
@@ -524,7 +527,8 @@ def main(argv=None) -> None:
     target = rj.Target.load(target_dir, dtype=jnp.float32)
     state_dim = target.config.linear_key_head_dim
     if args.step == "cost":
-        curve = cost_curve(cost_drafters(target, args.window), target, args.prefixes, args.repeats)
+        curve = cost_curve(cost_drafters(target, args.window, tuple(args.ranks)), target, args.prefixes,
+                           args.repeats)
         write_json(args.out, {"settings": vars(args), "window": args.window, "round_cost": curve})
         if args.plot:
             plot_cost(curve, args.plot)
@@ -549,8 +553,9 @@ def main(argv=None) -> None:
     window = windows.pop() if windows else args.window
     table = arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks))
     per_distance = evaluate(args, target, tokenizer, drafters, window, task)
-    timed = {name: drafters[name] for name in (run_name("ready", args.seeds[0]), run_name("kv_read", args.seeds[0]),
-                                               run_name("dspark_full", args.seeds[0])) if name in drafters}
+    timed_runs = [run_name(arm.name, args.seeds[0]) for arm in table   # every reader arm and full-context DSpark
+                  if arm.variant == "ready" or arm.name == "dspark_full"]
+    timed = {name: drafters[name] for name in timed_runs if name in drafters}
     result = {"window": window, "task": task, "per_distance": per_distance,
               "summary": aggregate(per_distance, table, args.seeds),
               "round_cost": cost_curve(timed, target, args.prefixes, args.repeats)}

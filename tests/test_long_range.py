@@ -348,10 +348,12 @@ def test_rank_retrieval_through_full_rank_orthonormal_bases_is_lossless(tiny_tar
 
 
 def test_cost_drafters_have_the_testbed_shapes(tiny_target):
-    drafters = lr.cost_drafters(tiny_target, window=16)
-    ready, kv, full = (drafters[name].config for name in ("ready_s0", "kv_read_s0", "dspark_full_s0"))
-    assert ready.context_window == kv.context_window == 16 and full.context_window is None
+    drafters = lr.cost_drafters(tiny_target, window=16, ranks=(8, 4))
+    ready, ready4, kv, full = (drafters[name].config for name in ("ready_s0", "ready_rank4_s0", "kv_read_s0",
+                                                                  "dspark_full_s0"))
+    assert ready.context_window == ready4.context_window == kv.context_window == 16 and full.context_window is None
     assert ready.reader.kind == "state" and ready.reader.rank == 8 and kv.reader.kind == "kv" and full.reader is None
+    assert ready4.reader.rank == 4 and lr.cost_label("ready_rank4_s0") == "ReaDy r4, windowed"
 
 
 def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target):
