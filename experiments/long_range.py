@@ -35,11 +35,12 @@ target, freshly initialised, since a round's time and memory do not depend on th
 output checked against AR), and reports per D: the target's greedy accuracy on the answers, and how much of
 them it still gets with its attention cut to the last W positions (what its Gated DeltaNet states alone
 carry across D: a lower bound on what a state reader can find there), how much of the record each Gated
-DeltaNet head's decay alone keeps until the query, tau per arm
-(mean and seed spread), ReaDy's paired gain over the control per seed, and, for the reader, how much its
+DeltaNet head's decay alone keeps until the query, how many record lookups the committed states answer
+whole and through each state reader's rank-r bases (:func:`rank_retrieval`), tau per arm (mean and seed
+spread), each reader arm's paired gain over the control per seed, and, for each state reader, how much its
 output moves the draft logits. It then times one drafter round (draft + context append + reader prepare)
-against prefix length for windowed ReaDy, the KV-read baseline and full-context DSpark, with the memory
-each keeps per sequence.
+against prefix length for every windowed reader arm and full-context DSpark, with the memory each keeps per
+sequence.
 """
 
 from __future__ import annotations
