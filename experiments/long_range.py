@@ -228,14 +228,16 @@ def retrieval_by_basis(target: rj.Target, ids: np.ndarray, reference: np.ndarray
             layer = drafter.config.reader.inject_layers[0]
             flat = drafter.flat_params()
             bases[name] = (flat[f"layers.{layer}.reader.key_basis"], flat[f"layers.{layer}.reader.value_basis"])
+    principal_keys, principal_values = principal_bases(target, ids, sources)
     for rank in sorted({d.config.reader.rank for d in readers.values()}):
-        bases[f"principal_r{rank}"] = principal_bases(target, ids, sources, rank)
+        bases[f"principal_r{rank}"] = (principal_keys[..., :rank], principal_values[..., :rank])
     return {"source_layers": list(sources), "found": rank_retrieval(target, ids, reference, open_id, sources, bases)}
 
 
-def principal_bases(target: rj.Target, ids: np.ndarray, source_layers: tuple[int, ...], rank: int) -> tuple:
-    """The best rank-``rank`` bases of the source layers' keys and values over prompts ids [B, P] in the
-    least-squares sense (top eigenvectors of their second moments), per pair: U [M, d_k, r], V [M, d_v, r]."""
+def principal_bases(target: rj.Target, ids: np.ndarray, source_layers: tuple[int, ...]) -> tuple:
+    """The principal directions of the source layers' keys and values over prompts ids [B, P] (eigenvectors of
+    their second moments, largest first), per pair: U [M, d_k, d_k], V [M, d_v, d_v]. The first r columns are
+    the best rank-r bases in the least-squares sense."""
     layers = decoder_layers(target, ids)
     keys, values = [], []
     for layer_id in source_layers:
@@ -246,7 +248,7 @@ def principal_bases(target: rj.Target, ids: np.ndarray, source_layers: tuple[int
 
     def top(rows):
         _, vectors = np.linalg.eigh(rows.T @ rows)
-        return vectors[:, ::-1][:, :rank]
+        return vectors[:, ::-1]
     return np.stack([top(r) for r in keys]), np.stack([top(r) for r in values])
 
 
