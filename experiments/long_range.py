@@ -199,21 +199,27 @@ def rank_retrieval(target: rj.Target, ids: np.ndarray, reference: np.ndarray, op
     return found
 
 
+EMPTY_READ_TOLERANCE = 1e-6   # relative norm below which a state read is rounding noise, not a lookup
+
+
 def lookup_shares(states: np.ndarray, queries: np.ndarray, values: np.ndarray, answer_at: np.ndarray,
                   bases: tuple[np.ndarray, np.ndarray] | None = None) -> list[float]:
     """Per value head, the share of lookups a state answers (see :func:`rank_retrieval`): states [B, H, d_k, d_v]
     read with queries [B, J, H, d_k] find position ``answer_at`` [B, J] among the values [B, P, H, d_v] written
-    before; with ``bases`` (U [H, d_k, r], V [H, d_v, r]) through the compressed ``U^T S V``."""
+    before; with ``bases`` (U [H, d_k, r], V [H, d_v, r]) through the compressed ``U^T S V``. A read that is
+    empty (norm at rounding level against |q| |S|, as when the basis misses the query) finds nothing."""
     shares = []
     for head in range(states.shape[1]):
         s, q, v = states[:, head], queries[:, :, head], values[:, :, head]
+        read_scale = np.linalg.norm(q, axis=-1) * np.linalg.norm(s, axis=(-2, -1))[:, None]       # [B, J]
         if bases is not None:
             u_h, v_h = bases[0][head], bases[1][head]
             s, q, v = u_h.T @ s @ v_h, q @ u_h, v @ v_h
         read = np.einsum("bjk,bkv->bjv", q, s)                                          # [B, J, d_v or r]
         cosine = np.einsum("bjv,bpv->bjp", read, v) / (
             np.linalg.norm(read, axis=-1)[..., None] * np.linalg.norm(v, axis=-1)[:, None] + 1e-9)
-        shares.append(float((cosine.argmax(-1) == answer_at).mean()))
+        not_empty = np.linalg.norm(read, axis=-1) > EMPTY_READ_TOLERANCE * read_scale
+        shares.append(float(((cosine.argmax(-1) == answer_at) & not_empty).mean()))
     return shares
 
 
