@@ -100,9 +100,15 @@ class TargetModel(nnx.Module):
     def dtype(self):
         return self.embed_tokens.embedding.dtype
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """Final norm and LM head (tied to the embedding when the config says so). [.., D] -> [.., V]"""
+    def logits(self, h: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """Final norm and LM head (tied to the embedding when the config says so). [.., D] -> [.., V]
+
+        ``head`` [D, V]: the same LM head laid out for a plain matmul, used instead of the model's own (a
+        tied embedding transposed once before generation's loop: see ``generation.transposes_tied_head``).
+        """
         h = self.norm(h)
+        if head is not None:
+            return jnp.einsum("...d,dv->...v", h, head.astype(h.dtype))
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(h)
         return self.lm_head(h)
@@ -243,7 +249,7 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
            form: Form = "chunked", hidden_layers: Sequence[int] = (), impl: Impl = "xla",
            check_finite: bool = False, logits_at: jax.Array | None = None,
-           attention_window: jax.Array | None = None) -> StepOutput:
+           attention_window: jax.Array | None = None, head: jax.Array | None = None) -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
@@ -258,6 +264,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     ``attention_window`` [B] int: row b's full-attention layers see only its last ``attention_window[b]``
     positions; a training-time restriction (``training.attention_windows``) that makes the Gated DeltaNet
     states carry what lies further back. None: full attention, the architecture as it is.
+    ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
     """
     model = nnx.merge(graphdef, params)
     if check_finite:
@@ -274,7 +281,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     with jax.named_scope("lm_head"):
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]
-        logits = model.logits(h).astype(jnp.float32)
+        logits = model.logits(h, head).astype(jnp.float32)
     if check_finite:
         debug.check_finite(logits, "target logits")
     n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
@@ -282,13 +289,15 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
 
 
 def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_layers: Sequence[int] = (),
-           rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
+           rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False,
+           head: jax.Array | None = None) -> StepOutput:
     """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
 
     ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
     ``rollback="checkpoint"`` the candidate holds the recurrent state after every block position and
     commit selects one; with ``"replay"`` it holds the state before the block and the block's
     delta-rule inputs, and commit recomputes the kept tokens' updates. Both give the same cache.
+    ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
     """
     modes.check(rollback, modes.ROLLBACKS, "rollback")
     model = nnx.merge(graphdef, params)
@@ -300,7 +309,7 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
     form = "candidates" if rollback == "checkpoint" else "replay"
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
                                          hidden_layers=hidden_layers, impl=impl, check_finite=check_finite)
-    logits = model.logits(h).astype(jnp.float32)
+    logits = model.logits(h, head).astype(jnp.float32)
     if check_finite:
         debug.check_finite(logits, "target logits")
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
