@@ -306,3 +306,30 @@ def test_sampling_accept_edge_cases():
     assert int(n[0]) == 2
     n, bonus = speculative.sampling_accept(jnp.array([[2, 1]]), jnp.full((1, 2, 3), 1 / 3), logits, 1.0, key)
     assert int(n[0]) == 0 and int(bonus[0]) in (0, 1)
+
+
+def test_tied_head_transposed_once_gives_the_same_tokens(monkeypatch):
+    """On the CPU a tied target's program multiplies by its embedding transposed once before the loop; AR and
+    ReaDy tokens equal those of the program that multiplies by the embedding itself, and each other."""
+    tied = rj.Target.init(tiny_config(tie_word_embeddings=True), seed=5)
+    assert generate_lib.transposes_tied_head(tied)
+    assert not generate_lib.transposes_tied_head(rj.Target.init(tiny_config(), seed=5))
+    h = jax.random.normal(jax.random.key(0), (2, 3, tied.config.hidden_size))
+    embedding = tied.model.embed_tokens.embedding[...]
+    np.testing.assert_allclose(tied.model.logits(h, embedding.T), tied.model.logits(h), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(tied.model.logits(h, 2 * embedding.T), tied.model.logits(h))   # the head given is used
+    reader = rj.ReaderConfig(source_layers=(1, 5), rank=4)
+    drafter = _with_random_reader_output(rj.Drafter.init(tied.config, rj.DrafterConfig(
+        block_size=4, num_layers=1, markov_rank=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=32, reader=reader), seed=6), 7)
+    prompts = _prompt_set(8, 2)
+    programs = {}
+    for transposed in (True, False):
+        monkeypatch.setattr(generate_lib, "transposes_tied_head", lambda target, t=transposed: t)
+        program = generate_lib.prepare(tied, prompts, MAX_NEW, drafter)
+        assert program.settings.transposed_head is transposed
+        programs[transposed] = {name: rj.generate(tied, prompts, MAX_NEW, drafter=d, capacity=CAPACITY).tokens
+                                for name, d in (("ar", None), ("ready", drafter))}
+    np.testing.assert_array_equal(programs[True]["ar"], programs[False]["ar"])
+    np.testing.assert_array_equal(programs[True]["ready"], programs[False]["ready"])
+    np.testing.assert_array_equal(programs[True]["ready"], programs[True]["ar"])
