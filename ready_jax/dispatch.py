@@ -86,30 +86,6 @@ def gated_delta_chunked(
                                        chunk_size=chunk_size)
 
 
-def gated_delta_block(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    initial_state: jax.Array,
-    *,
-    impl: Impl = "xla",
-) -> tuple[jax.Array, jax.Array]:
-    """Gated DeltaNet over a verify block (a few tokens) when no per-token state is kept (replay rollback's
-    verify and commit): o ``[B, T, H_v, d_v]`` and the fp32 final state.
-
-    With XLA this is the chunked form, the block as one chunk: a handful of small matmuls instead of the
-    recurrence's four ops per token over the whole state, which made an 8-token verify 22 % cheaper on the
-    zoo target (2.65 -> 2.08 decode steps, 2-core CPU; README "The speculative loop on a CPU"). It differs
-    from decode's recurrence only by rounding (4.8e-6 of the logits there), as verify's M-row matmuls
-    already did. The Pallas kernel for a few tokens is the fused recurrent one (state in registers).
-    """
-    if impl == "pallas":
-        return gated_delta_recurrent(q, k, v, g, beta, initial_state, impl=impl)
-    return gated_delta_chunked(q, k, v, g, beta, initial_state, impl=impl)
-
-
 def state_gather(
     per_position: jax.Array | Sequence[jax.Array],
     n_committed: jax.Array,

@@ -244,8 +244,7 @@ class GatedDeltaNet(nnx.Module):
         position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
         ``impl`` runs every form with XLA or the fused Pallas kernels (``ready_jax.dispatch``: ``gdn_chunked``
-        for the chunked form, ``gdn_recurrent`` for the others; replay's block goes through
-        ``dispatch.gated_delta_block``, the chunked form with XLA).
+        for the chunked form, ``gdn_recurrent`` for the others).
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
@@ -258,7 +257,7 @@ class GatedDeltaNet(nnx.Module):
                                                        include_initial_state=True, impl=impl)  # [B, T+1, H_v, d_k, d_v]
             new_cache = DeltaNetCandidate(states=states, conv_window=window)
         elif form == "replay":
-            o, _ = dispatch.gated_delta_block(q, k, v, g, beta, cache.state, impl=impl)
+            o, _ = dispatch.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
             new_cache = DeltaNetReplay(state=cache.state, k=k, v=v, g=g, beta=beta, conv_window=window)
         else:
             if num_new is not None:
