@@ -68,7 +68,7 @@ class SharedWeights:
     """The target's token embedding and LM head, used frozen by the drafter."""
 
     embedding: jax.Array        # [V, D]
-    lm_head: jax.Array | None   # [D, V]; None when tied to the embedding
+    lm_head: jax.Array | None   # [D, V]; None when tied (generate's CPU program sets the embedding transposed)
 
     @classmethod
     def from_target(cls, target) -> SharedWeights:
