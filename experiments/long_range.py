@@ -512,7 +512,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=640, help="tokens of each training prompt")
     parser.add_argument("--max-distance", type=int, default=600, help="longest training distance")
     parser.add_argument("--dspark-steps", type=int, default=400, help="steps of drafters trained from scratch")
-    parser.add_argument("--extra-steps", type=int, default=300, help="steps of drafters continued from a DSpark")
+    parser.add_argument("--extra-steps", type=int, default=3000,
+                        help="steps of drafters continued from a DSpark (the shipped testbed's budget; its "
+                        "reader's circuit had not formed by 1,500)")
     parser.add_argument("--distances", type=int, nargs="+", default=None, help="evaluate: D (default W/2, 2W, 8W, 32W)")
     parser.add_argument("--prompts", type=int, default=48, help="evaluate: held-out prompts per distance")
     parser.add_argument("--prompt-seed", type=int, default=0, help="evaluate: which held-out prompts")
