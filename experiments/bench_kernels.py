@@ -44,12 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import resolve_interpret, triton_compiler_params
-from pallas_kernels.gdn_chunked import GDNChunkedConfig
-from pallas_kernels.gdn_recurrent import GDNRecurrentConfig
-from pallas_kernels.state_gather import GatherConfig
-from pallas_kernels.state_reader import ReaderKernelConfig
-from ready_jax import cli, dispatch
+from pallas_kernels import gated_delta, state_reader
+from pallas_kernels.gated_delta.triton import GDNChunkedConfig, GDNRecurrentConfig
+from pallas_kernels.state_reader.triton import GatherConfig, ReaderKernelConfig
+from pallas_kernels.triton_common import resolve_interpret, triton_compiler_params
+from ready_jax import cli
 from ready_jax.modes import IMPLS
 
 from .common import write_json
@@ -131,8 +130,8 @@ def gather_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                     return states, n, u, v
 
                 def run(impl, config, states, n, u, v, layers=layers):
-                    return dispatch.state_gather(states, n, u, v, layers=layers, impl=impl,
-                                                 config=config or GatherConfig())
+                    return state_reader.state_gather(states, n, u, v, layers=layers, impl=impl,
+                                                 config=config)
 
                 configs = (GatherConfig(), GatherConfig(num_warps=2), GatherConfig(num_warps=8),
                            GatherConfig(num_stages=1), GatherConfig(num_stages=3), GatherConfig(block_m=2),
@@ -167,7 +166,7 @@ def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                 return h, c, w_q, w_o, w
 
             def run(impl, config, h, c, w_q, w_o, w):
-                return dispatch.state_reader(h, c, w_q, w_o, w, 1e-6, impl=impl, config=config or ReaderKernelConfig())
+                return state_reader.state_reader(h, c, w_q, w_o, w, 1e-6, impl=impl, config=config)
 
             configs = (ReaderKernelConfig(), ReaderKernelConfig(block_m=4), ReaderKernelConfig(block_d=128),
                        ReaderKernelConfig(block_d=512), ReaderKernelConfig(block_out=32),
@@ -230,8 +229,8 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
             make = functools.partial(gdn_inputs, batch, seq_len, h_k, h_v, d, dtype, seed=2)
 
             def run(impl, config, q, k, v, g, beta, state, all_states=all_states, calls=calls):
-                op = functools.partial(dispatch.gated_delta_recurrent, impl=impl,
-                                       config=config or GDNRecurrentConfig())
+                op = functools.partial(gated_delta.gated_delta_recurrent, impl=impl,
+                                       config=config)
                 if all_states:
                     return op(q, k, v, g, beta, state, output_all_states=True)
                 outputs = []
@@ -284,8 +283,8 @@ def chunked_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
             make = functools.partial(gdn_inputs, batch, seq_len, h_k, h_v, d, dtype, seed=3)
 
             def run(impl, config, q, k, v, g, beta, state):
-                return dispatch.gated_delta_chunked(q, k, v, g, beta, state, impl=impl,
-                                                    config=config or GDNChunkedConfig())
+                return gated_delta.gated_delta_chunked(q, k, v, g, beta, state, impl=impl,
+                                                    config=config)
 
             cases.append(Case(
                 kernel="gdn_chunked", label=f"B{batch}-T{seq_len}",

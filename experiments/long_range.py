@@ -55,12 +55,12 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
+from pallas_kernels.gated_delta import normalized_query_key
 from ready_jax import cli, data
 from ready_jax import drafter_training as dt
 from ready_jax import reader as reader_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter import SharedWeights
-from ready_jax.ops.gated_delta import normalized_query_key
 
 from .common import pyplot, save_figure, write_json
 from .reproduce_table import Arm, run_name, ship_dirs, spread, train

@@ -1,2 +1,11 @@
-"""Pallas (Triton) kernels of the fused ops; the jnp references are in ``ready_jax.ops``, the impl switch in
-``ready_jax.dispatch``."""
+"""The fused ops, one folder each, below everything else (they import only jax):
+
+* ``gated_delta/``: Gated DeltaNet's decode / verify (``gated_delta_recurrent``) and prefill / training
+  (``gated_delta_chunked``) forms;
+* ``state_reader/``: the ReaDy reader's once-per-round gather (``state_gather``) and per-position read
+  (``state_reader``).
+
+Each folder holds ``reference.py`` (pure jnp, the oracle and the XLA path), one file per kernel family
+(``triton.py`` for GPUs, ``tpu.py`` for TPUs) and an ``__init__`` whose functions take the reference's arguments
+plus ``impl`` ("xla" | "pallas") and run one of them. ``backend`` picks the family for the machine.
+"""

@@ -1,7 +1,7 @@
 """ready-jax: ReaDy speculative decoding for hybrid linear-attention targets, in JAX / Flax / Pallas.
 
 The public names below are imported on first use, so ``import ready_jax`` is cheap and importing one
-layer (``ready_jax.ops``, ``ready_jax.config``) never loads the layers above it.
+layer (``ready_jax.config``, ``ready_jax.cache``) never loads the layers above it.
 """
 
 import importlib

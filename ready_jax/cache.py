@@ -19,7 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import dispatch
+from pallas_kernels import gated_delta
+
 from .config import FULL_ATTENTION, TargetConfig
 
 
@@ -198,7 +199,7 @@ def _replay_state(entry: DeltaNetReplay, n: jax.Array, impl: str) -> jax.Array:
     keep = (jnp.arange(entry.k.shape[2])[None, :] < n[:, None])[None, :, :, None]   # [1, B, T, 1]
     g, beta = jnp.where(keep, entry.g, 0.0), jnp.where(keep, entry.beta, 0.0)
     # The read-out o is not needed (XLA drops it); k stands in for q.
-    run = lambda k, v, g, beta, s: dispatch.gated_delta_recurrent(k, k, v, g, beta, s, impl=impl)[1]  # noqa: E731
+    run = lambda k, v, g, beta, s: gated_delta.gated_delta_recurrent(k, k, v, g, beta, s, impl=impl)[1]  # noqa: E731
     return jax.vmap(run)(entry.k, entry.v, g, beta, entry.state)
 
 

@@ -49,7 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import checkpoint, dispatch, sharding
+from pallas_kernels import state_reader as state_reader_ops
+
+from . import checkpoint, sharding
 from .cache import Candidate, ContextCache, TargetCache
 from .config import TargetConfig
 from .drafter_config import KV, STATE, DrafterConfig
@@ -314,7 +316,7 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
 
     ``source`` is a committed ``TargetCache``, or a verify ``Candidate`` plus ``n_committed`` [B] (the
     block tokens being committed), which reads the same states without waiting for the commit.
-    State reader: ``C [B, M, r, r]`` per inject layer, gathered and compressed by ``dispatch.state_gather``
+    State reader: ``C [B, M, r, r]`` per inject layer, gathered and compressed by ``state_reader_ops.state_gather``
     with ``impl`` (the Pallas kernel reads the cache buffers in place); KV baseline: a ``KVReadState``.
     """
     model = nnx.merge(graphdef, params)
@@ -330,7 +332,7 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
             lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
             return tuple(r.prepare(keys, values, lengths) for r in readers)
         arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
-        return tuple(dispatch.state_gather(arrays, n, r.key_basis[...], r.value_basis[...], layers=layers,
+        return tuple(state_reader_ops.state_gather(arrays, n, r.key_basis[...], r.value_basis[...], layers=layers,
                                            impl=impl) for r in readers)
 
 

@@ -55,7 +55,7 @@ from .config import TargetConfig
 from .drafter import Drafter, DrafterModel, SharedWeights
 from .drafter_config import KV, STATE, DrafterConfig, ReaderConfig
 from .generation import generate
-from .ops.reader import KVReadState
+from .kv_read import KVReadState
 from .reader import committed_states, source_kv
 from .target import Target
 

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import dispatch
+from pallas_kernels import gated_delta
+
 from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
 from .modes import Impl
@@ -243,8 +244,8 @@ class GatedDeltaNet(nnx.Module):
         ``form="candidates"``: run the block with the recurrent form and return the state after every
         position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
-        ``impl`` runs every form with XLA or the fused Pallas kernels (``ready_jax.dispatch``: ``gdn_chunked``
-        for the chunked form, ``gdn_recurrent`` for the others).
+        ``impl`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
+        ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others).
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
@@ -253,20 +254,20 @@ class GatedDeltaNet(nnx.Module):
         g = self.decay(x)
 
         if form == "candidates":
-            o, states = dispatch.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
+            o, states = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
                                                        include_initial_state=True, impl=impl)  # [B, T+1, H_v, d_k, d_v]
             new_cache = DeltaNetCandidate(states=states, conv_window=window)
         elif form == "replay":
-            o, _ = dispatch.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
+            o, _ = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
             new_cache = DeltaNetReplay(state=cache.state, k=k, v=v, g=g, beta=beta, conv_window=window)
         else:
             if num_new is not None:
                 valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
                 g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
             if form == "chunked":
-                o, state = dispatch.gated_delta_chunked(q, k, v, g, beta, cache.state, impl=impl)
+                o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, cache.state, impl=impl)
             else:
-                o, state = dispatch.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
+                o, state = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
             new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Impl = Literal["xla", "pallas"]
-"""Who runs a fused op: XLA from the jnp reference, or the Pallas kernel (``ready_jax.dispatch``)."""
+"""Who runs a fused op: XLA from the jnp reference, or the Pallas kernel (``pallas_kernels``)."""
 
 Rollback = Literal["checkpoint", "replay"]
 """How verify keeps what commit needs: the state after every block position, or the block's delta-rule

@@ -24,8 +24,8 @@ tokens) V~_m``, then the same ``W_o(rmsnorm(.))`` residual. Prepared data is ``M
 and the read costs ``O(gamma M t r)``: both grow with the prefix, unlike the state read.
 
 Here: the parameters (:class:`StateReader`, :class:`KVReader`) and the helpers that find the source
-data in the target's cache. The array math is ``ready_jax.ops.reader``; ``ready_jax.dispatch`` runs the
-state gather and read with XLA or the fused Pallas kernels.
+data in the target's cache. The state read's array math is ``pallas_kernels.state_reader`` (its reference, and the
+switch between XLA and the fused Pallas kernels); the KV-read baseline's is ``ready_jax.kv_read``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import dispatch
+from pallas_kernels import state_reader as state_reader_ops
+from pallas_kernels.state_reader.reference import Layers, compress, gather_states, merge_pairs, rms_norm
+
 from .cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
 from .drafter_config import ReaderConfig
+from .kv_read import KVReadState, prepare_kv, read_kv
 from .layers import linear
 from .modes import Impl
-from .ops.reader import KVReadState, Layers, compress, gather_states, merge_pairs, prepare_kv, read_kv, rms_norm
 
 
 # ---- pulling source data out of the target's cache -----------------------------------------------------
@@ -95,7 +97,8 @@ def committed_states(source: TargetCache | Candidate, source_layers: Sequence[in
 
 def gather_sources(source: TargetCache | Candidate, source_layers: Sequence[int],
                    n_committed: jax.Array | None = None) -> tuple[list[jax.Array], Layers, jax.Array]:
-    """``(per_position, layers, n_committed)`` for ``dispatch.state_gather``, read from the target cache in place.
+    """``(per_position, layers, n_committed)`` for ``pallas_kernels.state_reader.state_gather``, read from the
+    target cache in place.
 
     Unlike :func:`committed_states` (which stacks the source layers' states, a copy), decoder layer l is
     named where it lives, ``source.layers[l % p]`` at group ``l // p``, and layers at the same in-group
@@ -168,7 +171,7 @@ class StateReader(_ReaderParams):
 
     def __call__(self, h: jax.Array, compressed: jax.Array, impl: Impl = "xla") -> jax.Array:
         with jax.named_scope("state_reader"):
-            return dispatch.state_reader(h, compressed, self.q_proj.kernel[...], self.o_proj.kernel[...],
+            return state_reader_ops.state_reader(h, compressed, self.q_proj.kernel[...], self.o_proj.kernel[...],
                                          self.norm.weight[...], self.norm.eps, impl=impl)
 
 

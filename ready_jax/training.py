@@ -539,7 +539,7 @@ def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, impl:
                 attention_window: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy of windows ``tokens`` [B, T + 1] with the chunked GDN form.
 
-    ``impl="pallas"`` runs the forward pass's Gated DeltaNet as the fused kernel (``pallas_kernels.gdn_chunked``);
+    ``impl="pallas"`` runs the forward pass's Gated DeltaNet as the fused kernel (``pallas_kernels.gated_delta``);
     its gradient is the XLA reference's either way. ``attention_window`` [B]: see :func:`attention_windows`.
     """
     ce, correct = next_token_scores(graphdef, config, params, tokens, impl, attention_window)

@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import ready_jax as rj  # noqa: E402
-from ready_jax import dispatch, generation  # noqa: E402
+from pallas_kernels import gated_delta  # noqa: E402
+from ready_jax import generation  # noqa: E402
 
 MAX_MEMORY_MAPS = 30_000  # Linux's default limit per process is 65530 (vm.max_map_count)
 
@@ -71,14 +72,14 @@ def tiny_moe_target() -> rj.Target:
 def applied_decays(monkeypatch):
     """``applied_decays(run) -> [g per Gated DeltaNet layer, [B, T, H_v]]``: the decays the layers hand to the
     chunked delta rule while ``run()`` executes (captured there, so in a scan of stacked groups too)."""
-    real = dispatch.gated_delta_chunked
+    real = gated_delta.gated_delta_chunked
     decays = []
 
     def recording(q, k, v, g, beta, state, impl):
         jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)
         return real(q, k, v, g, beta, state, impl=impl)
 
-    monkeypatch.setattr(dispatch, "gated_delta_chunked", recording)
+    monkeypatch.setattr(gated_delta, "gated_delta_chunked", recording)
 
     def capture(run) -> list:
         decays.clear()

@@ -1,4 +1,5 @@
-"""Tests for ready_jax.ops.gated_delta: chunked and recurrent forms against the naive oracle, and against HF."""
+"""Tests for pallas_kernels.gated_delta.reference: chunked and recurrent forms against the naive oracle, and
+against HF."""
 
 import functools
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ready_jax.ops.gated_delta import gated_delta_chunked, gated_delta_naive, gated_delta_recurrent
+from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_naive, gated_delta_recurrent
 
 B, D_K, D_V = 2, 16, 32
 HEADS = {"mha": (4, 4), "gqa": (2, 4)}  # (H_k, H_v); "gqa": each key head serves two value heads

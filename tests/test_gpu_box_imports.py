@@ -19,7 +19,8 @@ def test_gpu_benchmarks_import_with_only_the_gpu_box_packages():
                     raise ImportError(f"{{name}} is not installed on the GPU box")
 
         sys.meta_path.insert(0, Absent())
-        for module in ("ready_jax", "ready_jax.dispatch", "experiments.bench_generate", "experiments.bench_kernels"):
+        for module in ("ready_jax", "pallas_kernels.gated_delta", "pallas_kernels.state_reader",
+                       "experiments.bench_generate", "experiments.bench_kernels"):
             importlib.import_module(module)
     """)
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -11,12 +11,11 @@ PACKAGES = ("ready_jax", "pallas_kernels", "convert", "experiments")
 
 # Bottom to top, as the README's diagram draws them.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ready_jax.ops.*", "ready_jax.modes", "ready_jax.debug", "ready_jax.data", "ready_jax.cli",
-     "ready_jax.runtime", "ready_jax.provenance"),
-    ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format"),
     ("pallas_kernels.*",),
-    ("ready_jax.dispatch",),
-    ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding"),
+    ("ready_jax.modes", "ready_jax.debug", "ready_jax.data", "ready_jax.cli", "ready_jax.runtime",
+     "ready_jax.provenance"),
+    ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format"),
+    ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read"),
     ("ready_jax.checkpoint",),
     ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader"),
     ("ready_jax.speculative", "ready_jax.generation"),
@@ -86,6 +85,26 @@ def test_imports_run_down_the_layers_only():
 
     circles = [" -> ".join(c) for m in graph if (c := cycle_from(m))]
     assert not circles, "import circles:\n  " + "\n  ".join(circles)
+
+
+# The packages, bottom to top: a package imports only the ones before it.
+PACKAGE_ORDER = ("pallas_kernels", "ready_jax", "convert", "experiments")
+
+
+def test_packages_import_down_only():
+    """No package imports one above it (so ``pallas_kernels`` never imports ``ready_jax``), counting imports
+    inside functions and in packages' ``__init__`` files; convert and experiments import neither each other."""
+    known = _modules()
+    upward = []
+    for module, path in known.items():
+        own = module.split(".")[0]
+        for imported in sorted(_imports(module, path, known)):
+            other = imported.split(".")[0]
+            if other == own:
+                continue
+            if PACKAGE_ORDER.index(other) >= PACKAGE_ORDER.index(own) or {own, other} == {"convert", "experiments"}:
+                upward.append(f"{module} ({own}) imports {imported} ({other})")
+    assert not upward, "imports between packages that do not run down:\n  " + "\n  ".join(upward)
 
 
 def test_importing_the_library_loads_no_converter_torch_or_model_above_what_is_asked():

@@ -12,11 +12,12 @@ from conftest import ATTN, GDN, tiny_config
 from test_pallas_gdn import HEADS, INTERPRET, QWEN35_27B, TINY, make_inputs, rel_err
 
 import ready_jax as rj
-from pallas_kernels.common import lower_for_gpu, triton_dots
-from pallas_kernels.gdn_chunked import GDNChunkedConfig, gdn_chunked
-from ready_jax import dispatch, training
+from pallas_kernels import gated_delta as dispatch
+from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_naive
+from pallas_kernels.gated_delta.triton import GDNChunkedConfig, gdn_chunked
+from pallas_kernels.triton_common import lower_for_gpu, triton_dots
+from ready_jax import training
 from ready_jax.modes import IMPLS
-from ready_jax.ops.gated_delta import gated_delta_chunked, gated_delta_naive
 
 pytestmark = [pytest.mark.interpret, pytest.mark.slow]
 

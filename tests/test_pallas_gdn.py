@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import lower_for_gpu, resolve_interpret, triton_dots
-from pallas_kernels.gdn_recurrent import GDNRecurrentConfig, gdn_recurrent
-from ready_jax import dispatch
+from pallas_kernels import gated_delta as dispatch
+from pallas_kernels.gated_delta.reference import gated_delta_naive, gated_delta_recurrent
+from pallas_kernels.gated_delta.triton import GDNRecurrentConfig, gdn_recurrent
+from pallas_kernels.triton_common import lower_for_gpu, resolve_interpret, triton_dots
 from ready_jax.modes import IMPLS
-from ready_jax.ops.gated_delta import gated_delta_naive, gated_delta_recurrent
 
 pytestmark = [pytest.mark.interpret, pytest.mark.slow]
 

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import lower_for_gpu, triton_compiler_params, triton_dots
-from pallas_kernels.state_gather import GatherConfig, state_gather
-from pallas_kernels.state_reader import ReaderKernelConfig, state_reader
-from ready_jax import dispatch
+from pallas_kernels import state_reader as dispatch
+from pallas_kernels.state_reader import reference
+from pallas_kernels.state_reader.triton import GatherConfig, ReaderKernelConfig, state_gather, state_reader
+from pallas_kernels.triton_common import lower_for_gpu, triton_compiler_params, triton_dots
 from ready_jax.cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
-from ready_jax.ops import reader as reference
 from ready_jax.reader import committed_states, gather_sources
 
 pytestmark = [pytest.mark.interpret, pytest.mark.slow]

@@ -11,9 +11,10 @@ from conftest import ATTN, GDN, tiny_config
 from flax import nnx
 
 import ready_jax as rj
+from pallas_kernels.state_reader.reference import gather_prepare, read
 from ready_jax.drafter import Drafter, prepare_reader
 from ready_jax.drafter_config import DrafterConfig, ReaderConfig, default_source_layers
-from ready_jax.ops.reader import KVReadState, gather_prepare, prepare_kv, read, read_kv
+from ready_jax.kv_read import KVReadState, prepare_kv, read_kv
 
 EPS = 1e-6
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the Pallas kernels: interpret-mode choice, Triton compiler params, GPU lowering checks.
+"""Helpers shared by the Triton kernels: interpret-mode choice, compiler params, GPU lowering checks.
 
 The kernels target Pallas' Triton lowering (small latency-bound kernels; it also runs unchanged in CPU
 interpret mode). The pieces here paper over API differences between the supported jax versions (0.10.2 on

@@ -1,0 +1,106 @@
+"""Which kernel family runs a fused op on this machine, and how.
+
+``impl="pallas"`` runs each op's kernel for the accelerator jax runs on: the Mosaic TPU kernels (``tpu.py`` in
+each op folder) on a TPU, the Triton kernels (``triton.py``) on a GPU. A CPU has neither, so there the kernels run
+in an interpreter, and the family is a choice:
+
+* ``gpu`` (the default): the Triton kernels in Pallas' generic interpret mode (the kernel body evaluated as
+  ordinary jax ops, one grid point after another);
+* ``tpu``: the TPU kernels in the TPU interpreter (``pltpu.InterpretParams``), which simulates HBM, VMEM, DMAs
+  and semaphores, runs a happens-before race detector, fills memory a kernel never wrote with NaN and raises on
+  out-of-bounds reads.
+
+The choice is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu``), or :func:`set_interpret_family` (which
+``ready_jax.runtime.configure(pallas_interpret=...)`` calls), read when a kernel is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal, get_args
+
+import jax
+
+IMPLS: tuple[str, ...] = ("xla", "pallas")
+Family = Literal["triton", "tpu"]
+InterpretFamily = Literal["gpu", "tpu"]
+INTERPRET_FAMILIES: tuple[str, ...] = get_args(InterpretFamily)
+INTERPRET_ENV = "READY_JAX_PALLAS_INTERPRET"
+
+_interpret_family: str | None = None  # set_interpret_family's choice; None: the environment's
+
+
+def check_impl(impl: object) -> str:
+    """``impl`` if it is ``"xla"`` or ``"pallas"``; otherwise a ValueError naming the choices."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _check_family(family: object, where: str) -> str:
+    if not isinstance(family, str) or family.strip().lower() not in INTERPRET_FAMILIES:
+        raise ValueError(f"{where} must be one of {INTERPRET_FAMILIES} (which kernels a CPU interprets), "
+                         f"got {family!r}")
+    return family.strip().lower()
+
+
+def set_interpret_family(family: InterpretFamily | None) -> None:
+    """Which kernels ``impl="pallas"`` interprets on a CPU: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU), or None
+    to follow ``$READY_JAX_PALLAS_INTERPRET`` again. Programs already traced keep the kernels they were traced
+    with; jit caches key on nothing else, so set this before the first trace."""
+    global _interpret_family
+    _interpret_family = None if family is None else _check_family(family, "pallas_interpret")
+
+
+def interpret_family() -> str:
+    """The family a CPU interprets: :func:`set_interpret_family`'s choice, else ``$READY_JAX_PALLAS_INTERPRET``,
+    else ``"gpu"``."""
+    if _interpret_family is not None:
+        return _interpret_family
+    value = os.environ.get(INTERPRET_ENV, "").strip()
+    return _check_family(value, f"${INTERPRET_ENV}") if value else "gpu"
+
+
+def tpu_interpret_params() -> Any:
+    """The TPU interpreter with every check on: race detection, uninitialised memory as NaN, out-of-bounds
+    reads raising."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTarget:
+    """Where a Pallas kernel runs: ``family`` picks the kernel file, ``interpret`` is passed to ``pallas_call``
+    (False: compiled for the device; True: Pallas' generic interpreter; ``InterpretParams``: the TPU one)."""
+
+    family: Family
+    interpret: Any
+
+    @property
+    def interpreted(self) -> bool:
+        return self.interpret is not False
+
+
+def kernel_target(platform: str | None = None) -> KernelTarget:
+    """The kernel family and interpret mode for ``platform`` (default: jax's default backend)."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "tpu":
+        return KernelTarget("tpu", False)
+    if platform in ("gpu", "cuda", "rocm"):
+        return KernelTarget("triton", False)
+    if interpret_family() == "tpu":
+        return KernelTarget("tpu", tpu_interpret_params())
+    return KernelTarget("triton", True)
+
+
+def check_config(config: Any, expected: type, op: str) -> Any:
+    """``config`` when it is None (the kernel picks its blocks) or an ``expected`` (the chosen family's block
+    config); otherwise a ValueError: a config of the other family does not fit this machine's kernels."""
+    if config is None:
+        return None
+    if not isinstance(config, expected):
+        raise ValueError(f"{op}: config {type(config).__name__} is not for the kernels that run here "
+                         f"({expected.__name__}); pass None to let the kernel pick its blocks")
+    return config

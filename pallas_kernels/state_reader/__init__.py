@@ -1,0 +1,73 @@
+"""The ReaDy state reader, one function per fused op: ``state_gather`` (once per round: the committed states,
+compressed) and ``state_reader`` (every draft position: the read), each run by XLA from its jnp reference
+(``reference.py``) or by the Pallas kernel of this machine's family (``triton.py`` on a GPU, ``tpu.py`` on a TPU;
+on a CPU, interpreted: ``pallas_kernels.backend``).
+
+Both implementations take the reference's arguments and return the same shapes and dtypes. ``config`` is the
+kernel's frozen block config (static; None lets the kernel pick one for the shapes); XLA ignores it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from .. import backend
+from . import reference
+
+__all__ = ["state_gather", "state_reader"]
+
+
+def state_gather(
+    per_position: jax.Array | Sequence[jax.Array],
+    n_committed: jax.Array,
+    key_basis: jax.Array,
+    value_basis: jax.Array,
+    *,
+    layers: Sequence[tuple[int, int]] | None = None,
+    impl: str = "xla",
+    config=None,
+) -> jax.Array:
+    """Committed-state gather + rank-r compression: ``reference.gather_prepare`` -> C ``[B, M, r, r]`` fp32."""
+    backend.check_impl(impl)
+    if impl == "pallas":
+        target = backend.kernel_target()
+        kernels = _kernels(target.family)
+        config = backend.check_config(config, kernels.GatherConfig, "state_gather")
+        return kernels.state_gather(per_position, n_committed, key_basis, value_basis, layers=layers,
+                                    interpret=target.interpret, config=config)
+    return reference.gather_prepare(per_position, n_committed, key_basis, value_basis, layers=layers)
+
+
+def state_reader(
+    h: jax.Array,
+    compressed: jax.Array,
+    w_q: jax.Array,
+    w_o: jax.Array,
+    norm_weight: jax.Array,
+    eps: float,
+    *,
+    impl: str = "xla",
+    config=None,
+) -> jax.Array:
+    """The state read ``h + W_o(rmsnorm(concat_m C_m^T a_m))``: ``reference.read`` -> ``[B, G, d]``."""
+    backend.check_impl(impl)
+    if impl == "pallas":
+        target = backend.kernel_target()
+        kernels = _kernels(target.family)
+        config = backend.check_config(config, kernels.ReaderKernelConfig, "state_reader")
+        return kernels.state_reader(h, compressed, w_q, w_o, norm_weight, float(eps), interpret=target.interpret,
+                                    config=config)
+    return reference.read(h, compressed, w_q, w_o, norm_weight, eps)
+
+
+def _kernels(family: str):
+    """The kernel module of ``family`` (imported on first use: a machine loads only the kernels it runs)."""
+    if family == "tpu":
+        from . import tpu
+
+        return tpu
+    from . import triton
+
+    return triton

@@ -1,0 +1,338 @@
+"""The ReaDy reader's Pallas (Triton) kernels: ``state_gather`` (DESIGN.md 3.1) and ``state_reader`` (3.2).
+
+References: ``pallas_kernels.state_reader.reference``; each kernel takes its reference's arguments and returns
+its result.
+
+* :func:`state_gather` (reference ``gather_prepare``): for every sequence b and (source layer l, value head h)
+  pair ``m = l * H_v + h``, the committed state ``S = per_position[l, b, n_committed[b], h]`` (``d_k x d_v``)
+  compressed to ``C[b, m] = U_m^T S V_m`` -> C ``[B, M, r, r]`` fp32. per_position is one
+  ``[L_src, B, T+1, H_v, d_k, d_v]`` array or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]`` arrays with
+  static ``layers`` naming (array, index) per source layer, so the target cache's per-layer-position buffers are
+  read in place; states may be fp32 or bf16. Only the committed position of each state is read (n is clamped to
+  0..T in the kernel), each once; only ``r x r`` numbers per pair are written; accumulation is fp32. r, d_v and
+  the d_k chunk must be powers of 2 (every real GDN geometry is); other shapes raise ValueError.
+* :func:`state_reader` (reference ``read``): ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed
+  ``[M, r]`` per draft position. h ``[B, G, d]``, compressed C ``[B, M, r, r]``, w_q ``[d, M r]``, w_o
+  ``[M r, d]``, norm_weight ``[M r]``, eps a static float -> ``[B, G, d]`` in ``result_type(h, w_o)``. Two
+  launches (the RMSNorm needs a row's whole ``M r`` vector before W_o): ``reader_query`` (``a = h W_q``,
+  ``y = C^T a``, partial sums of squares) and ``reader_out`` (norm, ``W_o``, residual). Rounding happens where
+  the reference rounds (a in ``result_type(h, W_q)``, y and the normalised vector in h's dtype), all
+  accumulation is fp32, so fp32 inputs agree to fp32 rounding and bf16 inputs to about one bf16 ulp; no Triton
+  dot contracts over a rank < 16. r must be a power of 2 (other ranks raise ValueError).
+
+Design: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ..triton_common import (
+    MIN_DOT_DIM,
+    is_power_of_2,
+    largest_power_of_2_divisor,
+    matmul,
+    next_power_of_2,
+    triton_compiler_params,
+)
+from .reference import Layers, per_position_arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderKernelConfig:
+    """Block sizes and Triton launch parameters of the two kernels (static; part of the jit cache key).
+
+    Every block is an upper bound, capped at the largest power of 2 dividing its axis.
+
+    block_m: pairs per program of ``reader_query`` (r >= 16 forces 1). ``block_m * r`` W_q columns per
+        program: 2 x 8 = 16 is the narrowest a Triton dot takes and gives B * 48 programs on Qwen3.5-27B.
+    block_d: hidden-size chunk of ``reader_query``'s loop over d (the K of ``h W_q``).
+    block_n: ``M r`` chunk of ``reader_out``'s loop (the K of ``. W_o``).
+    block_out: output hidden columns per program of ``reader_out`` (5120 / 64 = 80 programs per sequence).
+    num_warps, num_stages: passed to Triton explicitly, for both kernels.
+    """
+
+    block_m: int = 2
+    block_d: int = 256
+    block_n: int = 128
+    block_out: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
+                    for name in ("block_m", "block_d", "block_n", "block_out", "num_warps")
+                    if not is_power_of_2(getattr(self, name))]
+        if self.num_stages < 1:
+            problems.append(f"num_stages must be >= 1; got {self.num_stages}")
+        if problems:
+            raise ValueError("invalid ReaderKernelConfig: " + "; ".join(problems))
+
+
+# ---- kernel 1: a = h W_q, y = C^T a, partial sums of squares -------------------------------------------------
+def _query_kernel(h_ref, wq_ref, c_ref, y_ref, ss_ref, *, block_m: int, block_d: int, d: int, rank: int,
+                  q_dtype, h_dtype):
+    """Program (b, pair block). h_ref [G_pad, d]; wq_ref [d, block_m r]; c_ref [block_m, r, r] fp32;
+    y_ref [G_pad, block_m r] (h's dtype); ss_ref [G_pad] fp32."""
+
+    def step(kc, acc):  # acc [G_pad, block_m r] fp32
+        k0 = pl.multiple_of(kc * block_d, block_d)
+        return acc + matmul(h_ref[:, pl.ds(k0, block_d)].astype(q_dtype),
+                            wq_ref[pl.ds(k0, block_d), :].astype(q_dtype))
+
+    g_pad, cols = y_ref.shape
+    acc = lax.fori_loop(0, d // block_d, step, jnp.zeros((g_pad, cols), jnp.float32))
+    a = acc.astype(q_dtype).astype(jnp.float32)             # the reference's a = h W_q, then .astype(f32)
+    c = c_ref[...].astype(jnp.float32)                       # [block_m, r, r]
+    if rank >= MIN_DOT_DIM:                                  # block_m == 1: y = a C  ([G_pad, r] @ [r, r])
+        y = matmul(a, c.reshape(rank, rank))
+    else:                                                    # y[g, j, s] = sum_r a[g, j, r] C[j, r, s]
+        y = jnp.sum(a.reshape(g_pad, block_m, rank, 1) * c[None], axis=2).reshape(g_pad, cols)
+    y = y.astype(h_dtype)
+    y_ref[...] = y
+    y32 = y.astype(jnp.float32)
+    ss_ref[...] = jnp.sum(y32 * y32, axis=1)
+
+
+# ---- kernel 2: rmsnorm, W_o, residual ----------------------------------------------------------------------
+def _out_kernel(h_ref, y_ref, ss_ref, w_ref, wo_ref, o_ref, *, block_n: int, num_cols: int, num_partials: int,
+                eps: float, h_dtype, o_dtype):
+    """Program (b, column block). h_ref [G_pad, block_out]; y_ref [G_pad, M r]; ss_ref [P, G_pad] fp32;
+    w_ref [M r]; wo_ref [M r, block_out]; o_ref [G_pad, block_out]."""
+    g_pad = y_ref.shape[0]
+    ss = lax.fori_loop(0, num_partials, lambda j, s: s + ss_ref[j, :], jnp.zeros((g_pad,), jnp.float32))
+    inv_rms = lax.rsqrt(ss / num_cols + eps)[:, None]        # [G_pad, 1]: rsqrt(mean(y^2) + eps)
+
+    def step(kc, acc):  # acc [G_pad, block_out] fp32
+        k0 = pl.multiple_of(kc * block_n, block_n)
+        y = y_ref[:, pl.ds(k0, block_n)].astype(jnp.float32)
+        normed = (y * inv_rms).astype(h_dtype)                                  # reader.rms_norm, exactly
+        w = w_ref[pl.ds(k0, block_n)].astype(h_dtype)
+        z = (w.astype(jnp.float32)[None, :] * normed.astype(jnp.float32)).astype(h_dtype)
+        return acc + matmul(z.astype(o_dtype), wo_ref[pl.ds(k0, block_n), :].astype(o_dtype))
+
+    acc = lax.fori_loop(0, num_cols // block_n, step, jnp.zeros(o_ref.shape, jnp.float32))
+    out = acc.astype(o_dtype).astype(jnp.float32)
+    o_ref[...] = (h_ref[...].astype(jnp.float32) + out).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
+def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                 eps: float, *, interpret: bool = False,
+                 config: ReaderKernelConfig | None = None) -> jax.Array:
+    """The state read as two launches; see the module docstring for shapes.
+
+    ``eps``: the RMSNorm epsilon (static). ``interpret``: Pallas interpret mode (the only mode on a CPU).
+    ``config``: block sizes and launch parameters (None: the defaults).
+    """
+    config = ReaderKernelConfig() if config is None else config
+    b, g, d = h.shape
+    _, m, r, _ = compressed.shape
+    n = m * r
+    problems = []
+    if compressed.shape != (b, m, r, r):
+        problems.append(f"compressed {compressed.shape} must be [B, M, r, r] with B = {b}")
+    if w_q.shape != (d, n) or w_o.shape != (n, d) or norm_weight.shape != (n,):
+        problems.append(f"w_q {w_q.shape}, w_o {w_o.shape}, norm_weight {norm_weight.shape} must be "
+                        f"[{d}, {n}], [{n}, {d}], [{n}] (d = {d}, M r = {m} x {r})")
+    if problems:
+        raise ValueError("state_reader: " + "; ".join(problems))
+    if not is_power_of_2(r):
+        raise ValueError(f"state_reader needs a power-of-2 rank for Triton tiles; got {r}. "
+                         "Use the reference (impl='xla') for this rank.")
+    q_dtype = jnp.result_type(h.dtype, w_q.dtype)
+    o_dtype = jnp.result_type(h.dtype, w_o.dtype)
+    g_pad = max(MIN_DOT_DIM, next_power_of_2(g))
+    block_m = 1 if r >= MIN_DOT_DIM else min(config.block_m, largest_power_of_2_divisor(m))
+    block_d = min(config.block_d, largest_power_of_2_divisor(d))
+    block_n = min(config.block_n, largest_power_of_2_divisor(n))
+    block_out = min(config.block_out, largest_power_of_2_divisor(d))
+    num_blocks = m // block_m
+    params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+
+    y, ss = pl.pallas_call(
+        functools.partial(_query_kernel, block_m=block_m, block_d=block_d, d=d, rank=r, q_dtype=q_dtype,
+                          h_dtype=h.dtype),
+        out_shape=(jax.ShapeDtypeStruct((b, g_pad, n), h.dtype),
+                   jax.ShapeDtypeStruct((b, num_blocks, g_pad), jnp.float32)),
+        grid=(b, num_blocks),
+        in_specs=[pl.BlockSpec((None, g_pad, d), lambda i, j: (i, 0, 0)),        # h[b], rows padded to g_pad
+                  pl.BlockSpec((d, block_m * r), lambda i, j: (0, j)),          # W_q columns of the pair block
+                  pl.BlockSpec((None, block_m, r, r), lambda i, j: (i, j, 0, 0))],
+        out_specs=[pl.BlockSpec((None, g_pad, block_m * r), lambda i, j: (i, 0, j)),
+                   pl.BlockSpec((None, None, g_pad), lambda i, j: (i, j, 0))],
+        interpret=interpret,
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * b * g * (d * n + n * r), transcendentals=0,
+            bytes_accessed=h.nbytes * num_blocks + w_q.nbytes * b + compressed.nbytes + b * g_pad * n * 4),
+        name="reader_query",
+    )(h, w_q, compressed)
+
+    return pl.pallas_call(
+        functools.partial(_out_kernel, block_n=block_n, num_cols=n, num_partials=num_blocks, eps=float(eps),
+                          h_dtype=h.dtype, o_dtype=o_dtype),
+        out_shape=jax.ShapeDtypeStruct((b, g, d), o_dtype),
+        grid=(b, d // block_out),
+        in_specs=[pl.BlockSpec((None, g_pad, block_out), lambda i, j: (i, 0, j)),  # residual h
+                  pl.BlockSpec((None, g_pad, n), lambda i, j: (i, 0, 0)),          # y[b], all M r columns
+                  pl.BlockSpec((None, num_blocks, g_pad), lambda i, j: (i, 0, 0)),
+                  pl.BlockSpec((n,), lambda i, j: (0,)),
+                  pl.BlockSpec((n, block_out), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((None, g_pad, block_out), lambda i, j: (i, 0, j)),  # padded rows: masked stores
+        interpret=interpret,
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * b * g * n * d, transcendentals=b * g,
+            bytes_accessed=w_o.nbytes * b + y.nbytes * (d // block_out) + 2 * h.nbytes),
+        name="reader_out",
+    )(h, y, ss, norm_weight, w_o)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherConfig:
+    """Block sizes and Triton launch parameters of the Pallas kernel (static; part of the jit cache key).
+
+    block_m: (layer, head) pairs per program. 1 gives the most programs (B * M; 96 for B = 1 on
+        Qwen3.5-27B, under one wave of the H200's 132 SMs), which a latency-bound kernel wants.
+    block_k: d_k rows per step of the in-kernel loop (upper bound, a power of 2; capped at the largest power
+        of 2 dividing d_k). For r < 16 the step holds a ``[block_k, r, d_v]`` product in registers
+        (16 x 8 x 128 fp32 = 128 registers per thread at 4 warps), so keep it small.
+    num_warps, num_stages: passed to Triton explicitly (stages pipeline the d_k loop's loads).
+    """
+
+    block_m: int = 1
+    block_k: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
+                    for name in ("block_k", "num_warps") if not is_power_of_2(getattr(self, name))]
+        problems += [f"{name} must be >= 1; got {getattr(self, name)}"
+                     for name in ("block_m", "num_stages") if getattr(self, name) < 1]
+        if problems:
+            raise ValueError("invalid GatherConfig: " + "; ".join(problems))
+
+
+# ---- the kernel ---------------------------------------------------------------------------------------------
+def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int, num_pairs: int, block_m: int,
+                   block_k: int, d_k: int, rank: int, t_max: int, use_dot: bool):
+    """Program (b, pair block). Refs (un-blocked, whole arrays):
+
+    n_ref [B] int32; x_refs[i] [L_i, B, T+1, H_v, d_k, d_v]; u_ref [M, d_k, r]; v_ref [M, d_v, r];
+    o_ref [B, M, r, r] fp32.
+    """
+    x_refs, (u_ref, v_ref, o_ref) = refs[:num_arrays], refs[num_arrays:]
+    b = pl.program_id(0)
+    n = jnp.clip(n_ref[b], 0, t_max)  # the committed position: the only one of the T+1 states read
+    d_v = v_ref.shape[1]
+
+    def compress(x_ref, index, head, m):
+        def step(kc, p):  # p = U_m^T S accumulated over d_k chunks: [r, d_v] fp32
+            k0 = pl.multiple_of(kc * block_k, block_k)
+            s = x_ref[index, b, n, head, pl.ds(k0, block_k), :].astype(jnp.float32)  # [block_k, d_v]
+            u = u_ref[m, pl.ds(k0, block_k), :].astype(jnp.float32)                  # [block_k, r]
+            if use_dot:
+                return p + matmul(u.T, s)
+            return p + jnp.sum(u[:, :, None] * s[:, None, :], axis=0)                 # [block_k, r, d_v] -> [r, d_v]
+
+        p = lax.fori_loop(0, d_k // block_k, step, jnp.zeros((rank, d_v), jnp.float32))
+        v = v_ref[m].astype(jnp.float32)                                              # [d_v, r]
+        c = matmul(p, v) if use_dot else jnp.sum(p[:, :, None] * v[None, :, :], axis=1)  # [r, r]
+        o_ref[b, m] = c
+
+    # Static (layer -> array, index) table: each source array's leading index as a function of the layer.
+    by_array = {i: [(layer, j) for layer, (a, j) in enumerate(layers) if a == i] for i in range(num_arrays)}
+
+    def pair(m):
+        layer, head = m // num_heads, m % num_heads
+        for i, entries in by_array.items():
+            if not entries:
+                continue
+            index = jnp.int32(entries[0][1])
+            for layer_id, j in entries[1:]:
+                index = jnp.where(layer == layer_id, jnp.int32(j), index)
+            if len(by_array) == 1:
+                compress(x_refs[i], index, head, m)
+            else:
+                mine = functools.reduce(jnp.logical_or, [layer == layer_id for layer_id, _ in entries])
+                pl.when(mine)(functools.partial(compress, x_refs[i], index, head, m))
+
+    for j in range(block_m):
+        m = pl.program_id(1) * block_m + j
+        if num_pairs % block_m:
+            pl.when(m < num_pairs)(functools.partial(pair, m))
+        else:
+            pair(m)
+
+
+def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
+    _, b, t1, h, d_k, d_v = arrays[0].shape
+    problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
+                for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
+    m, r = len(layers) * h, key_basis.shape[-1]
+    if key_basis.shape != (m, d_k, r) or value_basis.shape != (m, d_v, r):
+        problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], [{m}, {d_v}, r] "
+                        f"(M = {len(layers)} source layers x {h} heads)")
+    if n_committed.shape != (b,):
+        problems.append(f"n_committed shape {n_committed.shape} must be [B] = [{b}]")
+    if problems:
+        raise ValueError("state_gather: " + "; ".join(problems))
+    return b, t1, h, d_k, d_v, m, r
+
+
+def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array, value_basis: jax.Array, *,
+                 layers: Sequence[tuple[int, int]] | None = None, interpret: bool = False,
+                 config: GatherConfig | None = None) -> jax.Array:
+    """Committed-state gather + rank-r compression as one launch; see the module docstring.
+
+    per_position: ``[L_src, B, T+1, H_v, d_k, d_v]``, or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]``
+    arrays; n_committed ``[B]`` int in 0..T; key_basis U ``[M, d_k, r]``; value_basis V ``[M, d_v, r]``;
+    layers: static ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every
+    array). ``interpret``: Pallas interpret mode (the only mode on a CPU). Returns C ``[B, M, r, r]`` fp32.
+    """
+    layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
+    return _state_gather_pallas(per_position, n_committed, key_basis, value_basis, layers=layers,
+                                interpret=interpret, config=GatherConfig() if config is None else config)
+
+
+@functools.partial(jax.jit, static_argnames=("layers", "interpret", "config"))
+def _state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, layers: Layers | None,
+                         interpret: bool, config: GatherConfig) -> jax.Array:
+    arrays, layers = per_position_arrays(per_position, layers)
+    n_committed = jnp.asarray(n_committed, jnp.int32)
+    b, t1, h, d_k, d_v, m, r = _check_shapes(arrays, layers, n_committed, key_basis, value_basis)
+    block_k = min(config.block_k, largest_power_of_2_divisor(d_k))
+    use_dot = r >= MIN_DOT_DIM
+    if use_dot:
+        block_k = max(block_k, min(MIN_DOT_DIM, largest_power_of_2_divisor(d_k)))
+    unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_v", d_v)) if not is_power_of_2(v)]
+    if use_dot and block_k < MIN_DOT_DIM:
+        unsupported.append(f"d_k = {d_k} (rank >= 16 needs d_k chunks of >= 16 rows)")
+    if unsupported:
+        raise ValueError(f"state_gather needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
+                         "Use the reference (impl='xla') for this geometry.")
+    block_m = min(config.block_m, m)
+    kernel = functools.partial(
+        _gather_kernel, num_arrays=len(arrays), layers=layers, num_heads=h, num_pairs=m, block_m=block_m,
+        block_k=block_k, d_k=d_k, rank=r, t_max=t1 - 1, use_dot=use_dot)
+    state_bytes = b * m * d_k * d_v * arrays[0].dtype.itemsize
+    cost = pl.CostEstimate(flops=2 * b * m * (d_k * d_v * r + d_v * r * r), transcendentals=0,
+                           bytes_accessed=state_bytes + (key_basis.nbytes + value_basis.nbytes) * b + b * m * r * r * 4)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, m, r, r), jnp.float32),
+        grid=(b, pl.cdiv(m, block_m)),
+        interpret=interpret,
+        compiler_params=triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+        cost_estimate=cost,
+        name="state_gather",
+    )(n_committed, *arrays, key_basis, value_basis)
