@@ -16,8 +16,10 @@ The choice is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu``), or :func:`set
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import jax
@@ -29,6 +31,7 @@ INTERPRET_FAMILIES: tuple[str, ...] = get_args(InterpretFamily)
 INTERPRET_ENV = "READY_JAX_PALLAS_INTERPRET"
 
 _interpret_family: str | None = None  # set_interpret_family's choice; None: the environment's
+_lowering_platform: str | None = None  # lowering_for's platform while it is active
 
 
 def check_impl(impl: object) -> str:
@@ -83,9 +86,24 @@ class KernelTarget:
         return self.interpret is not False
 
 
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+    """Inside, kernels are traced for ``platform`` ("tpu" or "cuda") compiled, whatever this machine is: for
+    lowering a program for an accelerator from a CPU (``jit(f).trace(...).lower(lowering_platforms=...)``)."""
+    global _lowering_platform
+    if platform not in ("tpu", "cuda"):
+        raise ValueError(f"lowering_for: platform must be 'tpu' or 'cuda', got {platform!r}")
+    previous, _lowering_platform = _lowering_platform, platform
+    try:
+        yield
+    finally:
+        _lowering_platform = previous
+
+
 def kernel_target(platform: str | None = None) -> KernelTarget:
-    """The kernel family and interpret mode for ``platform`` (default: jax's default backend)."""
-    platform = jax.default_backend() if platform is None else platform
+    """The kernel family and interpret mode for ``platform`` (default: :func:`lowering_for`'s platform while
+    it is active, else jax's default backend)."""
+    platform = platform or _lowering_platform or jax.default_backend()
     if platform == "tpu":
         return KernelTarget("tpu", False)
     if platform in ("gpu", "cuda", "rocm"):
