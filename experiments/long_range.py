@@ -76,21 +76,33 @@ def reader_arm(config: rj.DrafterConfig) -> str:
         return "control"
     if reader.kind == "kv":
         return "kv_read"
-    return "ready" if reader.rank == 8 else f"ready_rank{reader.rank}"
+    query = "" if reader.query == "basis" else f"_{reader.query}"
+    return f"ready{query}" if reader.rank == 8 else f"ready{query}_rank{reader.rank}"
 
 
-def arms(window: int, state_dim: int, ranks: tuple[int, ...], seed_ranks: tuple[int, ...] = (8,)) -> tuple[Arm, ...]:
+QUERY_LABELS = {"content": "content query", "tied": "tied query"}
+
+
+def arms(window: int, state_dim: int, ranks: tuple[int, ...], seed_ranks: tuple[int, ...] = (8,),
+         queries: tuple[str, ...] = (), query_ranks: tuple[int, ...] = ()) -> tuple[Arm, ...]:
     """The testbed's drafters: windowed ones start from the same seed's windowed DSpark. ReaDy at rank 8 and
-    at every rank in ``seed_ranks`` trains on every seed; the other ranks on the first seed only."""
+    at every rank in ``seed_ranks`` trains on every seed; the other ranks on the first seed only. Each
+    full-key-space query design in ``queries`` (``ReaderConfig.query``) trains at rank 8 on every seed, and at
+    every rank in ``query_ranks`` on the first seed."""
     extra = tuple(Arm(f"ready_rank{r}", "ready", "dspark_window", ("--rank", str(r)), all_seeds=r in seed_ranks,
                       label=f"ReaDy r{r}{' (lossless)' if r == state_dim else ''}, window {window}")
                   for r in dict.fromkeys((*ranks, *seed_ranks)) if r != 8)
+    designs = tuple(Arm(f"ready_{q}" if r == 8 else f"ready_{q}_rank{r}", "ready", "dspark_window",
+                        ("--rank", str(r), "--reader-query", q), all_seeds=r == 8,
+                        label=f"ReaDy r{r}, {QUERY_LABELS[q]}, window {window}")
+                    for q in queries for r in dict.fromkeys((8, *query_ranks)))
     return (
         Arm("dspark_window", "dspark", flags=("--context-window", str(window)), all_seeds=True,
             label=f"DSpark, window {window}"),
         Arm("control", "dspark-ft", "dspark_window", all_seeds=True, label=f"DSpark-FT, window {window} (control)"),
         Arm("ready", "ready", "dspark_window", all_seeds=True, label=f"ReaDy r8, window {window}"),
         *extra,
+        *designs,
         Arm("kv_read", "ready", "dspark_window", ("--reader-kind", "kv"), label=f"KV-read baseline, window {window}"),
         Arm("dspark_full", "dspark", steps="total", label="DSpark, full context (upper bound)"),
     )
@@ -223,17 +235,35 @@ def lookup_shares(states: np.ndarray, queries: np.ndarray, values: np.ndarray, a
     return shares
 
 
+def query_space(drafter: rj.Drafter) -> np.ndarray:
+    """Orthonormal bases [M, d_k, k] of the key directions a state reader's query can take, per pair: the
+    basis reader's ``U_m`` (k = r); a content reader's span of ``q_up``'s columns for the pair's key head
+    (k = query_rank, at most d_k); a tied reader's whole key space (k = d_k: the target's own query projection
+    has full rank when the hidden size is at least d_k)."""
+    rc = drafter.config.reader
+    layer = rc.inject_layers[0]
+    flat = drafter.flat_params()
+    if rc.query == "basis":
+        return np.asarray(flat[f"layers.{layer}.reader.key_basis"], np.float32)
+    if rc.query == "tied":
+        return np.broadcast_to(np.eye(rc.key_dim, dtype=np.float32), (rc.num_pairs, rc.key_dim, rc.key_dim))
+    up = np.asarray(flat[f"layers.{layer}.reader.q_up.kernel"], np.float32)           # [r_q, Q d_k]
+    per_query = up.reshape(up.shape[0], rc.num_query_heads, rc.key_dim).transpose(1, 2, 0)   # [Q, d_k, r_q]
+    spaces = [np.linalg.svd(m, full_matrices=False)[0] for m in per_query]            # [d_k, min(d_k, r_q)]
+    return np.repeat(np.stack(spaces), rc.num_heads // rc.num_key_heads, axis=0)
+
+
 def retrieval_by_basis(target: rj.Target, ids: np.ndarray, reference: np.ndarray, open_id: int,
                        readers: dict[str, rj.Drafter]) -> dict:
-    """:func:`rank_retrieval` through each state reader's own bases (its first reader layer's, for readers of the
-    first one's source layers) and through the principal bases at each of their ranks."""
+    """:func:`rank_retrieval` through each state reader's query space and value basis (its first reader layer's,
+    for readers of the first one's source layers; :func:`query_space`) and through the principal bases at each
+    of their ranks."""
     sources = next(iter(readers.values())).config.reader.source_layers
     bases = {}
     for name, drafter in readers.items():
         if drafter.config.reader.source_layers == sources:
             layer = drafter.config.reader.inject_layers[0]
-            flat = drafter.flat_params()
-            bases[name] = (flat[f"layers.{layer}.reader.key_basis"], flat[f"layers.{layer}.reader.value_basis"])
+            bases[name] = (query_space(drafter), drafter.flat_params()[f"layers.{layer}.reader.value_basis"])
     principal_keys, principal_values = principal_bases(target, ids, sources)
     for rank in sorted({d.config.reader.rank for d in readers.values()}):
         bases[f"principal_r{rank}"] = (principal_keys[..., :rank], principal_values[..., :rank])
@@ -471,6 +501,23 @@ def plot_cost(curves: dict, path: str) -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
+def only_arms(table: tuple[Arm, ...], names: list[str] | None) -> tuple[Arm, ...]:
+    """The arms of ``table`` named in ``names`` and the arms they start from (all of them when None)."""
+    if names is None:
+        return table
+    by_name = {arm.name: arm for arm in table}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise SystemExit(f"--arms: unknown arms {unknown}; the table has {sorted(by_name)}")
+    wanted = set(names)
+    for name in names:
+        base = by_name[name].base
+        while base is not None:
+            wanted.add(base)
+            base = by_name[base].base
+    return tuple(arm for arm in table if arm.name in wanted)
+
+
 def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: list[int]) -> dict[str, rj.Drafter]:
     """Every trained run under ``runs`` (by run name), or without runs the zoo's control and ReaDy."""
     found = {}
@@ -505,6 +552,13 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64], help="reader ranks (8 on every seed)")
     parser.add_argument("--seed-ranks", type=int, nargs="+", default=[8],
                         help="reader ranks trained and evaluated on every seed (the others on the first seed only)")
+    parser.add_argument("--queries", nargs="+", default=[], choices=("content", "tied"),
+                        help="full-key-space reader queries to train and evaluate beside the basis reader (rank 8 "
+                        "on every seed)")
+    parser.add_argument("--query-ranks", type=int, nargs="+", default=[],
+                        help="other ranks of each --queries design, first seed only (the rank sweep)")
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help="train / evaluate only these arms (and those they start from); default: all")
     parser.add_argument("--ship-ready", default="ready",
                         help="ship: the ReaDy arm shipped as the zoo's ready (ready: rank 8; ready_rank<r>: rank r)")
     parser.add_argument("--jobs", type=int, default=1, help="trainings at a time")
@@ -545,7 +599,8 @@ def main(argv=None) -> None:
             plot_cost(curve, args.plot)
         return
     if args.step == "train":
-        table = arms(args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks))
+        table = only_arms(arms(args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks),
+                               tuple(args.queries), tuple(args.query_ranks)), args.arms)
         if runs is None:
             raise SystemExit("train needs --runs (where the drafters go)")
         args.target, args.runs = target_dir, runs
@@ -556,13 +611,15 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
     task = data.long_range_settings(target_dir)  # the records the target was trained on
-    drafters = load_drafters(runs, Path(args.zoo), arms(args.window, state_dim, tuple(args.ranks),
-                                                        tuple(args.seed_ranks)), args.seeds)
+    drafters = load_drafters(runs, Path(args.zoo), only_arms(arms(
+        args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks), tuple(args.queries),
+        tuple(args.query_ranks)), args.arms), args.seeds)
     windows = {d.config.context_window for d in drafters.values()} - {None}
     if len(windows) > 1:
         raise SystemExit(f"the windowed drafters have different context windows {sorted(windows)}")
     window = windows.pop() if windows else args.window
-    table = arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks))
+    table = only_arms(arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks), tuple(args.queries),
+                           tuple(args.query_ranks)), args.arms)
     per_distance = evaluate(args, target, tokenizer, drafters, window, task)
     timed_runs = [run_name(arm.name, args.seeds[0]) for arm in table   # every reader arm and full-context DSpark
                   if arm.variant == "ready" or arm.name == "dspark_full"]

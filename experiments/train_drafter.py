@@ -57,8 +57,8 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
     if args.variant == "dspark-ft":
         return base
     reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers,
-                             kind=args.reader_kind)
-    return dt.with_reader(base, target.config, reader, seed=args.seed)
+                             kind=args.reader_kind, query=args.reader_query, query_rank=args.query_rank)
+    return dt.with_reader(base, target.config, reader, seed=args.seed, target=target)
 
 
 def long_range_task(args) -> dict:
@@ -111,6 +111,12 @@ def main(argv=None) -> None:
                         help="draft layers holding the reader (ready; negative counts from the end)")
     parser.add_argument("--reader-kind", default="state", choices=modes.READER_KINDS,
                         help="read committed GDN states (ReaDy) or the attention layers' KV cache (baseline)")
+    parser.add_argument("--reader-query", default="basis", choices=modes.READER_QUERIES,
+                        help="the state reader's query: in a fixed rank-r key basis (the paper's), content-addressed "
+                        "in the full key space, or tied to the source layers' own query path")
+    parser.add_argument("--query-rank", type=int, default=None,
+                        help="content query: rank of its factorised projection (None: as many parameters as the "
+                        "basis reader); tied query: rank of its adapter (None: --rank)")
     # self-distillation and anchors
     parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")

@@ -57,7 +57,15 @@ from .config import TargetConfig
 from .drafter_config import KV, STATE, DrafterConfig
 from .layers import MLP, apply_rope, linear
 from .modes import Impl
-from .reader import KVReader, Qwen3RMSNorm, StateReader, gather_sources, source_kv
+from .reader import (
+    ContentStateReader,
+    KVReader,
+    Qwen3RMSNorm,
+    StateReader,
+    TiedStateReader,
+    gather_sources,
+    source_kv,
+)
 
 FORMAT = "ready-jax-drafter"
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (DeepSpec's threshold)
@@ -184,7 +192,10 @@ def _reader_for(config: DrafterConfig, layer: int, *, rngs: nnx.Rngs, dtype) -> 
     rc = config.reader
     if rc is None or layer not in rc.inject_layers:
         return None
-    reader_cls = StateReader if rc.kind == STATE else KVReader
+    if rc.kind != STATE:
+        reader_cls = KVReader
+    else:
+        reader_cls = {"basis": StateReader, "content": ContentStateReader, "tied": TiedStateReader}[rc.query]
     return reader_cls(rc, config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
 
 
@@ -332,8 +343,8 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
             lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
             return tuple(r.prepare(keys, values, lengths) for r in readers)
         arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
-        return tuple(state_reader_ops.state_gather(arrays, n, r.key_basis[...], r.value_basis[...], layers=layers,
-                                           impl=impl) for r in readers)
+        return tuple(state_reader_ops.state_gather(arrays, n, r.key_basis[...] if rc.query == "basis" else None,
+                                                   r.value_basis[...], layers=layers, impl=impl) for r in readers)
 
 
 def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead | None, key: jax.Array | None,

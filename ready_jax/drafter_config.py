@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, field_type_problems
-from .modes import READER_KINDS, ReaderKind
+from .modes import READER_KINDS, READER_QUERIES, ReaderKind, ReaderQuery
 
 STATE: ReaderKind = "state"
 KV: ReaderKind = "kv"
@@ -31,7 +31,16 @@ class ReaderConfig:
     ``L/2 - 2`` and ``L - 2`` (30 and 62 for a 64-layer Qwen3.5 target; 31 and 63 for ``"kv"``).
     ``inject_layers`` are draft-layer indices (negative counts from the end; default: last only).
     ``num_heads`` / ``key_dim`` / ``value_dim`` are the target geometry the parameters are shaped
-    for (``H_v, d_k, d_v`` of the GDN layers, or ``H_kv, head_dim, head_dim``); ``resolve`` fills them.
+    for (``H_v, d_k, d_v`` of the GDN layers, or ``H_kv, head_dim, head_dim``); ``resolve`` fills them,
+    and ``num_key_heads`` (``H_k``: value heads sharing a key head read one key space) for the state reader.
+
+    ``query`` (state reader only): ``"basis"``, the paper's read in a fixed rank-``rank`` key basis
+    ``U_m``; ``"content"``, a full ``d_k`` query per (source layer, key head) from a factorised projection
+    ``h -> query_rank -> L_src * H_k * d_k`` (None: the largest ``query_rank`` whose reader has no more
+    parameters than the basis reader of the same rank, :func:`parameter_matched_query_rank`); ``"tied"``, the
+    source layer's own query projection (frozen, copied from the target) on the draft hidden through a
+    zero-initialised low-rank adapter of rank ``query_rank`` (None: ``rank``). Either way the value side stays
+    compressed to ``rank`` by ``V_m``.
     """
 
     source_layers: tuple[int, ...] | None = None
@@ -41,6 +50,9 @@ class ReaderConfig:
     num_heads: int | None = None
     key_dim: int | None = None
     value_dim: int | None = None
+    query: ReaderQuery = "basis"
+    query_rank: int | None = None
+    num_key_heads: int | None = None
 
     def __post_init__(self):
         problems = field_type_problems(self)
@@ -55,6 +67,15 @@ class ReaderConfig:
             problems.append(f"kind {self.kind!r} is not one of {READER_KINDS}")
         if self.rank < 1:
             problems.append(f"rank {self.rank} must be >= 1")
+        if self.query not in READER_QUERIES:
+            problems.append(f"query {self.query!r} is not one of {READER_QUERIES}")
+        elif self.query != "basis" and self.kind != STATE:
+            problems.append(f"query {self.query!r} reads Gated DeltaNet states: it needs kind 'state'")
+        if self.query_rank is not None and (self.query_rank < 1 or self.query == "basis"):
+            problems.append(f"query_rank {self.query_rank} must be >= 1 and belongs to a 'content' or 'tied' query")
+        if self.num_key_heads is not None and (self.num_key_heads < 1 or (
+                self.num_heads is not None and self.num_heads % self.num_key_heads)):
+            problems.append(f"num_key_heads {self.num_key_heads} must be >= 1 and divide num_heads {self.num_heads}")
         if self.source_layers is not None and (not self.source_layers
                                                or len(set(self.source_layers)) != len(self.source_layers)):
             problems.append(f"source_layers {self.source_layers} must be non-empty without repeats")
@@ -75,6 +96,11 @@ class ReaderConfig:
     def num_pairs(self) -> int:
         """M: (source layer, head) pairs; pair m = source index * num_heads + head."""
         return len(self.source_layers) * self.num_heads
+
+    @property
+    def num_query_heads(self) -> int:
+        """Queries a content or tied read forms per position: one per (source layer, key head)."""
+        return len(self.source_layers) * self.num_key_heads
 
     def resolve(self, target: TargetConfig, num_draft_layers: int) -> ReaderConfig:
         """Fill defaults and the target geometry; raise ValueError naming every bad setting."""
@@ -98,21 +124,48 @@ class ReaderConfig:
         if self.kind == STATE:
             geometry = (target.linear_num_value_heads, target.linear_key_head_dim,
                         target.linear_value_head_dim)
+            key_heads = target.linear_num_key_heads
         else:
             geometry = (target.num_key_value_heads, target.head_dim, target.head_dim)
+            key_heads = None
         given = (self.num_heads, self.key_dim, self.value_dim)
         if any(g is not None and g != t for g, t in zip(given, geometry, strict=True)):
             problems.append(f"reader geometry (heads, key dim, value dim) {given} does not match the "
                             f"target's {geometry}")
+        if self.num_key_heads is not None and self.num_key_heads != key_heads:
+            problems.append(f"reader key heads {self.num_key_heads} do not match the target's {key_heads}")
+        if self.query == "tied" and self.query_rank is not None and self.query_rank > target.hidden_size:
+            problems.append(f"query_rank {self.query_rank} of the tied query's adapter exceeds the hidden size "
+                            f"{target.hidden_size}")
         if problems:
             raise ValueError("ReaderConfig does not fit the target: " + "; ".join(problems))
-        return dataclasses.replace(self, source_layers=tuple(sources), inject_layers=tuple(sorted(inject)),
-                                   num_heads=geometry[0], key_dim=geometry[1], value_dim=geometry[2])
+        resolved = dataclasses.replace(self, source_layers=tuple(sources), inject_layers=tuple(sorted(inject)),
+                                       num_heads=geometry[0], key_dim=geometry[1], value_dim=geometry[2],
+                                       num_key_heads=key_heads)
+        if self.query != "basis" and self.query_rank is None:
+            rank = (resolved.rank if self.query == "tied"
+                    else parameter_matched_query_rank(resolved, target.hidden_size))
+            resolved = dataclasses.replace(resolved, query_rank=rank)
+        return resolved
 
     @property
     def resolved(self) -> bool:
-        return None not in (self.source_layers, self.num_heads, self.key_dim, self.value_dim) and all(
+        query_fields = () if self.query == "basis" else (self.query_rank, self.num_key_heads)
+        return None not in (self.source_layers, self.num_heads, self.key_dim, self.value_dim, *query_fields) and all(
             i >= 0 for i in self.inject_layers)
+
+    def parameter_count(self, hidden_size: int) -> dict[str, int]:
+        """Trained parameters of one reader sub-block by part, for a drafter of ``hidden_size`` (a resolved
+        config). The tied query's copy of the target's projection is frozen and not counted."""
+        d, m, r = hidden_size, self.num_pairs, self.rank
+        parts = {"value_basis": m * self.value_dim * r, "o_proj": m * r * d, "norm": m * r}
+        if self.query == "basis":
+            parts.update(key_basis=m * self.key_dim * r, q_proj=d * m * r)
+        elif self.query == "content":
+            parts.update(q_down=d * self.query_rank, q_up=self.query_rank * self.num_query_heads * self.key_dim)
+        else:
+            parts.update(adapter=2 * d * self.query_rank)
+        return parts
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +173,15 @@ class ReaderConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReaderConfig:
         return cls(**d)
+
+
+def parameter_matched_query_rank(reader: ReaderConfig, hidden_size: int) -> int:
+    """The largest ``query_rank`` (at least 1) for which a content reader's query projection
+    (``d x r_q + r_q x L_src H_k d_k``) has no more parameters than a basis reader's ``W_q`` plus ``U``
+    (``d x M r + M d_k r``) at the same rank: the two then cost the same in parameters."""
+    basis = hidden_size * reader.num_pairs * reader.rank + reader.num_pairs * reader.key_dim * reader.rank
+    per_query_rank = hidden_size + reader.num_query_heads * reader.key_dim
+    return max(1, basis // per_query_rank)
 
 
 def default_source_layers(target: TargetConfig, kind: ReaderKind = STATE) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ from flax import nnx
 
 from . import cache as cache_lib
 from . import cli, data, training
+from . import reader as reader_lib
 from . import target as target_lib
 from .cache import ContextCache
 from .checkpoint import flat_state, replace_atomically
@@ -256,13 +257,19 @@ def drafter_loss(graphdef, params, shared: SharedWeights, teacher: Teacher, toke
 
 
 # ---- variants ------------------------------------------------------------------------------------------------
-def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConfig, seed: int) -> Drafter:
+def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConfig, seed: int,
+                target: Target | None = None) -> Drafter:
     """A ReaDy drafter holding ``dspark``'s weights, its reader freshly initialised (``W_o = 0``).
 
-    Because ``W_o`` is zero, the result drafts exactly what ``dspark`` drafts until training moves it.
+    Because ``W_o`` is zero, the result drafts exactly what ``dspark`` drafts until training moves it. A tied
+    query (``reader.query == "tied"``) needs ``target``, whose source layers' query path it copies.
     """
     config = dataclasses.replace(dspark.config, reader=reader)
     fresh = Drafter.init(target_config, config, seed=seed, dtype=dspark.dtype)
+    if fresh.config.reader.query == "tied":
+        if target is None:
+            raise ValueError("a tied-query reader copies the target's query path: pass the target")
+        fresh = tie_reader_to_target(fresh, target)
     flat, base = dict(fresh.flat_params()), dspark.flat_params()
     missing = sorted(set(base) - set(flat))
     if missing:
@@ -270,6 +277,26 @@ def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConf
     flat.update(base)
     return Drafter.from_state(fresh.config, {key: np.asarray(v) for key, v in flat.items()}, dspark.dtype,
                               what="ReaDy from DSpark")
+
+
+def tie_reader_to_target(drafter: Drafter, target: Target) -> Drafter:
+    """``drafter`` with every tied-query reader holding the target's source layers' query path (input norm,
+    ``in_proj_qkv``, conv): :func:`ready_jax.reader.tied_query_weights`."""
+    rc = drafter.config.reader
+    if rc is None or rc.query != "tied":
+        raise ValueError("the drafter has no tied-query reader")
+    split = target_lib.split_groups(target.model)
+    size = target.config.group_size
+    layers = [split.groups[i // size].layers[i % size] for i in rc.source_layers]
+    norms = np.stack([layer.input_layernorm.weight[...] for layer in layers])
+    kernels = np.stack([layer.linear_attn.in_proj_qkv.kernel[...] for layer in layers])
+    convs = np.stack([layer.linear_attn.conv_weight[...] for layer in layers])
+    flat = {key: np.asarray(v) for key, v in drafter.flat_params().items()}
+    for i in rc.inject_layers:
+        flat.update({f"layers.{i}.reader.{name}": value for name, value in
+                     reader_lib.tied_query_weights(norms, kernels, convs, rc.num_query_heads // len(layers)
+                                                   * rc.key_dim).items()})
+    return Drafter.from_state(drafter.config, flat, drafter.dtype, what="ReaDy with a tied query")
 
 
 def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout, impl: str = "xla"):

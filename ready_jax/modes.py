@@ -22,10 +22,16 @@ state (``recurrent``), or verify's per-position candidates / replay inputs (``re
 ReaderKind = Literal["state", "kv"]
 """What a ReaDy reader reads: committed Gated DeltaNet states, or the KV-read baseline's attention cache."""
 
+ReaderQuery = Literal["basis", "content", "tied"]
+"""How a state reader forms its query: in a fixed rank-r key basis (the paper's ``U_m``), in the full key space
+from a factorised projection of the draft hidden (content-addressed), or through the source layer's own query path
+(tied). ``ready_jax.reader`` has the math."""
+
 IMPLS: tuple[str, ...] = get_args(Impl)
 ROLLBACKS: tuple[str, ...] = get_args(Rollback)
 FORMS: tuple[str, ...] = get_args(Form)
 READER_KINDS: tuple[str, ...] = get_args(ReaderKind)
+READER_QUERIES: tuple[str, ...] = get_args(ReaderQuery)
 
 
 def check(value, allowed: tuple[str, ...], name: str) -> str:

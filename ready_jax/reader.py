@@ -175,6 +175,89 @@ class StateReader(_ReaderParams):
                                          self.norm.weight[...], self.norm.eps, impl=impl)
 
 
+class _ValueSideParams(nnx.Module):
+    """What every full-key-space reader holds: V [M, d_v, r], W_o (zero) and the norm; no key basis."""
+
+    def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
+        if not config.resolved:
+            raise ValueError("resolve the ReaderConfig against the target first (ReaderConfig.resolve)")
+        m, r = config.num_pairs, config.rank
+        self.num_query_heads, self.key_dim = config.num_query_heads, config.key_dim
+        self.value_basis = nnx.Param(_orthonormal_bases(rngs.params(), m, config.value_dim, r, dtype))
+        self.o_proj = nnx.Linear(m * r, hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                 kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+        self.norm = Qwen3RMSNorm(m * r, eps, dtype=dtype)
+
+    def prepare(self, states_bmkv: jax.Array) -> jax.Array:
+        """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed, the key side whole."""
+        return compress(states_bmkv, None, self.value_basis[...])
+
+    def __call__(self, h: jax.Array, values: jax.Array, impl: Impl = "xla") -> jax.Array:
+        """The read of the subclass's ``queries(h)``, one full-key-space query per (source layer, key head) and
+        position [B, G, Q, d_k], over ``values`` (:meth:`prepare`'s)."""
+        with jax.named_scope("state_reader"):
+            return state_reader_ops.content_reader(h, self.queries(h), values, self.o_proj.kernel[...],
+                                                   self.norm.weight[...], self.norm.eps, impl=impl)
+
+
+class ContentStateReader(_ValueSideParams):
+    """A content-addressed reader: the query is a full ``d_k`` vector per (source layer, key head), from the
+    factorised projection ``h -> r_q -> Q d_k`` (``query_rank`` r_q), so it can point at any stored key rather
+    than combine the r directions a fixed basis ``U_m`` allows. Parameters: q_down [d, r_q], q_up [r_q, Q d_k],
+    V, W_o (zero), norm."""
+
+    def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
+        super().__init__(config, hidden_size, eps, rngs=rngs, dtype=dtype)
+        self.q_down = linear(hidden_size, config.query_rank, rngs=rngs, dtype=dtype)
+        self.q_up = linear(config.query_rank, config.num_query_heads * config.key_dim, rngs=rngs, dtype=dtype)
+
+    def queries(self, h: jax.Array) -> jax.Array:
+        b, g, _ = h.shape
+        return self.q_up(self.q_down(h)).reshape(b, g, self.num_query_heads, self.key_dim)
+
+
+class TiedStateReader(_ValueSideParams):
+    """A reader whose query is the source layer's own: the target's input norm, the query part of its
+    ``in_proj_qkv`` and the current-token tap of its causal conv, then SiLU (the delta rule's L2 norm follows in
+    the read), applied to the draft hidden through a zero-initialised low-rank adapter ``h + B(A h)`` (rank
+    ``query_rank``). The target's weights are copied in (:func:`tied_query_weights`) and frozen: gradients stop at
+    them and weight decay skips them (their names start with ``frozen_``). The conv's taps over earlier
+    positions are dropped: a draft position's earlier inputs are mostly other drafts, unknown when it is
+    drafted."""
+
+    def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
+        super().__init__(config, hidden_size, eps, rngs=rngs, dtype=dtype)
+        num_src, width = len(config.source_layers), config.num_key_heads * config.key_dim
+        self.adapter_down = linear(hidden_size, config.query_rank, rngs=rngs, dtype=dtype)
+        self.adapter_up = nnx.Linear(config.query_rank, hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                     kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+        # Placeholders until tie_to_target copies the target's weights in.
+        self.frozen_input_norm = nnx.Param(jnp.zeros((num_src, hidden_size), dtype))
+        self.frozen_query_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, hidden_size, width), dtype)
+                                           * hidden_size**-0.5)
+        self.frozen_query_conv = nnx.Param(jnp.ones((num_src, width), dtype))
+        self.eps_target = eps
+
+    def queries(self, h: jax.Array) -> jax.Array:
+        b, g, _ = h.shape
+        x = h + self.adapter_up(self.adapter_down(h))
+        norm_w, proj, conv = (jax.lax.stop_gradient(p[...]) for p in
+                              (self.frozen_input_norm, self.frozen_query_proj, self.frozen_query_conv))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps_target)
+        normed = (normed[:, :, None] * (1.0 + norm_w.astype(jnp.float32))).astype(h.dtype)     # [B, G, L, d]
+        q = jax.nn.silu(jnp.einsum("bgld,ldc->bglc", normed, proj).astype(jnp.float32) * conv)  # [B, G, L, H_k d_k]
+        return q.reshape(b, g, self.num_query_heads, self.key_dim)
+
+
+def tied_query_weights(norm_weights, qkv_kernels, conv_weights, width: int) -> dict:
+    """A :class:`TiedStateReader`'s frozen weights, by name, from the source layers' input-norm weights
+    [L_src, d], ``in_proj_qkv`` kernels [L_src, d, C] and conv weights [L_src, K, C] (C = 2 H_k d_k + H_v d_v,
+    the queries' ``width = H_k d_k`` channels first)."""
+    return {"frozen_input_norm": norm_weights, "frozen_query_proj": qkv_kernels[..., :width],
+            "frozen_query_conv": conv_weights[:, -1, :width]}
+
+
 class KVReader(_ReaderParams):
     """The KV-read baseline's sub-block: same parameters, bases over the attention head dim."""
 

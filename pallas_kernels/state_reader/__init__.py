@@ -16,22 +16,24 @@ import jax
 from .. import backend
 from . import reference
 
-__all__ = ["state_gather", "state_reader"]
+__all__ = ["content_reader", "state_gather", "state_reader"]
 
 
 def state_gather(
     per_position: jax.Array | Sequence[jax.Array],
     n_committed: jax.Array,
-    key_basis: jax.Array,
+    key_basis: jax.Array | None,
     value_basis: jax.Array,
     *,
     layers: Sequence[tuple[int, int]] | None = None,
     impl: str = "xla",
     config=None,
 ) -> jax.Array:
-    """Committed-state gather + rank-r compression: ``reference.gather_prepare`` -> C ``[B, M, r, r]`` fp32."""
+    """Committed-state gather + rank-r compression: ``reference.gather_prepare`` -> C ``[B, M, r, r]`` fp32, or
+    with ``key_basis`` None (a content read's values) ``S V`` ``[B, M, d_k, r]`` fp32, which has no fused kernel
+    yet: XLA runs it for either impl."""
     backend.check_impl(impl)
-    if impl == "pallas":
+    if impl == "pallas" and key_basis is not None:
         target = backend.kernel_target()
         kernels = _kernels(target.family)
         config = backend.check_config(config, kernels.GatherConfig, "state_gather")
@@ -60,6 +62,22 @@ def state_reader(
         return kernels.state_reader(h, compressed, w_q, w_o, norm_weight, float(eps), interpret=target.interpret,
                                     config=config)
     return reference.read(h, compressed, w_q, w_o, norm_weight, eps)
+
+
+def content_reader(
+    h: jax.Array,
+    queries: jax.Array,
+    values: jax.Array,
+    w_o: jax.Array,
+    norm_weight: jax.Array,
+    eps: float,
+    *,
+    impl: str = "xla",
+) -> jax.Array:
+    """The read of full-key-space queries, ``h + W_o(rmsnorm(concat_m P_m^T q_m))``:
+    ``reference.read_by_content`` -> ``[B, G, d]``. It has no fused kernel yet: XLA runs it for either impl."""
+    backend.check_impl(impl)
+    return reference.read_by_content(h, queries, values, w_o, norm_weight, eps)
 
 
 def _kernels(family: str):

@@ -8,6 +8,8 @@ the state after n block tokens.
   compressed per pair to ``C_m = U_m^T S_m V_m`` -> ``[B, M, r, r]`` fp32.
 * :func:`read` (reference of the ``state_reader`` kernels): ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with
   ``a = h W_q`` viewed ``[M, r]``.
+* :func:`read_by_content`: the read of a query in the full key space, ``h + W_o(rmsnorm(concat_m P_m^T q_m))``
+  over ``P_m = S_m V_m`` (:func:`gather_prepare` without a key basis).
 """
 
 from __future__ import annotations
@@ -60,20 +62,24 @@ def gather_states(per_position: jax.Array | Sequence[jax.Array], n_committed: ja
     return merge_pairs(picked)
 
 
-def compress(states_bmkv: jax.Array, key_basis: jax.Array, value_basis: jax.Array) -> jax.Array:
-    """``C_m = U_m^T S_m V_m`` in fp32: states [B, M, d_k, d_v], U [M, d_k, r], V [M, d_v, r] -> C [B, M, r, r]."""
+def compress(states_bmkv: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array) -> jax.Array:
+    """``C_m = U_m^T S_m V_m`` in fp32: states [B, M, d_k, d_v], U [M, d_k, r], V [M, d_v, r] -> C [B, M, r, r].
+    With ``key_basis`` None the key side stays whole: ``P_m = S_m V_m`` [B, M, d_k, r]."""
     s = states_bmkv.astype(jnp.float32)
     sv = jnp.einsum("bmkv,mvs->bmks", s, value_basis.astype(jnp.float32))      # [B, M, d_k, r]
+    if key_basis is None:
+        return sv
     return jnp.einsum("mkr,bmks->bmrs", key_basis.astype(jnp.float32), sv)     # [B, M, r, r]
 
 
-def gather_prepare(per_position: jax.Array | Sequence[jax.Array], n_committed: jax.Array, key_basis: jax.Array,
-                   value_basis: jax.Array, *, layers: Sequence[tuple[int, int]] | None = None) -> jax.Array:
+def gather_prepare(per_position: jax.Array | Sequence[jax.Array], n_committed: jax.Array,
+                   key_basis: jax.Array | None, value_basis: jax.Array, *,
+                   layers: Sequence[tuple[int, int]] | None = None) -> jax.Array:
     """Each sequence's committed state, compressed: ``C[b, m] = U_m^T S[l, b, n_committed[b], h] V_m``.
 
     per_position / layers: as :func:`per_position_arrays` (``layers`` lets a caller pass the target cache's
     ``[G, B, T+1, ...]`` buffers whole). n_committed ``[B]`` in 0..T. U ``[M, d_k, r]``, V ``[M, d_v, r]``.
-    Returns C ``[B, M, r, r]`` fp32.
+    Returns C ``[B, M, r, r]`` fp32; with ``key_basis`` None, ``S V`` ``[B, M, d_k, r]`` fp32 (a content read's).
     """
     arrays, layers = per_position_arrays(per_position, layers)
     if len(arrays) == 1 and layers == tuple((0, j) for j in range(arrays[0].shape[0])):
@@ -102,4 +108,23 @@ def read(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, no
     num_pairs, rank = compressed.shape[1:3]
     a = jnp.einsum("bgd,dn->bgn", h, w_q).reshape(b, g, num_pairs, rank).astype(jnp.float32)
     y = jnp.einsum("bmrs,bgmr->bgms", compressed.astype(jnp.float32), a).reshape(b, g, num_pairs * rank)
+    return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)
+
+
+def read_by_content(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                    eps: float) -> jax.Array:
+    """``h + W_o(rmsnorm(concat_m P_m^T q_m))``: each pair read with a query in the full key space.
+
+    h ``[B, G, d]``; queries ``[B, G, Q, d_k]``, one per (source layer, key head) in pair order, L2-normalised
+    here as the delta rule's own queries are (the state's keys are unit vectors, so a read weighs each stored
+    value by its key's cosine with the query) and shared by the ``M / Q`` value heads of the key head; values
+    P ``[B, M, d_k, r]`` (:func:`gather_prepare` without a key basis); w_o ``[M r, d]``; norm_weight ``[M r]``.
+    Returns ``[B, G, d]`` in ``result_type(h, w_o)``; y is rounded to h's dtype before the norm, as in :func:`read`.
+    """
+    b, g, _ = h.shape
+    num_pairs, _, rank = values.shape[1:]
+    q = queries.astype(jnp.float32)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6)
+    q = jnp.repeat(q, num_pairs // queries.shape[2], axis=2)                  # [B, G, M, d_k]
+    y = jnp.einsum("bmkr,bgmk->bgmr", values.astype(jnp.float32), q).reshape(b, g, num_pairs * rank)
     return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)

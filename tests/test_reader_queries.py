@@ -1,0 +1,158 @@
+"""The full-key-space reader queries (``ReaderConfig.query``): the content read against a naive loop, the
+parameter-matched query rank, the tied query against the target's own query path, frozen weights that training
+leaves alone, and lossless generation with every design."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+import ready_jax as rj
+from pallas_kernels.state_reader.reference import gather_prepare, read_by_content
+from ready_jax import drafter_training as dt
+from ready_jax import target as target_lib
+from ready_jax import training
+from ready_jax.checkpoint import flat_state
+from ready_jax.drafter import SharedWeights
+from ready_jax.drafter_config import ReaderConfig, parameter_matched_query_rank
+
+EPS = 1e-6
+
+
+def _normal(rng, *shape):
+    return rng.normal(size=shape).astype(np.float32)
+
+
+def test_content_read_equals_naive_loop():
+    """y_m = (S_m V_m)^T q / |q| per pair, each key head's query shared by its value heads, then norm, W_o."""
+    rng = np.random.default_rng(0)
+    b, g, d, num_src, key_heads, value_heads, dk, dv, r = 2, 3, 16, 2, 2, 4, 8, 6, 3
+    m = num_src * value_heads
+    states = _normal(rng, num_src, b, 1, value_heads, dk, dv)
+    v_basis = _normal(rng, m, dv, r)
+    values = np.asarray(gather_prepare(jnp.asarray(states), np.zeros(b, np.int32), None, v_basis))
+    assert values.shape == (b, m, dk, r)
+    h = _normal(rng, b, g, d)
+    queries = _normal(rng, b, g, num_src * key_heads, dk)
+    w_o, w = _normal(rng, m * r, d), 1 + 0.1 * _normal(rng, m * r)
+    got = np.asarray(read_by_content(jnp.asarray(h), jnp.asarray(queries), jnp.asarray(values), w_o, w, EPS))
+    group = value_heads // key_heads
+    for i in range(b):
+        for j in range(g):
+            y = []
+            for pair in range(m):
+                layer, head = divmod(pair, value_heads)
+                q = queries[i, j, layer * key_heads + head // group]
+                q = q / np.sqrt(np.sum(q * q) + 1e-6)
+                y.append((states[layer, i, 0, head] @ v_basis[pair]).T @ q)
+            y = np.concatenate(y)
+            normed = y / np.sqrt(np.mean(y * y) + EPS) * w
+            np.testing.assert_allclose(got[i, j], h[i, j] + normed @ w_o, rtol=2e-4, atol=2e-4)
+
+
+def test_parameter_matched_query_rank_spends_no_more_than_the_basis_reader():
+    target = tiny_config()
+    for rank in (2, 8):
+        basis = ReaderConfig(rank=rank).resolve(target, 2)
+        content = ReaderConfig(rank=rank, query="content").resolve(target, 2)
+        assert content.query_rank == parameter_matched_query_rank(content, target.hidden_size)
+        spent = sum(content.parameter_count(target.hidden_size).values())
+        budget = sum(basis.parameter_count(target.hidden_size).values())
+        one_more = dataclasses.replace(content, query_rank=content.query_rank + 1)
+        assert spent <= budget < sum(one_more.parameter_count(target.hidden_size).values())
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(query="nearest"), "query 'nearest'"),
+    (dict(query="content", kind="kv"), "needs kind 'state'"),
+    (dict(query_rank=4), "query_rank 4"),
+    (dict(query="content", query_rank=0), "query_rank 0"),
+])
+def test_bad_query_settings_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ReaderConfig(**settings)
+
+
+def test_a_tied_adapter_wider_than_the_hidden_size_is_named():
+    with pytest.raises(ValueError, match="adapter exceeds the hidden size"):
+        ReaderConfig(query="tied", query_rank=10_000).resolve(tiny_config(), 2)
+
+
+def _with_reader(target, query, seed=0, scale=0.3):
+    """A ReaDy drafter with a ``query`` reader whose W_o is non-zero (so it changes the drafts)."""
+    base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=seed)
+    drafter = dt.with_reader(base, target.config, ReaderConfig(rank=4, query=query), seed=seed, target=target)
+    flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
+    key = next(k for k in flat if k.endswith("reader.o_proj.kernel"))
+    flat[key] = scale * np.random.default_rng(seed).normal(size=flat[key].shape).astype(flat[key].dtype)
+    return rj.Drafter.from_state(drafter.config, flat, drafter.dtype)
+
+
+def test_tied_query_is_the_source_layers_own_query_path(tiny_target):
+    """With its adapter at zero, a tied reader's query of a hidden x is the source layer's q channels of
+    silu(conv's current tap * in_proj_qkv(input_norm(x))): its delta_inputs with an all-zero conv history."""
+    drafter = _with_reader(tiny_target, "tied")
+    rc = drafter.config.reader
+    layer = rc.inject_layers[0]
+    model = nnx.merge(drafter.graphdef, drafter.params)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, tiny_target.config.hidden_size)), jnp.float32)
+    got = np.asarray(model.layers[layer].reader.queries(x))                          # [B, 1, Q, d_k]
+    split = target_lib.split_groups(tiny_target.model)
+    size = tiny_target.config.group_size
+    for index, source in enumerate(rc.source_layers):
+        decoder = split.groups[source // size].layers[source % size]
+        attn = decoder.linear_attn
+        conv = jnp.zeros((2, attn.kernel_size - 1, attn.in_proj_qkv.kernel.shape[1]), x.dtype)
+        q, _, _, _ = attn.delta_inputs(decoder.input_layernorm(x), conv)
+        heads = rc.num_key_heads
+        np.testing.assert_allclose(got[:, :, index * heads:(index + 1) * heads], np.asarray(q), rtol=1e-5, atol=1e-6)
+
+
+def test_training_leaves_the_tied_querys_frozen_copy_alone(tiny_target):
+    drafter = _with_reader(tiny_target, "tied")
+    """The frozen copy gets no gradient (the model stops it) and no weight decay, so an AdamW step leaves it
+    exactly as it was, while the trained weights move."""
+    params = drafter.params
+    model = nnx.merge(drafter.graphdef, params)
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
+    reader_def, reader_params = nnx.split(model.layers[drafter.config.reader.inject_layers[0]].reader)
+    grads = jax.grad(lambda p: jnp.sum(nnx.merge(reader_def, p).queries(h) ** 2))(reader_params)
+    assert all(float(jnp.abs(v).max()) == 0.0 for k, v in flat_state(grads).items() if k.startswith("frozen_"))
+    # An AdamW step with those gradients (ones elsewhere) moves every trained weight and no frozen one.
+    optimizer = training.make_optimizer(training.OptimConfig(lr=1e-2, total_steps=10, warmup_steps=1))
+    step_grads = jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.zeros_like(p) if any(str(getattr(k, "key", "")).startswith("frozen_") for k in path)
+        else jnp.ones_like(p), params)
+    opt_state = optimizer.init(params)
+    for _ in range(2):  # the first step's learning rate is 0 (warmup starts there)
+        updates, opt_state = optimizer.update(step_grads, opt_state, params)
+    moved = {k for k, v in flat_state(updates).items() if float(jnp.abs(v).max()) > 0}
+    assert moved and not any(".frozen_" in k for k in moved)
+    assert {k for k in flat_state(updates) if ".frozen_" not in k} == moved
+
+
+@pytest.mark.parametrize("query", ["content", "tied"])
+def test_generation_with_a_full_key_space_reader_is_lossless(tiny_target, query):
+    drafter = _with_reader(tiny_target, query)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, tiny_target.config.vocab_size, size=n).astype(np.int32) for n in (9, 5)]
+    ar = rj.generate(tiny_target, prompts, 8)
+    out = rj.generate(tiny_target, prompts, 8, drafter=drafter)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    # ... and the reader does change the drafts it is lossless about.
+    zero = rj.Drafter.from_state(drafter.config, {k: np.zeros_like(v) if k.endswith("reader.o_proj.kernel")
+                                                  else np.asarray(v) for k, v in drafter.flat_params().items()},
+                                 drafter.dtype)
+    assert not np.allclose(_first_block_logits(tiny_target, drafter), _first_block_logits(tiny_target, zero))
+
+
+def _first_block_logits(target, drafter) -> np.ndarray:
+    ids = jnp.asarray(np.random.default_rng(3).integers(3, target.config.vocab_size, size=(1, 12)), jnp.int32)
+    out = target.prefill(target.init_cache(1, 13), ids, hidden_layers=drafter.config.target_layer_ids)
+    context = drafter.append_context(drafter.init_context(1, 13), out.hidden)
+    return np.asarray(drafter.draft(context, jnp.argmax(out.logits[:, -1], -1), SharedWeights.from_target(target),
+                                    reader_states=drafter.prepare_reader(out.cache)).logits)
