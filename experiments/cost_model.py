@@ -18,6 +18,10 @@ Three parts, in one run:
 * **reader share of a round**: ``experiments.bench_generate.round_breakdown`` at the loop's shapes
   (draft + verify + commit + context append + reader prepare, replay rollback), with each kind's
   reader round as a fraction of it.
+* **query designs** (``--queries``): for the state reader's basis query and each full-key-space query
+  (``ReaderConfig.query``) at ``--rank``, its parameters, state numbers read and kept per round and
+  multiply-adds per draft position (``ReaderConfig.round_cost``, at the preset and at Qwen3.5-27B), and its
+  reader round's median time and share of a round at the first ``--round-prompts`` length.
 
 Default: the ``cpu`` preset (``experiments.presets``) (8 layers, hidden 512, 8 GDN value heads of 64 x 64,
 2 KV heads of dim 64; a random target and drafters), prefixes 128 ... 16384, round shares at prompts of
@@ -138,6 +142,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (the median is kept)")
     parser.add_argument("--seed", type=int, default=0, help="weights, caches and prompts")
+    parser.add_argument("--queries", nargs="*", default=["content", "tied"], choices=("content", "tied"),
+                        help="full-key-space reader queries costed beside the basis reader")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -186,6 +192,8 @@ def main(argv=None) -> None:
             print(f"prompt {length:5d}, {kind} reader: {b['reader_round_s'] * 1e3:.3f} ms of a {round_s * 1e3:.1f} ms "
                   f"round ({b['reader_round_s'] / round_s:.2%})")
 
+    designs = query_designs(target, preset, args, dtype, rng, drafters[STATE])
+
     crossing = next((t for t, r in zip(prefixes, measured["kv_over_state"], strict=True) if r > 1), None)
     print(f"measured: the KV-read round first costs more than the state-read round at t={crossing}")
     if jax.devices()[0].platform == "cpu":
@@ -197,7 +205,36 @@ def main(argv=None) -> None:
         "note": "CPU shared with other jobs while measuring: ratios within this run count, absolute times are "
                 "indicative only" if jax.devices()[0].platform == "cpu" else "",
         "analytic": {"qwen3.5-27b": paper, args.preset: local},
-        "measured_reader_round": measured, "first_prefix_kv_slower": crossing, "reader_share_of_round": shares})
+        "measured_reader_round": measured, "first_prefix_kv_slower": crossing, "reader_share_of_round": shares,
+        "query_designs": designs})
+
+
+def query_designs(target: rj.Target, preset, args, dtype, rng, basis: rj.Drafter) -> dict:
+    """Per state-reader query design at ``args.rank``: its analytic cost here and at Qwen3.5-27B, and its
+    measured reader round and share of a round (replay rollback) at the first ``--round-prompts`` length."""
+    paper = PRESETS["qwen3.5-27b"]
+    length = int(args.round_prompts.split(",")[0])
+    prompts = rng.integers(0, preset.target.vocab_size, size=(args.batch, length))
+    out = {}
+    for query in ("basis", *args.queries):
+        reader = rj.ReaderConfig(rank=args.rank, query=query)
+        drafter = basis if query == "basis" else rj.Drafter.init(
+            preset.target, preset.drafter(args.block_size, reader), seed=1, dtype=dtype)
+        b = round_breakdown(target, drafter, prompts, args.repeats, rollbacks=("replay",))
+        round_s = b["draft_s"] + b["verify_replay_s"] + b["commit_replay_s"] + b["context_append_s"] \
+            + b["reader_prepare_s"]
+        out[query] = {
+            "cost": reader.resolve(preset.target, preset.drafter_layers).round_cost(preset.target.hidden_size),
+            "cost_qwen3.5-27b": reader.resolve(paper.target, paper.drafter_layers).round_cost(
+                paper.target.hidden_size),
+            "prompt": length, "reader_round_s": b["reader_round_s"], "round_s": round_s,
+            "reader_fraction": b["reader_round_s"] / round_s}
+        c = out[query]["cost"]
+        print(f"{query} query: {c['parameters']} parameters (+{c['frozen_parameters']} frozen), "
+              f"{c['state_numbers_read']} state numbers read and {c['prepared_numbers']} kept per round, "
+              f"{c['macs_per_position']} MACs per draft position; reader {b['reader_round_s'] * 1e3:.3f} ms of a "
+              f"{round_s * 1e3:.1f} ms round ({b['reader_round_s'] / round_s:.2%}) at prompt {length}")
+    return out
 
 
 if __name__ == "__main__":

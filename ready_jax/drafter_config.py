@@ -167,6 +167,24 @@ class ReaderConfig:
             parts.update(adapter=2 * d * self.query_rank)
         return parts
 
+    def round_cost(self, hidden_size: int) -> dict[str, int]:
+        """What one sub-block of a resolved state reader reads and computes (multiply-adds), for a drafter of
+        ``hidden_size``: once per round, the gather (``M d_k d_v`` state numbers read, whatever the prefix) and
+        the numbers it keeps for the reads; per draft position, the query, the read and ``W_o``."""
+        d, m, r, dk, dv = hidden_size, self.num_pairs, self.rank, self.key_dim, self.value_dim
+        if self.query == "basis":
+            kept, gather, query, read = m * r * r, m * dk * dv * r + m * dk * r * r, d * m * r, m * r * r
+        elif self.query == "content":
+            kept, gather, read = m * dk * r, m * dk * dv * r, m * dk * r
+            query = d * self.query_rank + self.query_rank * self.num_query_heads * dk
+        else:
+            kept, gather, read = m * dk * r, m * dk * dv * r, m * dk * r
+            query = 2 * d * self.query_rank + d * self.num_query_heads * dk
+        return {"parameters": sum(self.parameter_count(d).values()),
+                "frozen_parameters": d * self.num_query_heads * dk if self.query == "tied" else 0,
+                "state_numbers_read": m * dk * dv, "prepared_numbers": kept, "gather_macs": gather,
+                "macs_per_position": query + read + m * r * d}
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

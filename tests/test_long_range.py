@@ -220,6 +220,44 @@ def test_seed_ranks_train_that_rank_on_every_seed():
     assert table["ready_rank64"].flags == ("--rank", "64") and "ready_rank8" not in table
 
 
+def test_query_designs_train_at_rank_8_on_every_seed_and_sweep_ranks_on_the_first():
+    table = {a.name: a for a in lr.arms(16, 64, (8,), queries=("content", "tied"), query_ranks=(4,))}
+    assert table["ready_content"].all_seeds and table["ready_tied"].all_seeds
+    assert not table["ready_content_rank4"].all_seeds
+    assert table["ready_content"].flags == ("--rank", "8", "--reader-query", "content")
+    assert table["ready_content_rank4"].base == "dspark_window"
+    only = lr.only_arms(tuple(table.values()), ["ready_tied", "control"])
+    assert [a.name for a in only] == ["dspark_window", "control", "ready_tied"]     # and what they start from
+    with pytest.raises(SystemExit, match="unknown arms"):
+        lr.only_arms(tuple(table.values()), ["ready_nearest"])
+
+
+@pytest.mark.parametrize("query, rank, arm", [("basis", 8, "ready"), ("basis", 64, "ready_rank64"),
+                                              ("content", 8, "ready_content"), ("tied", 4, "ready_tied_rank4")])
+def test_reader_arm_names_every_design(query, rank, arm):
+    config = rj.DrafterConfig(reader=rj.ReaderConfig(rank=rank, query=query))
+    assert lr.reader_arm(config) == arm
+
+
+def test_query_space_is_the_basis_the_content_span_or_the_whole_key_space(tiny_target):
+    """What rank_retrieval reads a design through: orthonormal columns spanning the key directions its query
+    can take, per pair."""
+    rc_args = dict(rank=2, source_layers=(0,))
+    spaces = {}
+    for query in ("basis", "content", "tied"):
+        drafter = _drafter(tiny_target, reader=rj.ReaderConfig(query=query, **rc_args))
+        spaces[query] = lr.query_space(drafter)
+        space = spaces[query]
+        assert space.shape[:2] == (drafter.config.reader.num_pairs, drafter.config.reader.key_dim)
+        np.testing.assert_allclose(np.einsum("mkr,mks->mrs", space, space),
+                                   np.broadcast_to(np.eye(space.shape[2]), (space.shape[0],) * 1
+                                                   + (space.shape[2],) * 2), atol=1e-5)
+    content = _drafter(tiny_target, reader=rj.ReaderConfig(query="content", **rc_args)).config.reader
+    assert spaces["basis"].shape[2] == 2
+    assert spaces["content"].shape[2] == min(content.query_rank, content.key_dim)
+    assert spaces["tied"].shape[2] == content.key_dim
+
+
 def test_aggregate_pairs_each_reader_arm_with_the_control_of_each_seed():
     table = lr.arms(16, 64, (8, 64), seed_ranks=(8, 64))
     per_distance = {"8": {"tau": {"ready_s0": 3.0, "control_s0": 2.0, "ready_s1": 2.0, "control_s1": 2.0,

@@ -156,3 +156,19 @@ def _first_block_logits(target, drafter) -> np.ndarray:
     context = drafter.append_context(drafter.init_context(1, 13), out.hidden)
     return np.asarray(drafter.draft(context, jnp.argmax(out.logits[:, -1], -1), SharedWeights.from_target(target),
                                     reader_states=drafter.prepare_reader(out.cache)).logits)
+
+
+def test_every_design_reads_each_state_once_per_round():
+    """The gather reads M d_k d_v state numbers whatever the query; full-key-space designs keep S V (M d_k r)
+    where the basis reader keeps U^T S V (M r r); the tied query's target projection is frozen, not trained."""
+    target = tiny_config()
+    costs = {q: ReaderConfig(rank=4, query=q).resolve(target, 2).round_cost(target.hidden_size)
+             for q in ("basis", "content", "tied")}
+    reader = ReaderConfig(rank=4).resolve(target, 2)
+    m, dk, dv = reader.num_pairs, reader.key_dim, reader.value_dim
+    assert {c["state_numbers_read"] for c in costs.values()} == {m * dk * dv}
+    assert costs["basis"]["prepared_numbers"] == m * 4 * 4
+    assert costs["content"]["prepared_numbers"] == costs["tied"]["prepared_numbers"] == m * dk * 4
+    assert costs["basis"]["frozen_parameters"] == costs["content"]["frozen_parameters"] == 0
+    assert costs["tied"]["frozen_parameters"] > 0
+    assert costs["content"]["parameters"] <= costs["basis"]["parameters"]
