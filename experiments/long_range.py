@@ -398,14 +398,17 @@ def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int
             "reader_state_bytes": nbytes(states)}
 
 
-def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,)) -> dict[str, rj.Drafter]:
+def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,),
+                  queries: tuple[str, ...] = ()) -> dict[str, rj.Drafter]:
     """The testbed's drafter shapes, freshly initialised (a round's time and memory do not depend on the
-    weights): windowed ReaDy at each of ``ranks``, the windowed KV-read baseline and full-context DSpark."""
+    weights): windowed ReaDy at each of ``ranks`` and with each full-key-space query of ``queries`` at rank 8,
+    the windowed KV-read baseline and full-context DSpark."""
     def make(reader: rj.ReaderConfig | None = None, context_window: int | None = window) -> rj.Drafter:
         config = dt.default_config(target.config, data.MASK_ID, context_window=context_window, reader=reader)
         return rj.Drafter.init(target.config, config, seed=0)
 
     readers = {run_name("ready" if r == 8 else f"ready_rank{r}", 0): make(rj.ReaderConfig(rank=r)) for r in ranks}
+    readers |= {run_name(f"ready_{q}", 0): make(rj.ReaderConfig(query=q)) for q in queries}
     return {**readers, run_name("kv_read", 0): make(rj.ReaderConfig(kind="kv")),
             run_name("dspark_full", 0): make(context_window=None)}
 
@@ -472,6 +475,9 @@ def cost_label(run: str) -> str:
     arm = run.rpartition("_s")[0]
     if arm.startswith("ready_rank"):
         return f"ReaDy r{arm.removeprefix('ready_rank')}, windowed"
+    for query, label in QUERY_LABELS.items():
+        if arm == f"ready_{query}":
+            return f"ReaDy r8, {label}, windowed"
     return COST_LABELS.get(arm, run)
 
 
@@ -592,8 +598,8 @@ def main(argv=None) -> None:
     target = rj.Target.load(target_dir, dtype=jnp.float32)
     state_dim = target.config.linear_key_head_dim
     if args.step == "cost":
-        curve = cost_curve(cost_drafters(target, args.window, tuple(args.ranks)), target, args.prefixes,
-                           args.repeats)
+        curve = cost_curve(cost_drafters(target, args.window, tuple(args.ranks), tuple(args.queries)), target,
+                           args.prefixes, args.repeats)
         write_json(args.out, {"settings": vars(args), "window": args.window, "round_cost": curve})
         if args.plot:
             plot_cost(curve, args.plot)

@@ -392,6 +392,10 @@ def test_cost_drafters_have_the_testbed_shapes(tiny_target):
     assert ready.context_window == ready4.context_window == kv.context_window == 16 and full.context_window is None
     assert ready.reader.kind == "state" and ready.reader.rank == 8 and kv.reader.kind == "kv" and full.reader is None
     assert ready4.reader.rank == 4 and lr.cost_label("ready_rank4_s0") == "ReaDy r4, windowed"
+    designs = lr.cost_drafters(tiny_target, window=16, queries=("content", "tied"))
+    assert designs["ready_content_s0"].config.reader.query == "content"
+    assert designs["ready_tied_s0"].config.context_window == 16
+    assert lr.cost_label("ready_tied_s0") == "ReaDy r8, tied query, windowed"
 
 
 def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target):
