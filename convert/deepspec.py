@@ -63,10 +63,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
-from ready_jax import cli
-from ready_jax.checkpoint import flat_state, write_atomically
+from ready_jax import cli, files
+from ready_jax.checkpoint import flat_state, save_tensors
 from ready_jax.config import read_json, refuse_native_checkpoint
 from ready_jax.drafter import Drafter, DrafterModel, SharedWeights
 from ready_jax.drafter_config import DrafterConfig, ReaderConfig
@@ -285,11 +284,15 @@ def load_deepspec(src: str, dtype=jnp.float32) -> tuple[Drafter, SharedWeights]:
 
 def export_deepspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:
     """Write ``config.json`` + ``model.safetensors`` that DeepSpec's ``from_pretrained`` loads."""
-    os.makedirs(dst, exist_ok=True)
-    save_file(to_deepspec_state(drafter, shared), os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config_to_deepspec(drafter.config, jnp.dtype(drafter.dtype).name), f, indent=2)
+    state = to_deepspec_state(drafter, shared)
+    config = config_to_deepspec(drafter.config, jnp.dtype(drafter.dtype).name)
+
+    def write(directory: str) -> None:
+        save_tensors(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+    files.write_directory(dst, write, keep_other_files=True)
 
 
 def _load_target(path: str):
@@ -343,13 +346,13 @@ def _convert(args) -> None:
         drafter = Drafter.load(args.src)
         drafter.check_target(target.config)
         shared = SharedWeights.from_target(target)
-        write_atomically(args.dst, lambda tmp: export_deepspec(drafter, shared, tmp))
+        export_deepspec(drafter, shared, args.dst)
     else:
         drafter, shared = load_deepspec(args.src, _DTYPES[args.dtype])
         if target is not None:
             drafter.check_target(target.config)
             _check_shared(shared, SharedWeights.from_target(target))
-        write_atomically(args.dst, drafter.save)  # nothing at dst unless the whole checkpoint was written
+        files.write_directory(args.dst, drafter.save)  # nothing at dst unless the whole checkpoint was written
 
 
 if __name__ == "__main__":

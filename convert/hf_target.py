@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ready_jax import cli
-from ready_jax.checkpoint import flat_state, write_atomically
+from ready_jax import cli, files
+from ready_jax.checkpoint import flat_state, save_tensors
 from ready_jax.config import TargetConfig
 from ready_jax.hf_format import DTYPES, LAYOUTS, Shape, coverage_problems, export_bindings, hf_config
 from ready_jax.hf_format import expected_hf_shapes as _expected_hf_shapes
@@ -51,7 +51,9 @@ def export_hf_state(target: Target, layout: str) -> dict[str, np.ndarray]:
 
 
 def export_hf(target: Target, out_dir: str | os.PathLike, layout: str | None = None) -> None:
-    """Write ``config.json`` + ``model.safetensors`` that transformers' ``from_pretrained`` loads.
+    """Write ``config.json`` + ``model.safetensors`` that transformers' ``from_pretrained`` loads, into a fresh
+    directory swapped in for ``out_dir`` whole (:func:`ready_jax.files.write_directory`; other files of an
+    existing ``out_dir`` are kept).
 
     ``layout`` defaults to the config's family: ``qwen3_next`` or ``qwen3_5_text``; ``qwen3_5`` writes the
     multimodal-wrapper layout of released Qwen3.5 checkpoints (``model.language_model.*``, text only: no
@@ -60,12 +62,14 @@ def export_hf(target: Target, out_dir: str | os.PathLike, layout: str | None = N
     layout = layout or ("qwen3_next" if target.config.model_type == "qwen3_next" else "qwen3_5_text")
     tensors = export_hf_state(target, layout)
     dtype_name = jnp.dtype(target.dtype).name
-    os.makedirs(out_dir, exist_ok=True)
-    from safetensors.numpy import save_file
+    config = hf_config(target.config, layout, dtype_name)
+    files.write_directory(out_dir, lambda tmp: _write_hf_files(tmp, tensors, config), keep_other_files=True)
 
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(target.config, layout, dtype_name), f, indent=2)
+
+def _write_hf_files(directory: str, tensors: dict[str, np.ndarray], config: dict) -> None:
+    save_tensors(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
@@ -108,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write(tmp)
             copy_tokenizer_files(args.src, tmp)
 
-        write_atomically(args.dst, write_with_tokenizer)
+        files.write_directory(args.dst, write_with_tokenizer)
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

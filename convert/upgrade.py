@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ready_jax import checkpoint, cli, provenance
+from ready_jax import checkpoint, cli, files, provenance
 from ready_jax.config import read_json
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.drafter import Drafter
@@ -34,6 +34,7 @@ _LOADERS = {TARGET_FORMAT: Target.load, DRAFTER_FORMAT: Drafter.load}
 def upgrade(directory: Path) -> bool:
     """Re-save the checkpoint at ``directory`` in the current format; False if it already is current (version and
     HF marker). Either way it is loaded first, so a damaged checkpoint is an error and is left as it is."""
+    files.remove_leftovers(str(directory))  # of an earlier run that was killed
     meta = read_json(directory / "config.json")
     kind = meta.get("format") if isinstance(meta, dict) else None
     if kind not in _LOADERS:
@@ -67,7 +68,7 @@ def record_in_manifest(directory: Path, old: dict[str, dict], argv: Sequence[str
         path = directory / name
         entry["upgraded_from"] = {**old[name], "by": provenance.record("convert.upgrade", argv)}
         entry.update(sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
-    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    files.write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

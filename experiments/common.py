@@ -8,6 +8,7 @@ import json
 import os
 from types import ModuleType
 
+from ready_jax import files
 from ready_jax.cli import repo_root
 from ready_jax.provenance import environment
 
@@ -22,12 +23,13 @@ def convert_module(name: str) -> ModuleType:
 
 def write_json(path: str | os.PathLike | None, data: dict) -> None:
     """Write ``data`` (paths in it as strings) plus ``environment`` (:func:`ready_jax.provenance.environment`) to
-    ``path``; nothing when path is None."""
+    ``path``; nothing when path is None. The file is replaced whole (:func:`ready_jax.files.write_text`): a full
+    disk or a kill leaves the previous one."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(portable_paths({**data, "environment": environment()}), f, indent=2, default=os.fspath)
+    text = json.dumps(portable_paths({**data, "environment": environment()}), indent=2, default=os.fspath)
+    files.write_text(path, text)
     print(f"wrote {path}")
 
 

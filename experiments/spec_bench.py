@@ -67,7 +67,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli
+from ready_jax import checkpoint, cli, files
 
 from .common import convert_module, write_json
 
@@ -393,7 +393,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def write_answers(path: Path, answers: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(a) + "\n" for a in sorted(answers, key=lambda a: a["question_id"])))
+    files.write_text(path, "".join(json.dumps(a) + "\n" for a in sorted(answers, key=lambda a: a["question_id"])))
     print(f"wrote {path}")
 
 

@@ -15,11 +15,11 @@ needs only jax, flax, optax and numpy (all a bare GPU box has).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import shutil
-import tempfile
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import sharding
+from . import files, sharding
 from .config import native_marker, read_json, refuse_native_checkpoint
 
 FORMAT_VERSION = 2
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
 KNOWN_FORMAT_VERSIONS = (1, 2)  # 1: before the config was hashed (weights only, when recorded)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -81,29 +82,49 @@ def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.Sta
 
     ``path`` may be missing, empty, or a checkpoint of the same ``fmt`` (which is replaced); anything else
     (another kind of checkpoint, a directory with other files) is refused unless ``overwrite=True``, so a
-    save never silently replaces what it did not write. Each file is written under a temporary name and
-    renamed into place, the weights first: a crash never leaves a truncated file, and a config.json paired
-    with other weights (a crash between the two renames) fails :func:`read_checkpoint`'s hash check.
-    Files get the permissions the umask gives any new file.
+    save never silently replaces what it did not write. The new checkpoint is written whole into a fresh
+    directory beside ``path`` and swapped into place in one step (:func:`ready_jax.files.write_directory`),
+    taking along the other files of the old one (``tokenizer.json``, ...): a process killed at any instant
+    leaves the previous checkpoint or the new one, and a failed write (a full disk, checked first where
+    the size is known) leaves the previous one. Files get the permissions the umask gives any new file.
+    Weights holding NaN or Inf are refused (ValueError).
     """
-    _check_writable(os.fspath(path), fmt, overwrite)
-    os.makedirs(path, exist_ok=True)
+    path = os.fspath(path)
     # bf16 arrays convert to ml_dtypes.bfloat16 numpy arrays, which safetensors stores natively. No header
     # metadata: its order is not stable, and the same weights must give the same file and hash.
     flat = {k: np.asarray(v) for k, v in flat_state(params).items()}
-    weights_path = os.path.join(path, "model.safetensors")
-    from safetensors.numpy import save_file
+    # A diverged run (NaN loss) must not ship as a hashed, valid-looking checkpoint.
+    non_finite = [k for k, a in flat.items() if not np.isfinite(a).all()]
+    if non_finite:
+        raise ValueError(f"refusing to save a {fmt} checkpoint to {path}: {len(non_finite)} of {len(flat)} tensors "
+                         f"hold NaN or Inf (first: {non_finite[0]}); the model diverged or was damaged")
+    check_destination(path, fmt, overwrite=overwrite, size=sum(a.nbytes for a in flat.values()))
 
-    replace_atomically(weights_path, lambda tmp: save_file(flat, tmp))
-    meta = {"format": fmt, **native_marker(fmt), "format_version": FORMAT_VERSION, "dtype": jnp.dtype(dtype).name,
-            "weights_sha256": _sha256(weights_path), section: config}
-    meta["sha256"] = record_sha256(meta)
-
-    def write_config(tmp):
-        with open(tmp, "w") as f:
+    def write(directory: str) -> None:
+        weights_path = os.path.join(directory, "model.safetensors")
+        save_tensors(flat, weights_path)
+        meta = {"format": fmt, **native_marker(fmt), "format_version": FORMAT_VERSION,
+                "dtype": jnp.dtype(dtype).name, "weights_sha256": _sha256(weights_path), section: config}
+        meta["sha256"] = record_sha256(meta)
+        with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(meta, f, indent=2)
 
-    replace_atomically(os.path.join(path, "config.json"), write_config)
+    files.write_directory(path, write, keep_other_files=True)
+
+
+def save_tensors(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as a safetensors file at ``path`` with the permissions the umask gives a new file. Call it
+    inside a directory being written by :func:`ready_jax.files.write_directory`: safetensors writes through a
+    temporary of its own beside ``path``. Its I/O errors (a full disk) are raised as OSError with their errno."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        raise OSError(int(code[1]) if code else errno.EIO, f"cannot write {path}: {e}") from None
+    files.give_default_mode(path)
 
 
 def record_sha256(meta: dict) -> str:
@@ -122,13 +143,23 @@ def checkpoint_format(path) -> str | None:
     return meta.get("format") if isinstance(meta, dict) else None
 
 
-def _check_writable(path: str, fmt: str, overwrite: bool) -> None:
-    if overwrite or not os.path.exists(path):
+def check_destination(path, fmt: str, *, overwrite: bool = False, size: int | None = None) -> None:
+    """Raise now if a ``fmt`` checkpoint could not be saved at ``path`` (what :func:`write_checkpoint` would
+    refuse, an unwritable place, or less free space than ``size`` bytes), so a script can check before its
+    long work rather than fail at the end."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"cannot save a {fmt} checkpoint to {path}: it is a file; choose another path")
+    if not overwrite:
+        _check_not_other_content(path, fmt)
+    files.check_output(path, size=size, what=f"{fmt} checkpoint")
+
+
+def _check_not_other_content(path: str, fmt: str) -> None:
+    if not os.path.exists(path):
         return
-    if not os.path.isdir(path):
-        raise FileExistsError(f"cannot save a {fmt} checkpoint to {path}: it is a file (pass overwrite=True "
-                              "to replace it)")
-    if not os.listdir(path):
+    entries = [e for e in os.listdir(path) if not any(files.is_leftover(e, of) for of in CHECKPOINT_FILES)]
+    if not entries:  # empty, or only what an interrupted save of an earlier version left
         return
     found = checkpoint_format(path)
     if found == fmt:
@@ -147,6 +178,11 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
     against the recorded hashes) are errors that name the file and the problem. A version-1 checkpoint,
     which recorded no config hash, loads with a warning to re-save it.
     """
+    aside = files.renamed_aside(path)
+    if aside is not None:
+        warnings.warn(f"{path} is missing: a save was killed while swapping it; reading the previous version from "
+                      f"{aside} (the next save to {path} moves it back)", RuntimeWarning, stacklevel=3)
+        path = aside
     config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     for p in (config_path, weights_path):
         if not os.path.exists(p):
@@ -222,42 +258,6 @@ def check_dtype(dtype, supported) -> jnp.dtype:
     if name not in supported:
         raise ValueError(f"dtype {name} is not supported; use one of {sorted(supported)}")
     return jnp.dtype(name)
-
-
-def replace_atomically(dst: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` a file beside ``dst``, then rename it over ``dst``: readers see the old file or the
-    whole new one, never a part. The temporary file is removed if writing fails."""
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_atomically(dst: str, write: Callable[[str], None]) -> None:
-    """``write(tmp_dir)`` into a hidden directory beside ``dst``, then rename it to ``dst`` (which must not
-    exist or be empty): a failure leaves no ``dst`` and no temporary directory behind."""
-    dst = os.path.abspath(dst)
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.", suffix=".partial", dir=parent)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
-        os.rename(tmp, dst)  # atomic; also replaces an empty dst directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _sha256(path: str) -> str:

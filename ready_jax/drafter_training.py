@@ -47,11 +47,11 @@ import numpy as np
 from flax import nnx
 
 from . import cache as cache_lib
-from . import cli, data, training
+from . import cli, data, files, training
 from . import reader as reader_lib
 from . import target as target_lib
 from .cache import ContextCache
-from .checkpoint import flat_state, replace_atomically
+from .checkpoint import flat_state
 from .config import TargetConfig
 from .drafter import Drafter, DrafterModel, SharedWeights
 from .drafter_config import KV, STATE, DrafterConfig, ReaderConfig
@@ -407,7 +407,7 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
         with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a name
             np.savez(f, train=train, validation=validation, config=np.frombuffer(key, np.uint8))
 
-    replace_atomically(str(path), write)
+    files.write_file(path, write)
     return train, validation
 
 

@@ -37,9 +37,8 @@ import optax
 import orbax.checkpoint as ocp
 
 from . import cache as cache_lib
-from . import layers, provenance, sharding
+from . import files, layers, provenance, sharding
 from . import target as target_lib
-from .checkpoint import replace_atomically
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 
 
@@ -227,7 +226,7 @@ class Checkpointer:
     def _write_record(self, step: int) -> None:
         record = json.dumps(_file_hashes(self.step_dir(step)), indent=1)
         # Written whole or not at all: a process killed here leaves no truncated record.
-        replace_atomically(str(self._record_path(step)), lambda tmp: Path(tmp).write_text(record))
+        files.write_text(self._record_path(step), record)
 
     def saved_meta(self, step: int) -> dict:
         """The metadata saved with ``step`` (read without verifying the step)."""
@@ -406,7 +405,7 @@ def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Ch
                           "that run, or train in another workdir")
     path = workdir / SETTINGS_FILE
     if not path.exists():
-        replace_atomically(str(path), lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=1)))
+        files.write_text(path, json.dumps(settings, indent=1))
 
 
 def _keep_metrics_through(path: Path, step: int) -> None:
@@ -422,7 +421,7 @@ def _keep_metrics_through(path: Path, step: int) -> None:
             continue
         if row["step"] <= step:
             kept.append(line + "\n")
-    replace_atomically(str(path), lambda tmp: Path(tmp).write_text("".join(kept)))
+    files.write_text(path, "".join(kept))
 
 
 def _resume(state: TrainState, workdir: Path, settings: dict, checkpointer: Checkpointer, loop: LoopConfig,
@@ -506,7 +505,7 @@ def run_provenance(workdir: str | os.PathLike, module: str, argv: Sequence[str])
     path = Path(workdir) / "provenance.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(provenance.record(module, argv), indent=1))
+        files.write_text(path, json.dumps(provenance.record(module, argv), indent=1))
     return json.loads(path.read_text())
 
 
@@ -518,7 +517,7 @@ def record_artifacts(directory: str | os.PathLike, produced_by: dict) -> None:
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         record["files"][path.relative_to(directory.parent).as_posix()] = {
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size, **produced_by}
-    manifest_path.write_text(json.dumps(record, indent=1, sort_keys=True))
+    files.write_text(manifest_path, json.dumps(record, indent=1, sort_keys=True))
 
 
 def perplexity(loss: float) -> float:

@@ -15,7 +15,7 @@ from conftest import tiny_config
 
 import ready_jax as rj
 from convert import deepspec, upgrade
-from ready_jax import checkpoint
+from ready_jax import checkpoint, files
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_saved_files_follow_the_umask(small, tmp_path):
     old = os.umask(0o022)
     try:
         target.save(tmp_path / "ckpt")
-        checkpoint.write_atomically(str(tmp_path / "converted"), target.save)
+        files.write_directory(tmp_path / "converted", target.save)
     finally:
         os.umask(old)
     for path in (tmp_path / "ckpt" / "model.safetensors", tmp_path / "ckpt" / "config.json",

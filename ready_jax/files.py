@@ -1,0 +1,281 @@
+"""Crash-safe writes: every checkpoint, conversion and result file becomes current in one atomic step.
+
+A file is written whole under a temporary name beside its destination, flushed to disk and renamed over it
+(:func:`write_file`); a directory is written whole beside its destination and swapped into place
+(:func:`write_directory`). A process killed at any instant, or a write that runs out of disk, leaves the
+previous version or the new one, never a part of one or a mix of both.
+
+Temporaries are hidden names that carry their writer's process id (``.NAME.PID-RANDOM.tmp`` for a file,
+``.NAME.PID-RANDOM.partial`` for a directory, ``.NAME.PID-RANDOM.old`` for a directory renamed aside), so
+the next write to ``NAME`` recognises those of a writer that is no longer running and removes them
+(:func:`remove_leftovers`); they never block it. Directories left by versions of ready-jax that did not
+record the process id are reported, not removed.
+
+:func:`check_output` answers before any long work starts whether a path can be written at all (and whether
+the disk has room, when the size is known).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import warnings
+from collections.abc import Callable
+
+# A temporary of a write to NAME; a write to a temporary (a checkpoint saved inside a conversion's directory)
+# adds a suffix of its own, so every process id of the chain is captured.
+_LEFTOVER = r"\.+{name}(?P<chain>(?:\.\d+-[0-9a-f]+\.(?:tmp|partial|old))+)"
+_SUFFIX = re.compile(r"\.(\d+)-[0-9a-f]+\.(?:tmp|partial|old)")
+# What earlier versions left: a file's ``NAME.tmp-PID`` and an export's mkdtemp directory without a pid.
+_OLD_FILE_LEFTOVER = r"{name}\.tmp-(?P<pid>\d+)"
+_OLD_DIRECTORY_LEFTOVER = r"\.{name}\.[a-z0-9_]{{8}}\.partial"
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def write_file(dst: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` a file beside ``dst``, flush it to disk and rename it over ``dst``: readers see the
+    old file or the whole new one. A failed ``write`` (a full disk) leaves ``dst`` as it was and removes
+    the temporary. The file gets the permissions the umask gives any new file."""
+    dst = os.path.abspath(dst)
+    remove_leftovers(dst)
+    tmp = temporary_name(dst, "tmp")
+    try:
+        write(tmp)
+        _fsync(tmp)
+        give_default_mode(tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    _fsync(os.path.dirname(dst))
+
+
+def write_text(dst: str | os.PathLike, text: str) -> None:
+    """:func:`write_file` of ``text`` (UTF-8)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    write_file(dst, write)
+
+
+def write_directory(dst: str | os.PathLike, write: Callable[[str], None], *, keep_other_files: bool = False) -> None:
+    """``write(tmp)`` a fresh directory beside ``dst``, then make it ``dst`` in one atomic step.
+
+    A missing or empty ``dst`` is replaced by one rename. An existing ``dst`` is exchanged with the new
+    directory in one step (``renameat2(RENAME_EXCHANGE)``) and then removed from its temporary name; where the
+    system cannot exchange, it is renamed aside first, and a kill between the two renames leaves it under
+    the aside name, which the next write to ``dst`` moves back before anything else. With
+    ``keep_other_files`` the files of the old ``dst`` that ``write`` did not make are carried into the new
+    one (hard links where the filesystem has them). A failed ``write`` leaves ``dst`` as it was.
+    """
+    dst = os.path.realpath(dst)  # a link to a checkpoint directory: replace what it points to
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    remove_leftovers(dst)
+    tmp = temporary_name(dst, "partial")
+    os.mkdir(tmp)
+    try:
+        write(tmp)
+        old_exists = os.path.isdir(dst) and bool(os.listdir(dst))
+        if old_exists and keep_other_files:
+            _carry_other_files(dst, tmp)
+        os.chmod(tmp, os.stat(dst).st_mode & 0o7777 if old_exists else 0o777 & ~_umask())
+        _fsync_tree(tmp)
+        if not old_exists:
+            os.rename(tmp, dst)  # also replaces an empty directory
+        elif not _exchange(tmp, dst):
+            aside = temporary_name(dst, "old")
+            os.rename(dst, aside)
+            os.rename(tmp, dst)
+            tmp = aside
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old_exists:
+        shutil.rmtree(tmp, ignore_errors=True)  # the old version, now under the temporary name
+
+
+def give_default_mode(path: str) -> None:
+    """Set a file's permissions to what the umask gives any new file (0644 under umask 022): writers that go
+    through a private temporary of their own (safetensors) leave 0600."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def temporary_name(dst: str, kind: str) -> str:
+    """A fresh hidden name beside ``dst`` that :func:`remove_leftovers` recognises (``kind``: tmp or partial)."""
+    directory, name = os.path.split(dst)
+    return os.path.join(directory, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.{kind}")
+
+
+def is_leftover(name: str, of: str) -> bool:
+    """Whether directory entry ``name`` is a temporary of a write to ``of`` (a name in the same directory)."""
+    return any(re.fullmatch(pattern.format(name=re.escape(of)), name)
+               for pattern in (_LEFTOVER, _OLD_FILE_LEFTOVER, _OLD_DIRECTORY_LEFTOVER))
+
+
+def remove_leftovers(dst: str) -> None:
+    """Remove the temporaries that killed writes to ``dst`` left beside it; warn about those of earlier
+    versions that cannot be told from a write in progress. When a kill between the two renames of a
+    directory swap left ``dst`` missing, its previous version is moved back first."""
+    directory, name = os.path.split(os.path.abspath(dst))
+    try:
+        entries = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    aside = renamed_aside(dst)
+    if aside is not None:
+        os.rename(aside, dst)
+        entries.remove(os.path.basename(aside))
+    dead = []
+    for entry in entries:
+        path = os.path.join(directory, entry)
+        match = re.fullmatch(_LEFTOVER.format(name=re.escape(name)), entry)
+        if match and not any(_running(int(pid)) for pid in _SUFFIX.findall(match["chain"])):
+            dead.append(path)
+        match = re.fullmatch(_OLD_FILE_LEFTOVER.format(name=re.escape(name)), entry)
+        if match and not _running(int(match["pid"])):
+            dead.append(path)
+        if re.fullmatch(_OLD_DIRECTORY_LEFTOVER.format(name=re.escape(name)), entry):
+            warnings.warn(f"{path} was left by an interrupted write to {dst}; remove it once no conversion to that "
+                          "path is running", RuntimeWarning, stacklevel=3)
+    for path in dead:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+def renamed_aside(dst: str | os.PathLike) -> str | None:
+    """The previous version of directory ``dst`` when a write was killed between renaming it aside and renaming
+    the new one in (only where the system cannot exchange two paths): ``dst`` is missing and that version is
+    whole under its aside name until the next write moves it back."""
+    directory, name = os.path.split(os.path.abspath(dst))
+    if os.path.lexists(dst) or not os.path.isdir(directory):
+        return None
+    for entry in sorted(os.listdir(directory)):
+        match = re.fullmatch(rf"\.{re.escape(name)}\.(\d+)-[0-9a-f]+\.old", entry)
+        if match and not _running(int(match[1])):
+            return os.path.join(directory, entry)
+    return None
+
+
+def check_output(path: str | os.PathLike, *, size: int | None = None, what: str = "output") -> None:
+    """Raise OSError now if ``path`` could not be written later: an ancestor that is a file, a directory
+    that refuses a new file (read-only, or no permission), or, given ``size`` in bytes, too little free
+    space. Tried by creating and removing a file in the nearest existing directory, which is what the
+    write will do (a permission check alone passes everything for root). Creates nothing that stays."""
+    path = os.path.abspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    while not os.path.lexists(directory):
+        directory = os.path.dirname(directory)
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot write the {what} {path}: {directory} is a file, not a "
+                                 "directory")
+    probe = temporary_name(os.path.join(directory, "probe"), "tmp")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write the {what} {path}: {directory} does not accept new files "
+                      f"({e.strerror})") from None
+    if size is not None:
+        free = shutil.disk_usage(directory).free
+        if free < size:
+            raise OSError(errno.ENOSPC, f"cannot write the {what} {path}: it needs {size / 2**20:.1f} MiB and "
+                          f"{directory} has {free / 2**20:.1f} MiB free")
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _carry_other_files(old: str, new: str) -> None:
+    """Link or copy into ``new`` what ``old`` holds beside the files ``new`` already has, except temporaries
+    of earlier in-place writes of those files."""
+    written = os.listdir(new)
+    for entry in sorted(os.listdir(old)):
+        src, dst = os.path.join(old, entry), os.path.join(new, entry)
+        if os.path.lexists(dst) or any(is_leftover(entry, of) for of in written):
+            continue
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step; False where the system or filesystem cannot."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd = -100  # AT_FDCWD: the paths are absolute
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _fsync(path: str) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (IsADirectoryError, PermissionError):
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # some filesystems cannot flush a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                _fsync(path)
+        _fsync(directory)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
