@@ -422,13 +422,14 @@ def main(argv=None) -> None:
                         help="how turns become a prompt (see above)")
     parser.add_argument("--enable-thinking", action="store_true",
                         help="pass enable_thinking=True to the chat template (--chat-template hf)")
-    parser.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (Spec-Bench: 1024)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt kept whole")
-    parser.add_argument("--prompt-bucket", type=int, default=256,
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=1024, help="per turn (Spec-Bench: 1024)")
+    parser.add_argument("--max-prompt-tokens", type=cli.positive_int, default=4096, help="longest prompt kept whole")
+    parser.add_argument("--prompt-bucket", type=cli.positive_int, default=256,
                         help="pad prompts to a multiple of this many tokens (fewer compiles, a little more prefill)")
     parser.add_argument("--too-long", choices=("skip", "truncate"), default="skip",
                         help="a prompt over --max-prompt-tokens: skip its question, or keep its last tokens")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--temperature", type=cli.non_negative_float, default=0.0,
+                        help="sampling temperature (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (plus the question id)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question first")
@@ -446,6 +447,7 @@ def main(argv=None) -> None:
         parser.error("--with-ar compares a drafter with AR: pass --drafter")
     if args.enable_thinking and args.chat_template != "hf":
         parser.error("--enable-thinking is passed to the checkpoint's chat template: use --chat-template hf")
+    out_dir = Path(args.out_dir)
 
     questions = read_questions(args.questions, args.categories.split(",") if args.categories else None, args.limit,
                                args.per_category)
@@ -498,7 +500,6 @@ def main(argv=None) -> None:
     if not answers[0]:
         raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
 
-    out_dir = Path(args.out_dir)
     paths = [out_dir / f"{method.model_id}.jsonl" for method in methods]
     if args.answer_file:
         paths[0] = Path(args.answer_file)

@@ -27,7 +27,9 @@ cut short mid-save are deleted.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,8 +40,9 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import cli, data, modes, provenance, training
+from ready_jax import checkpoint, cli, data, files, modes, provenance, training
 from ready_jax import drafter_training as dt
+from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 
 
 def build_drafter(args, target: rj.Target) -> rj.Drafter:
@@ -81,13 +84,14 @@ def main(argv=None) -> None:
     parser.add_argument("--save-dir", default=None, help="write the trained drafter here")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="parameter dtype of the saved drafter")
-    parser.add_argument("--steps", type=int, default=400, help="training steps")
+    parser.add_argument("--steps", type=cli.positive_int, default=400, help="training steps")
     parser.add_argument("--seed", type=int, default=0, help="drafter initialisation and batch order")
     parser.add_argument("--impl", default="xla", choices=modes.IMPLS,
                         help="the teacher pass's Gated DeltaNet: XLA or the fused Pallas kernel (for GPUs)")
     parser.add_argument("--data-seed", type=int, default=0, help="which corpus prompts are self-distilled")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (x anchors per sequence)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--batch-size", type=cli.positive_int, default=4,
+                        help="sequences per step (x anchors per sequence)")
+    parser.add_argument("--lr", type=cli.positive_float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=20, help="learning-rate warmup steps")
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validations")
@@ -118,7 +122,7 @@ def main(argv=None) -> None:
                         help="content query: rank of its factorised projection (None: as many parameters as the "
                         "basis reader); tied query: rank of its adapter (None: --rank)")
     # self-distillation and anchors
-    parser.add_argument("--sequences", type=int, default=512, help="self-distilled training sequences")
+    parser.add_argument("--sequences", type=cli.positive_int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per distilled sequence, prompt included")
     parser.add_argument("--stride", type=int, default=8, help="tokens between anchors")
@@ -139,6 +143,16 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
+    distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
+    try:  # before distilling and training, not after
+        files.check_output(workdir, what="--workdir")
+        files.check_output(distill_cache, what="--distill-cache")
+        if os.path.isdir(distill_cache):
+            raise IsADirectoryError(errno.EISDIR, f"--distill-cache {distill_cache} is a directory; name a file")
+        if args.save_dir:
+            checkpoint.check_destination(args.save_dir, DRAFTER_FORMAT)
+    except OSError as e:
+        parser.error(e.strerror or str(e))
     produced_by = training.run_provenance(workdir, "experiments.train_drafter", argv)
 
     target = rj.Target.load(args.target, dtype=jnp.float32)  # the shipped (bf16) weights, computed in fp32
@@ -154,7 +168,6 @@ def main(argv=None) -> None:
                                       temperature=args.distill_temperature, seed=args.data_seed,
                                       long_range_max_distance=args.long_range_max_distance,
                                       **long_range_task(args))
-    distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
     start = time.perf_counter()
     train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config, distill_cache)
     print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
@@ -180,7 +193,7 @@ def main(argv=None) -> None:
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
     if args.save_dir:
         rj.Drafter(nnx.merge(trained.graphdef, training.cast(trained.params, jnp.dtype(args.export_dtype)))).save(
             args.save_dir)

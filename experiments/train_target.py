@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import cli, data, modes, provenance, training
+from ready_jax import checkpoint, cli, data, files, modes, provenance, training
+from ready_jax import target as target_lib
 
 # The seed of the long-range validation windows' records: far from any --seed a run uses, so they are records no
 # training batch holds (and their text is the validation split's).
@@ -45,10 +46,10 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
     parser.add_argument("--intermediate", type=int, default=768, help="MLP size")
-    parser.add_argument("--steps", type=int, default=2000, help="training steps (the schedule's length)")
-    parser.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--steps", type=cli.positive_int, default=2000, help="training steps (the schedule's length)")
+    parser.add_argument("--batch-size", type=cli.positive_int, default=16, help="windows per step")
+    parser.add_argument("--seq-len", type=cli.positive_int, default=256, help="tokens per window")
+    parser.add_argument("--lr", type=cli.positive_float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=100, help="learning-rate warmup steps")
     parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
@@ -125,6 +126,12 @@ def main(argv=None) -> None:
     if args.linear_memory is not None and (args.linear_memory <= 0 or args.linear_memory_heads < 1):
         parser.error(f"--linear-memory {args.linear_memory} must be > 0 tokens and --linear-memory-heads "
                      f"{args.linear_memory_heads} >= 1")
+    try:  # before the work: a run must not train for hours and then find it cannot write its results
+        files.check_output(args.workdir, what="--workdir")
+        if args.save_dir:
+            checkpoint.check_destination(args.save_dir, target_lib.FORMAT)
+    except OSError as e:
+        parser.error(e.strerror or str(e))
     corpus = data.prepare_corpus(args.corpus, args.vocab)
     config = training.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
                                           num_layers=args.layers, intermediate_size=args.intermediate,
@@ -231,7 +238,7 @@ def main(argv=None) -> None:
     summary = {"steps": int(state.step), "params": num_params, "wall_seconds_this_run": time.perf_counter() - start,
                **final, "tokens_seen": int(state.step) * args.batch_size * args.seq_len}
     print(json.dumps(summary))
-    Path(args.workdir, "summary.json").write_text(json.dumps(summary, indent=1))
+    files.write_text(Path(args.workdir, "summary.json"), json.dumps(summary, indent=1))
     if args.save_dir:
         rj.Target(nnx.merge(target.graphdef, training.cast(state.params, jnp.dtype(args.export_dtype)))).save(
             args.save_dir)

@@ -11,11 +11,12 @@ loop someone waits on.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
-from . import runtime
+from . import files, runtime
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,13 +25,26 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Keeps the description's own line breaks and appends each option's default to its help."""
 
 
+# Options naming where a script writes its results: a path that cannot be written is a usage error as soon as
+# the arguments are parsed (ready_jax.files.check_output), not after the work.
+OUTPUT_OPTIONS = ("out", "out_dir", "answer_file")
+
+
 class _ScriptParser(argparse.ArgumentParser):
-    """An argument parser that applies the runtime options (``runtime.configure``) as soon as it has parsed
-    the arguments: before the script uses jax, which is when XLA's flags and the compilation cache must be
-    set. The namespace gets ``runtime``, what was set, so that a script recording ``vars(args)`` records it."""
+    """An argument parser that refuses an unwritable :data:`OUTPUT_OPTIONS` path and applies the runtime options
+    (``runtime.configure``) as soon as it has parsed the arguments: before the script uses jax, which is when
+    XLA's flags and the compilation cache must be set. The namespace gets ``runtime``, what was set, so that a
+    script recording ``vars(args)`` records it."""
 
     def parse_known_args(self, args=None, namespace=None):  # parse_args goes through here too
         parsed, rest = super().parse_known_args(args, namespace)
+        for option in OUTPUT_OPTIONS:  # before the work, not after it
+            path = getattr(parsed, option, None)
+            if path:
+                try:
+                    files.check_output(path, what=f"--{option.replace('_', '-')}")
+                except OSError as e:
+                    self.error(e.strerror)
         parsed.runtime = runtime.configure(compile_cache=not parsed.no_compile_cache,
                                            cache_dir=parsed.compile_cache_dir)
         return parsed, rest
@@ -53,6 +67,37 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
                        help="directory of JAX's persistent compilation cache, which keeps compiled programs "
                             f"across runs (set ${runtime.CACHE_DIR_ENV} to move it)")
     return result
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a step count, a batch size, a number of tokens)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a learning rate)."""
+    value = _number(text, float)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (a temperature)."""
+    value = _number(text, float)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
+def _number(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 def repo_root() -> Path:

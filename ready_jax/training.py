@@ -350,6 +350,10 @@ class LoopConfig:
     stop_after: int | None = None  # end this run early at this step (a planned interruption), checkpointing
     resume_unverified: bool = False  # resume from a checkpoint without hash record (Checkpointer.restore)
 
+    def __post_init__(self):
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps {self.total_steps} must be >= 1")
+
 
 SETTINGS_FILE = "settings.json"   # in the workdir: the run's settings, recorded when it first starts
 METRICS_FILE = "metrics.jsonl"    # in the workdir: one JSON line per logged or evaluated step
