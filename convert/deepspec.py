@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -279,7 +280,12 @@ def load_deepspec(src: str, dtype=jnp.float32) -> tuple[Drafter, SharedWeights]:
         config = config_from_deepspec(raw)
     except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
         raise ValueError(f"{config_path}: {e}") from e
-    return from_deepspec_state(config, read_state_dict(src), dtype)
+    keys = read_hf_tensors(src)  # headers only: the layer count is checked before a model of that depth is built
+    held = {int(m[1]) for m in (re.match(r"layers\.(\d+)\.", k) for k in keys) if m}
+    if held != set(range(config.num_layers)):
+        raise ValueError(f"{config_path} says num_hidden_layers {config.num_layers}, and the weights hold draft "
+                         f"layers {sorted(held)[:8]}{' ...' if len(held) > 8 else ''}")
+    return from_deepspec_state(config, {key: tensor.load() for key, tensor in keys.items()}, dtype)
 
 
 def export_deepspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:

@@ -48,6 +48,9 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+# Token ids, positions, lengths and counts are int32 inside the compiled programs: a larger value in a config
+# would fail deep inside jit (OverflowError) rather than here.
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,14 +280,17 @@ class TargetConfig:
 
 
 def _range_problems(config: TargetConfig) -> list[str]:
-    """Sizes below 1 (0 for the MoE fields), and RoPE / norm constants that are not finite positive numbers."""
+    """Sizes below 1 (0 for the MoE fields) or beyond int32, EOS ids outside int32, and RoPE / norm constants that
+    are not finite positive numbers."""
     problems = [f"{name} {getattr(config, name)} must be >= 1" for name in _SIZE_FIELDS if getattr(config, name) < 1]
     problems += [f"{name} {getattr(config, name)} must be >= 0" for name in _MOE_FIELDS if getattr(config, name) < 0]
     problems += [f"{name} {getattr(config, name)} must be a finite number > 0"
                  for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
                  if not (math.isfinite(getattr(config, name)) and getattr(config, name) > 0)]
-    if any(i < 0 for i in config.eos_token_ids):
-        problems.append(f"eos_token_ids {list(config.eos_token_ids)} must be >= 0")
+    if any(not 0 <= i <= INT32_MAX for i in config.eos_token_ids):
+        problems.append(f"eos_token_ids {list(config.eos_token_ids)} must be in 0..{INT32_MAX} (int32)")
+    problems += [f"{name} {getattr(config, name)} must be <= {INT32_MAX} (int32)"
+                 for name in _SIZE_FIELDS + _MOE_FIELDS if getattr(config, name) > INT32_MAX]
     return problems
 
 

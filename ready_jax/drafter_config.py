@@ -10,13 +10,17 @@ import dataclasses
 import math
 from typing import Any
 
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, field_type_problems
+from .config import FULL_ATTENTION, INT32_MAX, LINEAR_ATTENTION, TargetConfig, field_type_problems
 from .modes import READER_KINDS, READER_QUERIES, ReaderKind, ReaderQuery
 
 STATE: ReaderKind = "state"
 KV: ReaderKind = "kv"
 _SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "vocab_size", "num_target_layers")
+# The target verifies a round's block_size + 1 tokens in one pass and the drafter drafts them in one; DeepSpec's
+# drafters use 7-16. A block far larger gives no speed-up and only makes every round's programs huge (10**9 ran
+# for minutes without an error).
+MAX_BLOCK_SIZE = 256
 
 
 
@@ -267,8 +271,8 @@ class DrafterConfig:
         if isinstance(self.reader, dict):
             object.__setattr__(self, "reader", ReaderConfig.from_dict(self.reader))
         problems = []
-        if self.block_size < 1:
-            problems.append(f"block_size {self.block_size} must be >= 1")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            problems.append(f"block_size {self.block_size} must be in 1..{MAX_BLOCK_SIZE}")
         if self.num_layers < 1:
             problems.append(f"num_layers {self.num_layers} must be >= 1")
         if self.markov_rank < 0:
@@ -277,12 +281,13 @@ class DrafterConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 problems.append(f"{name} {value} must be a finite number > 0")
-        if self.context_window is not None and self.context_window < 1:
-            problems.append(f"context_window {self.context_window} must be >= 1 (or None: the whole context)")
+        if self.context_window is not None and not 1 <= self.context_window <= INT32_MAX:
+            problems.append(f"context_window {self.context_window} must be in 1..{INT32_MAX} (or None: the whole "
+                            "context)")
         if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
             problems.append("confidence_with_markov needs a Markov head (markov_rank > 0)")
-        problems += [f"{name} {getattr(self, name)} must be >= 1" for name in _SIZE_FIELDS
-                     if getattr(self, name) is not None and getattr(self, name) < 1]
+        problems += [f"{name} {getattr(self, name)} must be in 1..{INT32_MAX}" for name in _SIZE_FIELDS
+                     if getattr(self, name) is not None and not 1 <= getattr(self, name) <= INT32_MAX]
         ids = self.target_layer_ids
         if ids is not None:
             if not ids or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):

@@ -410,6 +410,30 @@ def _source_layout(config: TargetConfig, keys) -> tuple[str, bool, bool]:
     return prefix, config.model_type == "qwen3_next", fused_experts
 
 
+def layer_count_problem(config: TargetConfig, tensors: Mapping[str, SourceTensor]) -> str | None:
+    """A config whose ``num_hidden_layers`` differs from the decoder layers the weights hold, or None. Checked
+    before anything is built per layer: a config claiming 10**6 layers over a file of 8 would otherwise grow
+    the key table and the model's structure without bound before any key is compared."""
+    prefix, _, _ = _source_layout(config, tensors)
+    layer = re.compile(rf"{re.escape(prefix)}\.layers\.(\d+)\.")
+    held = {int(m[1]) for m in map(layer.match, tensors) if m}
+    if held == set(range(config.num_hidden_layers)):
+        return None
+    return (f"config.json says num_hidden_layers {config.num_hidden_layers}, and the weights hold decoder layers "
+            f"{_ranges(sorted(held)) or 'none'}")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``0..7, 9``: runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def _ignore_reason(key: str) -> str | None:
     return next((reason for pattern, reason in IGNORED if pattern.search(key)), None)
 

@@ -35,12 +35,11 @@ from . import cache as cache_lib
 from . import checkpoint, debug, hf_format, modes
 from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
-from .config import FULL_ATTENTION, TargetConfig
+from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
 from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from .modes import Form, Impl, Rollback
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
-INT32_MAX = 2**31 - 1  # cache positions and counts are int32
 GroupLayout = Literal["split", "stacked"]  # how a Target holds its layer groups (see the module docstring)
 GROUP_LAYOUTS: tuple[str, ...] = get_args(GroupLayout)
 
@@ -412,8 +411,11 @@ class Target:
         except (TypeError, ArithmeticError) as e:
             raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid HF config ({e})") from e
         what = f"HF checkpoint {path}"
-        flat = hf_format.convert_hf_state(config, hf_format.read_hf_tensors(path), param_shapes(config), dtype,
-                                          what=what)
+        tensors = hf_format.read_hf_tensors(path)
+        problem = hf_format.layer_count_problem(config, tensors)
+        if problem:
+            raise ValueError(f"{what}: {problem}")
+        flat = hf_format.convert_hf_state(config, tensors, param_shapes(config), dtype, what=what)
         model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype))
         graphdef, params = nnx.split(model)
         checkpoint.state_from_flat(params, flat, what=what)
