@@ -42,6 +42,7 @@ def test_references_and_kernels_load_without_the_models():
         import sys
         import pallas_kernels.gated_delta, pallas_kernels.state_reader
         import pallas_kernels.gated_delta.triton, pallas_kernels.state_reader.triton
+        import pallas_kernels.gated_delta.tpu
         loaded = [m for m in sys.modules if m == "flax" or m.startswith("flax.") or m.split(".")[0] == "ready_jax"]
         print(sorted(loaded))
     """)
