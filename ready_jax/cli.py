@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from pallas_kernels import backend
+
 from . import files, runtime
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +48,8 @@ class _ScriptParser(argparse.ArgumentParser):
                 except OSError as e:
                     self.error(e.strerror)
         parsed.runtime = runtime.configure(compile_cache=not parsed.no_compile_cache,
-                                           cache_dir=parsed.compile_cache_dir)
+                                           cache_dir=parsed.compile_cache_dir,
+                                           pallas_interpret=parsed.pallas_interpret)
         return parsed, rest
 
 
@@ -54,9 +57,9 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     """The argument parser of ``python -m <module>``, described by ``doc`` (usually the module docstring); run
     as one of the installed console scripts (``ready-jax-*``), its usage names that script instead.
 
-    Every script gets the ``runtime`` options (``--no-compile-cache``, ``--compile-cache-dir``), applied by
-    ``parse_args`` / ``parse_known_args`` through :func:`ready_jax.runtime.configure`, which also sets
-    XLA's CPU flags (``runtime.CPU_XLA_FLAGS``)."""
+    Every script gets the ``runtime`` options (``--no-compile-cache``, ``--compile-cache-dir``,
+    ``--pallas-interpret``), applied by ``parse_args`` / ``parse_known_args`` through
+    :func:`ready_jax.runtime.configure`, which also sets XLA's CPU flags (``runtime.CPU_XLA_FLAGS``)."""
     script = Path(sys.argv[0]).name
     prog = script if script.startswith("ready-jax-") else f"python -m {module}"
     result = _ScriptParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
@@ -66,6 +69,10 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     group.add_argument("--compile-cache-dir", metavar="DIR", default=str(runtime.default_cache_dir()),
                        help="directory of JAX's persistent compilation cache, which keeps compiled programs "
                             f"across runs (set ${runtime.CACHE_DIR_ENV} to move it)")
+    group.add_argument("--pallas-interpret", choices=backend.INTERPRET_FAMILIES, default=None,
+                       help="on a CPU, which kernels impl='pallas' interprets: gpu (Triton, generic interpreter) "
+                            "or tpu (Mosaic TPU, TPU interpreter with race detection); default: "
+                            f"${backend.INTERPRET_ENV}, else gpu")
     return result
 
 

@@ -1,10 +1,11 @@
-"""Process-wide runtime options of the command-line entry points: XLA's CPU flags and JAX's persistent
-compilation cache.
+"""Process-wide runtime options of the command-line entry points: XLA's CPU flags, JAX's persistent
+compilation cache and the kernels a CPU interprets for ``impl="pallas"``.
 
-Both must be in place before jax starts its backend (XLA reads ``XLA_FLAGS`` once, when the backend
-starts) or before the first compile, so :func:`configure` runs right after a script parses its
-arguments (``ready_jax.cli``), before the script touches jax. Importing ``ready_jax`` never calls it: a
-library must not change global jax state on import; a program using the library calls it itself.
+They must be in place before jax starts its backend (XLA reads ``XLA_FLAGS`` once, when the backend
+starts), before the first compile or before the first kernel is traced, so :func:`configure` runs right
+after a script parses its arguments (``ready_jax.cli``), before the script touches jax. Importing
+``ready_jax`` never calls it: a library must not change global jax state on import; a program using the
+library calls it itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import jax
 from jax._src import xla_bridge  # backends_are_initialized: public jax has no way to ask (0.10 and 0.12)
+
+from pallas_kernels import backend
+from pallas_kernels.backend import InterpretFamily
 
 # XLA's CPU backend hands small-M matmuls fused with their neighbours to YNNPACK by default. On this
 # project's verify steps (M = gamma + 1 rows) that measured slower than XLA's own Eigen dots: verify of 8
@@ -46,7 +50,7 @@ def cache_disabled_by_env() -> bool:
 
 
 def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None = None,
-              cpu_flags: bool = True) -> dict:
+              cpu_flags: bool = True, pallas_interpret: InterpretFamily | None = None) -> dict:
     """Set this process's runtime options; call it before anything uses jax.
 
     ``cpu_flags`` appends :data:`CPU_XLA_FLAGS` to ``$XLA_FLAGS``, keeping what is there: a flag whose
@@ -59,9 +63,17 @@ def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None
     loads it from disk instead. ``$READY_JAX_COMPILE_CACHE=0`` overrides it to off. A directory that
     cannot be created or written warns and leaves the cache off.
 
+    ``pallas_interpret`` picks the kernels ``impl="pallas"`` runs on a CPU, where no accelerator compiles them:
+    ``"gpu"`` the Triton kernels in Pallas' generic interpreter, ``"tpu"`` the Mosaic TPU kernels in the TPU
+    interpreter (race detection on); None changes nothing, so ``$READY_JAX_PALLAS_INTERPRET`` decides (default
+    ``gpu``). A GPU or TPU runs its own kernels compiled whatever this says (``pallas_kernels.backend``).
+
     Returns what was set, for a script's JSON record: ``xla_flags`` (``$XLA_FLAGS`` as it now stands),
-    ``added_xla_flags`` (the flags this call appended) and ``compile_cache_dir`` (None: no cache).
+    ``added_xla_flags`` (the flags this call appended), ``compile_cache_dir`` (None: no cache) and
+    ``pallas_interpret`` (the family a CPU interprets now).
     """
+    if pallas_interpret is not None:  # a bad value fails here, before anything else is changed
+        backend.set_interpret_family(pallas_interpret)
     added = _add_cpu_flags() if cpu_flags else []
     directory = None
     if compile_cache and not cache_disabled_by_env():
@@ -71,7 +83,8 @@ def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size minimum (0: jax picks)
     return {"xla_flags": os.environ.get("XLA_FLAGS", ""), "added_xla_flags": added,
-            "compile_cache_dir": None if directory is None else str(directory)}
+            "compile_cache_dir": None if directory is None else str(directory),
+            "pallas_interpret": backend.interpret_family()}
 
 
 def _flag_name(flag: str) -> str:

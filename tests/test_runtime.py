@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ready_jax as rj
+from pallas_kernels import backend
 from ready_jax import cli, generation, runtime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +42,8 @@ def _fresh_python(code: str, tmp_path: Path, *argv: str, **env: str) -> dict:
     """Run ``code`` in a new interpreter (jax not yet started) with a clean runtime environment, the default
     cache dir under tmp_path: the JSON it prints."""
     base = {k: v for k, v in os.environ.items()
-            if k not in ("XLA_FLAGS", runtime.CACHE_ENV, runtime.CACHE_DIR_ENV, "JAX_COMPILATION_CACHE_DIR")}
+            if k not in ("XLA_FLAGS", runtime.CACHE_ENV, runtime.CACHE_DIR_ENV, "JAX_COMPILATION_CACHE_DIR",
+                         backend.INTERPRET_ENV)}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], cwd=REPO, capture_output=True,
                             text=True, timeout=300, env={**base, "XDG_CACHE_HOME": str(tmp_path / "xdg"), **env})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -67,7 +69,8 @@ CONFIGURE_FLAGS = """
 ], ids=["none", "other", "same-flag"])
 def test_configure_appends_the_cpu_flags_and_keeps_the_users_own(tmp_path, user_flags, expected, added):
     info = _fresh_python(CONFIGURE_FLAGS, tmp_path, XLA_FLAGS=user_flags)
-    assert info == {"xla_flags": expected, "added_xla_flags": added, "compile_cache_dir": None}
+    assert info == {"xla_flags": expected, "added_xla_flags": added, "compile_cache_dir": None,
+                    "pallas_interpret": "gpu"}
 
 
 def test_configure_after_the_backend_started_warns_naming_the_flags(monkeypatch):
