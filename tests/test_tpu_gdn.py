@@ -121,7 +121,6 @@ RECURRENT_CASES = [
     _slow(32, 32, 2, 7, (2, 4), False, "final", jnp.bfloat16),
     _slow(48, 24, 2, 5, (1, 3), True, "all", jnp.float32),
     _slow(8, 8, 2, 3, (2, 4), True, "first", jnp.bfloat16),  # conftest's tiny target
-    _slow(256, 256, 1, 2, (1, 1), True, "final", jnp.float32),  # two column blocks
 ]
 
 
@@ -223,7 +222,7 @@ CHUNKED_CASES = [
     _slow(32, 32, 2, 40, (1, 1), True, jnp.float32, 8),
     _slow(48, 24, 1, 21, (1, 3), True, jnp.float32, 64),
     _slow(8, 8, 2, 37, (2, 4), False, jnp.bfloat16, 16),  # conftest's tiny target
-    _slow(128, 256, 1, 20, (1, 1), True, jnp.float32, 24),  # chunk not a power of 2
+    _slow(128, 128, 1, 20, (1, 1), True, jnp.float32, 24),  # a chunk of 24: not a power of 2
 ]
 
 
@@ -273,6 +272,17 @@ def test_chunked_gradient_is_the_references(with_state):
         assert (got is None) == (expected is None) == (name == "state" and not with_state), name
         if got is not None:
             np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+@pytest.mark.interpret
+@pytest.mark.slow
+def test_column_blocks():
+    """d_v = 256 in two 128-column programs per head (explicit configs): each owns its state columns; the chunked
+    kernel recomputes the chunk's inverse in each."""
+    inputs = make_inputs(1, 5, 1, 2, 128, 256, with_state=True)
+    check_recurrent(inputs, "first", config=GDNRecurrentConfig(block_v=128))
+    check_chunked(make_inputs(1, 20, 1, 1, 128, 256, with_state=True), chunk_size=16,
+                  config=GDNChunkedConfig(block_v=128))
 
 
 @pytest.mark.interpret
