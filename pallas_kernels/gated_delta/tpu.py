@@ -6,17 +6,18 @@ initial_state ``[B, H_v, d_k, d_v]`` fp32 or None (zeros) -> o ``[B, T, H_v, d_v
 Value head h reads key head ``h // (H_v / H_k)``. Whatever the input dtype, q and k are normalised and every
 product is taken in fp32 on chip (bf16 blocks are upcast after loading; f32 dots run at ``Precision.HIGHEST``).
 
-Layout. Mosaic tiles the last two dims of a block by (8, 128) unless they are the array's whole dims, and a head
-is one slice of the H axis, which sits second to last in the token-major inputs. The wrappers therefore move
-heads in front of tokens (q, k, v, o ``[B, H, T, d]``, g and beta ``[B, H_v, 2, T]``), so that a program's
-blocks are ``[tokens, d]``; the states are head-major already and are never moved. The transposes touch only the
-per-token inputs and outputs, which are small next to the states (at decode, T (2 H_k d_k + 2 H_v d_v + 2 H_v)
-elements against the H_v d_k d_v fp32 state numbers read and written). Where a kernel takes one token at a time
-(the recurrent one: v, o, g, beta) the token gets a leading dim of its own (``[T, 1, d]``, a free reshape), so
-taking token t never slices inside a vreg. d_k and d_v are zero-padded to multiples of 128 (zero key components
-and zero value columns change nothing), so every state tile is lane-dense; real checkpoints use 128 and pay
-nothing, other widths copy their states once more. Under ``jax.vmap`` the mapped axis joins the batch axis of
-the same grid (see ``_batch_folded``).
+Layout. Mosaic tiles the last two dims of a block by (8, 128) unless they are the array's whole dims, and a head is
+one slice of the H axis, which sits second to last in the token-major inputs. The wrappers therefore move heads in
+front of tokens (q, k, v, o ``[B, H, T, d]``, g and beta ``[B, H_v, 2, T]``), so that a program's blocks are
+``[tokens, d]``; the states are head-major already and are never moved. The transposes touch only the per-token
+inputs and outputs: at decode and verify they are small next to the states (T (2 H_k d_k + 2 H_v d_v + 2 H_v)
+elements against the H_v d_k d_v fp32 state numbers read and written); at prefill they are one more XLA pass over q,
+k, v and o, beside a kernel whose fp32 chunk matmuls outweigh its HBM traffic. Where a kernel takes one token at a
+time (the recurrent one: v, o, g, beta) the token gets a leading dim of its own (``[T, 1, d]``, a free reshape), so
+taking token t never slices inside a vreg. d_k and d_v are zero-padded to multiples of 128 (zero key components and
+zero value columns change nothing), so every state tile is lane-dense; real checkpoints use 128 and pay nothing,
+other widths copy their states once more. Under ``jax.vmap`` the mapped axis joins the batch axis of the same grid
+(see ``_batch_folded``).
 
 * :func:`gdn_recurrent`, grid ``(B, H_v, d_v / block_v)``, all "parallel". Columns of the state evolve
   independently (the recurrence mixes d_k rows, never d_v columns), so a program owns a ``[d_k, block_v]`` fp32
@@ -520,6 +521,8 @@ def _gdn_chunked_pallas(q, k, v, g, beta, initial_state, *, chunk, interpret, bl
     time_pad = num_chunks * chunk - seq_len
     k_pad, v_pad = _round_up(k_dim, LANES) - k_dim, _round_up(v_dim, LANES) - v_dim
 
+    # The transposes read and write q, k, v (and o after) once more: at d = 128, C = 64 in bf16, at most 128 KiB of
+    # HBM traffic per (chunk, head), next to the kernel's ~10M multiply-adds of multi-pass (HIGHEST) fp32 matmuls.
     def head_major(x, last_pad):  # [B, T, H, d] -> [B, H, N * C, d + last_pad], padded tokens zero
         return _head_major(jnp.pad(x, [(0, 0), (0, time_pad), (0, 0), (0, 0)]), last_pad)
 
