@@ -11,7 +11,7 @@ comma := ,
 # The stamp of an install with the extras $(1) ("core": none).
 stamp = $(VENV)/.installed-$(or $(subst $(comma),-,$(1)),core)
 
-.PHONY: setup demo test lint gpu-bench
+.PHONY: setup demo test lint gpu-bench tpu-bench
 setup: $(call stamp,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -44,3 +44,23 @@ gpu-bench:
 		--out $(GPU_OUT)/bench_kernels.json 2>&1 | tee $(GPU_OUT)/bench_kernels.log
 	-PYTHONPATH=. timeout $(GPU_STEP_S) $(GPU_PYTHON) -m experiments.bench_generate --preset qwen3.5-27b --impls xla,pallas \
 		--repeats 2 --out $(GPU_OUT)/bench_generate_qwen3.5-27b.json 2>&1 | tee $(GPU_OUT)/bench_generate_qwen3.5-27b.log
+
+# The TPU measurements in one go, on a TPU VM whose jax (jax[tpu]), flax, optax and orbax are installed (nothing
+# is installed here): the Mosaic TPU kernels against their XLA references, then the Qwen3.5-27B-geometry generate
+# benchmark with both impls. Logs and JSON go to TPU_OUT (commit them under results/tpu/). It refuses to start
+# where jax sees no TPU, and it has not been run yet: results/tpu/ stays empty until it is. The 27B weights
+# (bf16, random) take about 54 GB of one chip's HBM: the generate step needs a v5p (95 GB) or larger and runs out
+# of memory on a v5e or v6e, where the kernel step still stands. TPU_HBM_PEAK_GBPS is the chip's HBM bandwidth
+# for bench_kernels' fraction of peak (v5e 819, v6e 1640, v5p 2765).
+TPU_OUT ?= results/tpu
+TPU_STEP_S ?= 1800
+TPU_PYTHON ?= python3
+TPU_HBM_PEAK_GBPS ?= 2765
+tpu-bench:
+	@$(TPU_PYTHON) -c "import jax, sys; sys.exit(jax.default_backend() != 'tpu')" || \
+		{ echo "make tpu-bench: jax sees no TPU here ($(TPU_PYTHON)); run it on a TPU VM"; exit 1; }
+	mkdir -p $(TPU_OUT)
+	-PYTHONPATH=. timeout $(TPU_STEP_S) $(TPU_PYTHON) -m experiments.bench_kernels --budget-s $$(($(TPU_STEP_S) - 90)) \
+		--hbm-peak-gbps $(TPU_HBM_PEAK_GBPS) --out $(TPU_OUT)/bench_kernels.json 2>&1 | tee $(TPU_OUT)/bench_kernels.log
+	-PYTHONPATH=. timeout $(TPU_STEP_S) $(TPU_PYTHON) -m experiments.bench_generate --preset qwen3.5-27b --impls xla,pallas \
+		--repeats 2 --out $(TPU_OUT)/bench_generate_qwen3.5-27b.json 2>&1 | tee $(TPU_OUT)/bench_generate_qwen3.5-27b.log

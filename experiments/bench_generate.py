@@ -13,8 +13,8 @@ In one run, on random weights built in-process (nothing is downloaded):
   (``impl="pallas"``: Gated DeltaNet prefill / decode / verify, state gather and read), as ratios to XLA's AR.
 
 Presets (``experiments.presets``): ``cpu`` (a mid-size target that runs in minutes on 2 cores) and
-``qwen3.5-27b`` (the real geometry, bf16, for a GPU). CPU timings compare variants with each other; only
-GPU times are absolute.
+``qwen3.5-27b`` (the real geometry, bf16, for a GPU or TPU). CPU timings compare variants with each other;
+only accelerator times are absolute.
 
     python -m experiments.bench_generate [--preset cpu] [--impls xla,pallas] [--out results/bench_generate_cpu.json]
 """
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts and scripted errors")
     parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
                         help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
-                             "(for a GPU: on a CPU they run interpreted, very slowly)")
+                             "(for a GPU or TPU: on a CPU they run interpreted, very slowly)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -263,8 +263,8 @@ def main(argv=None) -> None:
             summary["ar_roofline_tokens_per_s"] = bound
             print(f"AR decode roofline on {kind}: {bound:.1f} tok/s; measured "
                   f"{results['ar']['tokens_per_s']:.1f} ({results['ar']['tokens_per_s'] / bound:.0%} of the bound)")
-    else:
-        print("(CPU: compare the ratios; absolute times say nothing about a GPU)")
+    elif device.platform == "cpu":
+        print("(CPU: compare the ratios; absolute times say nothing about an accelerator)")
     write_json(args.out, summary)
 
 

@@ -1,26 +1,30 @@
 """Device time of the Pallas kernels vs their XLA references, at Qwen3.5-27B-like shapes, in one run.
 
-For every registered kernel case (``REGISTRY``) and both implementations it records, in the same run:
+The kernels are this machine's family (``pallas_kernels.backend``): Triton on a GPU, Mosaic TPU on a TPU. For
+every registered kernel case (``REGISTRY``) and both implementations it records, in the same run:
 
 * compile time (lower + compile, wall clock), apart from run time;
-* device time per call: median (and min) over ``--iterations`` calls of the kernels' own execution times,
-  read with CUPTI (``jax.experimental.mosaic.gpu.profiler.measure``: the sum of every kernel a call launches,
-  host dispatch excluded). Where CUPTI is unavailable the timer falls back to wall clock per synchronous
-  call, and the JSON says ``"timer": "wall"``;
+* device time per call: on a GPU the median (and min) over ``--iterations`` calls of the kernels' own execution
+  times, read with CUPTI (``jax.experimental.mosaic.gpu.profiler.measure``: the sum of every kernel a call
+  launches, host dispatch excluded). Where CUPTI is unavailable, and on a TPU, the timer is wall clock per
+  synchronous call (host dispatch included), and the JSON says ``"timer": "wall"``;
 * achieved bandwidth: the minimum bytes a call must move (``bytes_min``: inputs read once, outputs written
-  once) over the device time, and its fraction of the HBM peak (``--hbm-peak-gbps``, H200: 4800);
-* the Pallas result's error against the XLA reference run at ``precision=highest`` (the first GPU run of a
-  kernel is also its first real execution: a wrong kernel shows up here, not only a slow one);
-* optionally (``--sweep``) a few alternative block / launch configs per Pallas case, best first;
+  once) over the device time, and its fraction of the HBM peak (``--hbm-peak-gbps``: H200 4800, TPU v5e 819,
+  v6e 1640);
+* the Pallas result's error against the XLA reference run at ``precision=highest`` (the first accelerator run
+  of a kernel is also its first real execution: a wrong kernel shows up here, not only a slow one);
+* optionally (``--sweep``, Triton kernels) a few alternative block / launch configs per Pallas case, best first.
+  The TPU kernels are run with ``config=None``: each picks its blocks for the shape and checks their VMEM
+  footprint, so there is nothing to sweep there;
 
 plus the launch floor: the device time of a trivial Pallas kernel and of a trivial XLA op, and the wall
 time of a synchronous trivial call (host dispatch + sync). Base cases run first, sweeps after, and nothing new
 starts after ``--budget-s`` seconds, so a run fits its slot (defaults: about 3-5 minutes on an H200).
 
-On a machine without a GPU it runs tiny shapes with the kernels in Pallas interpret mode: that checks that
-the script and every kernel entry work; the timings mean nothing.
+On a CPU it runs tiny shapes with the kernels interpreted (``--pallas-interpret gpu``: the Triton kernels,
+``tpu``: the TPU ones): that checks that the script and every kernel entry work; the timings mean nothing.
 
-Adding a kernel: write a factory ``(args, on_gpu) -> list[Case]`` and decorate it
+Adding a kernel: write a factory ``(args, on_accelerator) -> list[Case]`` and decorate it
 with ``@register("name")``; a :class:`Case` builds its inputs, runs ``impl`` ("xla" / "pallas") with an
 optional kernel config, and states its ``bytes_min``. Nothing else changes.
 
@@ -44,10 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gated_delta, state_reader
-from pallas_kernels.gated_delta.triton import GDNChunkedConfig, GDNRecurrentConfig
-from pallas_kernels.state_reader.triton import GatherConfig, ReaderKernelConfig
-from pallas_kernels.triton_common import resolve_interpret, triton_compiler_params
+from pallas_kernels import backend, gated_delta, state_reader
 from ready_jax import cli
 from ready_jax.modes import IMPLS
 
@@ -63,7 +64,8 @@ class Case:
     run: ``run(impl, config, *inputs)``, jit-able; ``config`` is None (the kernel's default) or one of
         ``configs``; the XLA implementation ignores it.
     bytes_min: bytes one call must move at least (each input read once, each output written once).
-    configs: alternative Pallas configs tried by ``--sweep`` (frozen dataclasses, recorded as dicts).
+    configs: alternative Pallas configs tried by ``--sweep`` (frozen dataclasses of the Triton kernels, recorded
+        as dicts; none for the TPU kernels, which pick their own blocks).
     tolerance: largest acceptable ``max|pallas - xla| / max|xla|`` (recorded as ``ok`` in the JSON).
     """
 
@@ -82,7 +84,7 @@ REGISTRY: dict[str, CaseFactory] = {}
 
 
 def register(name: str) -> Callable[[CaseFactory], CaseFactory]:
-    """Register ``factory(args, on_gpu) -> list[Case]`` under ``name`` (what ``--kernels`` selects)."""
+    """Register ``factory(args, on_accelerator) -> list[Case]`` under ``name`` (what ``--kernels`` selects)."""
 
     def wrap(factory: CaseFactory) -> CaseFactory:
         REGISTRY[name] = factory
@@ -99,6 +101,12 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _triton_configs(make: Callable[[], tuple]) -> tuple:
+    """``make()``'s alternative configs when this machine runs the Triton kernels; none for the TPU kernels (the
+    config classes are the Triton files', which a TPU never imports)."""
+    return make() if backend.kernel_target().family == "triton" else ()
+
+
 # ---- ReaDy reader kernels ----------------------------------------------------------------------------------------
 # Qwen3.5-27B: 64 layers in 16 groups of (3 GDN + 1 attention); source layers 30 and 62 sit at layer position 2 of
 # groups 7 and 15, so the target cache holds both in one [16, B, T+1, 48, 128, 128] per-position buffer.
@@ -107,8 +115,8 @@ TINY = dict(groups=4, source_groups=(1, 3), heads=4, head_dim=32, hidden=256)
 
 
 @register("state_gather")
-def gather_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
-    geo = QWEN35_27B if on_gpu else TINY
+def gather_cases(args: argparse.Namespace, on_accelerator: bool) -> list[Case]:
+    geo = QWEN35_27B if on_accelerator else TINY
     heads, d = geo["heads"], geo["head_dim"]
     pairs = len(geo["source_groups"]) * heads
     positions = args.block_size + 2  # the verify block [anchor, d_1..d_gamma] leaves T+1 = gamma + 2 states
@@ -133,9 +141,7 @@ def gather_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                     return state_reader.state_gather(states, n, u, v, layers=layers, impl=impl,
                                                  config=config)
 
-                configs = (GatherConfig(), GatherConfig(num_warps=2), GatherConfig(num_warps=8),
-                           GatherConfig(num_stages=1), GatherConfig(num_stages=3), GatherConfig(block_m=2),
-                           GatherConfig(block_k=32))
+                configs = _triton_configs(_gather_configs)
                 cases.append(Case(
                     kernel="state_gather", label=f"B{batch}-r{rank}-{layout}",
                     shapes=dict(per_position=shape, dtype="float32", layers=layers, B=batch, M=pairs, r=rank,
@@ -146,9 +152,16 @@ def gather_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
     return cases
 
 
+def _gather_configs() -> tuple:
+    from pallas_kernels.state_reader.triton import GatherConfig
+
+    return (GatherConfig(), GatherConfig(num_warps=2), GatherConfig(num_warps=8), GatherConfig(num_stages=1),
+            GatherConfig(num_stages=3), GatherConfig(block_m=2), GatherConfig(block_k=32))
+
+
 @register("state_reader")
-def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
-    geo = QWEN35_27B if on_gpu else TINY
+def reader_cases(args: argparse.Namespace, on_accelerator: bool) -> list[Case]:
+    geo = QWEN35_27B if on_accelerator else TINY
     pairs, hidden = len(geo["source_groups"]) * geo["heads"], geo["hidden"]
     dtype = jnp.dtype(args.param_dtype)
     cases = []
@@ -168,10 +181,7 @@ def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
             def run(impl, config, h, c, w_q, w_o, w):
                 return state_reader.state_reader(h, c, w_q, w_o, w, 1e-6, impl=impl, config=config)
 
-            configs = (ReaderKernelConfig(), ReaderKernelConfig(block_m=4), ReaderKernelConfig(block_d=128),
-                       ReaderKernelConfig(block_d=512), ReaderKernelConfig(block_out=32),
-                       ReaderKernelConfig(block_out=128), ReaderKernelConfig(num_warps=2),
-                       ReaderKernelConfig(num_warps=8), ReaderKernelConfig(num_stages=3))
+            configs = _triton_configs(_reader_configs)
             cases.append(Case(
                 kernel="state_reader", label=f"B{batch}-r{rank}",
                 shapes=dict(h=(batch, args.block_size, hidden), dtype=dtype.name, M=pairs, r=rank),
@@ -179,6 +189,14 @@ def reader_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                 bytes_min=_nbytes(((2, batch, args.block_size, hidden), dtype), ((2, hidden, n), dtype), ((n,), dtype),
                                   ((batch, pairs, rank, rank), jnp.float32))))
     return cases
+
+
+def _reader_configs() -> tuple:
+    from pallas_kernels.state_reader.triton import ReaderKernelConfig
+
+    return (ReaderKernelConfig(), ReaderKernelConfig(block_m=4), ReaderKernelConfig(block_d=128),
+            ReaderKernelConfig(block_d=512), ReaderKernelConfig(block_out=32), ReaderKernelConfig(block_out=128),
+            ReaderKernelConfig(num_warps=2), ReaderKernelConfig(num_warps=8), ReaderKernelConfig(num_stages=3))
 
 
 # ---- Gated DeltaNet decode / verify recurrence -------------------------------------------------------------------
@@ -202,7 +220,7 @@ def gdn_inputs(batch: int, seq_len: int, h_k: int, h_v: int, d: int, dtype, *, s
 
 
 @register("gdn_recurrent")
-def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
+def gdn_cases(args: argparse.Namespace, on_accelerator: bool) -> list[Case]:
     """Decode (T = 1) and verify (T = gamma + 1) steps of one GDN layer's recurrence.
 
     * ``verify-all``: T = gamma + 1 with ``output_all_states`` (the per-position states commit selects from),
@@ -213,13 +231,10 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
       consecutive decode steps): the copy is paid once per chain. Times and bytes_min of these cases are for
       the whole chain (per layer: divide the time by ``shapes["chained_calls"]``; GB/s is per layer as is).
     """
-    geo = GDN_QWEN35_27B if on_gpu else GDN_TINY
+    geo = GDN_QWEN35_27B if on_accelerator else GDN_TINY
     h_k, h_v, d = geo["key_heads"], geo["value_heads"], geo["head_dim"]
     dtype = jnp.dtype(args.param_dtype)
-    configs = (GDNRecurrentConfig(), GDNRecurrentConfig(block_v=4), GDNRecurrentConfig(block_v=16),
-               GDNRecurrentConfig(block_v=16, num_warps=2), GDNRecurrentConfig(block_v=32, num_warps=2),
-               GDNRecurrentConfig(block_v=32, num_warps=4), GDNRecurrentConfig(block_v=64, num_warps=4),
-               GDNRecurrentConfig(num_warps=2), GDNRecurrentConfig(block_v=128, num_warps=8))
+    configs = _triton_configs(_recurrent_configs)
     cases, verify_len = [], args.block_size + 1
     for batch in args.batches:
         for mode, seq_len in (("decode", 1), ("verify-final", verify_len), ("verify-all", verify_len)):
@@ -251,6 +266,15 @@ def gdn_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
     return cases
 
 
+def _recurrent_configs() -> tuple:
+    from pallas_kernels.gated_delta.triton import GDNRecurrentConfig
+
+    return (GDNRecurrentConfig(), GDNRecurrentConfig(block_v=4), GDNRecurrentConfig(block_v=16),
+            GDNRecurrentConfig(block_v=16, num_warps=2), GDNRecurrentConfig(block_v=32, num_warps=2),
+            GDNRecurrentConfig(block_v=32, num_warps=4), GDNRecurrentConfig(block_v=64, num_warps=4),
+            GDNRecurrentConfig(num_warps=2), GDNRecurrentConfig(block_v=128, num_warps=8))
+
+
 # ---- Gated DeltaNet prefill (chunked) ----------------------------------------------------------------------------
 def chunked_flops(batch: int, seq_len: int, heads: int, d: int, chunk: int) -> int:
     """Multiply-adds x 2 of the chunked form as the ``gdn_chunked`` kernel computes it (dots only).
@@ -263,20 +287,18 @@ def chunked_flops(batch: int, seq_len: int, heads: int, d: int, chunk: int) -> i
 
 
 @register("gdn_chunked")
-def chunked_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
+def chunked_cases(args: argparse.Namespace, on_accelerator: bool) -> list[Case]:
     """Prefill of one GDN layer (``gdn_chunked``, chunks of 64) from a given state: o and the final state.
 
     ``bytes_min``: q, k, v read once, o written once, the state read and written once. The kernels are
     compute-heavy (dense C x C and C x d dots in fp32); ``shapes["gflop"]`` is their dot work, and the record's
     ``tflops`` the rate achieved (both implementations do about the same dot work).
     """
-    geo = GDN_QWEN35_27B if on_gpu else GDN_TINY
+    geo = GDN_QWEN35_27B if on_accelerator else GDN_TINY
     h_k, h_v, d = geo["key_heads"], geo["value_heads"], geo["head_dim"]
     dtype = jnp.dtype(args.param_dtype)
-    configs = (GDNChunkedConfig(), GDNChunkedConfig(block_v=16), GDNChunkedConfig(block_v=64),
-               GDNChunkedConfig(scan_warps=8), GDNChunkedConfig(block_v=64, scan_warps=8),
-               GDNChunkedConfig(prepare_warps=4), GDNChunkedConfig(num_stages=2))
-    lengths = args.prefill_lengths or ((1024, 4096) if on_gpu else (100,))
+    configs = _triton_configs(_chunked_configs)
+    lengths = args.prefill_lengths or ((1024, 4096) if on_accelerator else (100,))
     cases = []
     for batch in args.batches:
         for seq_len in lengths:
@@ -294,6 +316,14 @@ def chunked_cases(args: argparse.Namespace, on_gpu: bool) -> list[Case]:
                 bytes_min=_nbytes(((2, batch, seq_len, h_k, d), dtype), ((2, batch, seq_len, h_v, d), dtype),
                                   ((2, batch, seq_len, h_v), jnp.float32), ((2, batch, h_v, d, d), jnp.float32))))
     return cases
+
+
+def _chunked_configs() -> tuple:
+    from pallas_kernels.gated_delta.triton import GDNChunkedConfig
+
+    return (GDNChunkedConfig(), GDNChunkedConfig(block_v=16), GDNChunkedConfig(block_v=64),
+            GDNChunkedConfig(scan_warps=8), GDNChunkedConfig(block_v=64, scan_warps=8),
+            GDNChunkedConfig(prepare_warps=4), GDNChunkedConfig(num_stages=2))
 
 
 # ---- timers ------------------------------------------------------------------------------------------------------
@@ -336,17 +366,24 @@ def time_call(fn: Callable, inputs: Sequence, iterations: int, on_gpu: bool) -> 
 
 
 def _trivial_pallas(x):
+    """``x + 1`` as one Pallas kernel of this machine's family, whole array in one block."""
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1.0
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          interpret=resolve_interpret(None),
-                          compiler_params=triton_compiler_params(num_warps=1, num_stages=1))(x)
+    target = backend.kernel_target()
+    compiler_params = None
+    if target.family == "triton":  # explicit: Triton's defaults change between jax versions
+        from pallas_kernels.triton_common import triton_compiler_params
+
+        compiler_params = triton_compiler_params(num_warps=1, num_stages=1)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=target.interpret,
+                          compiler_params=compiler_params)(x)
 
 
 def launch_floor(iterations: int, on_gpu: bool) -> dict[str, Any]:
-    """Device time of a trivial Pallas kernel and XLA op on 128 floats, and the synchronous-call wall floor."""
-    x = jnp.zeros((128,), jnp.float32)
+    """Device time of a trivial Pallas kernel and XLA op on one [8, 128] float32 tile (a TPU vreg; a power of 2
+    for Triton), and the synchronous-call wall floor."""
+    x = jnp.zeros((8, 128), jnp.float32)
     pallas_fn, xla_fn = jax.jit(_trivial_pallas), jax.jit(lambda x: x + 1.0)
     out = {"pallas_trivial": time_call(pallas_fn, (x,), iterations, on_gpu),
            "xla_trivial": time_call(xla_fn, (x,), iterations, on_gpu)}
@@ -442,40 +479,46 @@ def _print_record(r: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> dict:
     p = cli.parser("experiments.bench_kernels", __doc__)
     p.add_argument("--kernels", default=",".join(REGISTRY), help=f"comma list of {sorted(REGISTRY)}")
-    p.add_argument("--batches", type=_ints, default=None, help="batch sizes (GPU default 1,4; CPU 1)")
-    p.add_argument("--ranks", type=_ints, default=None, help="reader ranks (GPU default 8,128; CPU 8,16)")
+    p.add_argument("--batches", type=_ints, default=None, help="batch sizes (GPU / TPU default 1,4; CPU 1)")
+    p.add_argument("--ranks", type=_ints, default=None, help="reader ranks (GPU / TPU default 8,128; CPU 8,16)")
     p.add_argument("--block-size", type=int, default=7,
                    help="drafts per round, gamma (the verify pass keeps gamma + 2 states)")
     p.add_argument("--prefill-lengths", type=_ints, default=None,
-                   help="gdn_chunked prompt lengths (GPU default 1024,4096; CPU 100)")
+                   help="gdn_chunked prompt lengths (GPU / TPU default 1024,4096; CPU 100)")
     p.add_argument("--param-dtype", default="bfloat16", help="drafter parameter / activation dtype")
-    p.add_argument("--iterations", type=int, default=None, help="timed calls per measurement (GPU 200, CPU 3)")
-    p.add_argument("--sweep", action="store_true", help="also time each case's alternative Pallas configs")
-    p.add_argument("--hbm-peak-gbps", type=float, default=4800.0, help="HBM peak for the fraction (H200: 4800)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="timed calls per measurement (GPU / TPU 200, CPU 3)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time each case's alternative Pallas configs (Triton kernels only)")
+    p.add_argument("--hbm-peak-gbps", type=float, default=4800.0,
+                   help="HBM peak for the fraction (H200: 4800; TPU v5e: 819, v6e: 1640, v5p: 2765)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start nothing new after this many seconds")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     start = time.perf_counter()
     deadline = start + args.budget_s
-    on_gpu = jax.default_backend() == "gpu"
-    args.batches = args.batches or ((1, 4) if on_gpu else (1,))
-    args.ranks = args.ranks or ((8, 128) if on_gpu else (8, 16))
-    args.iterations = args.iterations or (200 if on_gpu else 3)
+    platform = jax.default_backend()
+    on_gpu, on_accelerator = platform == "gpu", platform in ("gpu", "tpu")
+    family = backend.kernel_target().family
+    args.batches = args.batches or ((1, 4) if on_accelerator else (1,))
+    args.ranks = args.ranks or ((8, 128) if on_accelerator else (8, 16))
+    args.iterations = args.iterations or (200 if on_accelerator else 3)
     unknown = [k for k in args.kernels.split(",") if k and k not in REGISTRY]
     if unknown:
         p.error(f"unknown kernels {unknown}; registered: {sorted(REGISTRY)}")
     device = jax.devices()[0].device_kind
-    if on_gpu:
-        print(f"{device}: device time per call (CUPTI when available), bytes_min / time vs "
+    if on_accelerator:
+        timer = "CUPTI when available" if on_gpu else "wall clock per synchronous call"
+        print(f"{device}: {family} kernels, device time per call ({timer}), bytes_min / time vs "
               f"{args.hbm_peak_gbps:.0f} GB/s peak")
     else:
-        print(f"*** {device} ({jax.default_backend()}): no GPU. Tiny shapes, Pallas kernels in INTERPRET mode, wall "
+        print(f"*** {device} ({platform}): no accelerator. Tiny shapes, the {family} kernels INTERPRETED, wall "
               "clock. These timings mean NOTHING about kernel speed; this run only checks that the benchmark and "
               "every kernel entry work. ***")
 
     floor = launch_floor(args.iterations, on_gpu)
     print("launch floor: " + ", ".join(f"{k} {v['median_us']:.2f} us ({v['timer']})" for k, v in floor.items()))
-    cases = [c for name in args.kernels.split(",") if name for c in REGISTRY[name](args, on_gpu)]
+    cases = [c for name in args.kernels.split(",") if name for c in REGISTRY[name](args, on_accelerator)]
     records, pending = [], []
     for case in cases:
         if time.perf_counter() > deadline:
@@ -498,10 +541,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         del inputs
         gc.collect()
 
-    result = {"on_gpu": on_gpu, "device": device, "timings_meaningful": on_gpu,
+    result = {"platform": platform, "kernel_family": family, "device": device, "timings_meaningful": on_accelerator,
               "hbm_peak_gbps": args.hbm_peak_gbps, "iterations": args.iterations, "gamma": args.block_size,
               "launch_floor": floor, "results": records, "wall_s": time.perf_counter() - start}
-    if not on_gpu:
+    if not on_accelerator:
         result["warning"] = "CPU interpret mode at tiny shapes: the timings mean nothing"
     print(f"done in {result['wall_s']:.1f} s")
     write_json(args.out, result)
