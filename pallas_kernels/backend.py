@@ -65,12 +65,18 @@ def interpret_family() -> str:
     return _check_family(value, f"${INTERPRET_ENV}") if value else "gpu"
 
 
+# Simulated TensorCores: with one, the grid runs in one sequence and the race detector cannot see two programs
+# of a "parallel" axis write the same block; two split those axes between cores as a megacore chip does.
+INTERPRET_CORES = 2
+
+
 def tpu_interpret_params() -> Any:
-    """The TPU interpreter with every check on: race detection, uninitialised memory as NaN, out-of-bounds
-    reads raising."""
+    """The TPU interpreter with every check on: race detection over :data:`INTERPRET_CORES` simulated cores,
+    uninitialised memory as NaN, out-of-bounds reads raising."""
     from jax.experimental.pallas import tpu as pltpu
 
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise",
+                                 num_cores_or_threads=INTERPRET_CORES)
 
 
 @dataclasses.dataclass(frozen=True)
