@@ -25,7 +25,7 @@ import numpy as np
 from ready_jax import cli, files
 from ready_jax.checkpoint import flat_state, save_tensors
 from ready_jax.config import TargetConfig
-from ready_jax.hf_format import DTYPES, LAYOUTS, Shape, coverage_problems, export_bindings, hf_config
+from ready_jax.hf_format import DTYPES, LAYOUTS, Shape, coverage_problems, export_bindings, hf_config, source_file
 from ready_jax.hf_format import expected_hf_shapes as _expected_hf_shapes
 from ready_jax.target import Target, param_shapes
 
@@ -73,11 +73,12 @@ def _write_hf_files(directory: str, tensors: dict[str, np.ndarray], config: dict
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy the :data:`TOKENIZER_FILES` that ``src`` holds into ``dst``."""
+    """Copy the :data:`TOKENIZER_FILES` that ``src`` holds into ``dst``. A link is followed only to a file inside
+    ``src`` or, for a Hugging Face cache snapshot, inside its repository's ``blobs/``
+    (:func:`ready_jax.hf_format.source_file`); one leading anywhere else is an error, not a copy."""
     for name in TOKENIZER_FILES:
-        path = os.path.join(src, name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(dst, name))
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copyfile(source_file(src, name, "tokenizer file"), os.path.join(dst, name))
 
 
 # ---- command line -------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ exact inverse of the other.
 The contract is strict: every source key is used exactly once or matched by an explicit ignore rule
 (vision tower, MTP heads), every internal parameter is filled exactly once, every shape is checked
 against the config, and all problems are collected and raised together in one ``ValueError`` before any
-tensor data is read. Nothing here unpickles code: ``.bin`` files load with ``weights_only=True``.
+tensor data is read. Nothing here unpickles code: ``.bin`` files load with ``weights_only=True``. A shard an
+index names is read only from inside the checkpoint directory (:func:`source_file`).
 
 Internal layout: linear kernels are ``[in, out]`` (HF's ``weight`` transposed) and per-layer parameters
 are stacked over the ``G`` layer groups (decoder layer ``l = g * p + j`` lives at index ``g`` of
@@ -314,23 +315,63 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, SourceTensor]:
                             "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
 
 
+def source_file(directory: str | os.PathLike, name: str, what: str = "file") -> str:
+    """The path of the file ``name`` of the checkpoint directory ``directory``, refused (ValueError) unless it
+    stays inside: ``name`` is a relative path without ``..``, and the file, followed through every link, is a
+    regular file inside ``directory`` or, when ``directory`` is a snapshot of the Hugging Face cache
+    (``.../models--ORG--NAME/snapshots/REVISION/``), inside that repository's ``blobs/``, where the snapshot's
+    links point. A directory handed over by someone else then cannot make a conversion read or copy another file
+    of the machine: a ``tokenizer.json`` linking to ``/etc/passwd``, a shard named ``../../secret``."""
+    directory = os.fspath(directory)
+    if not name or os.path.isabs(name) or ".." in name.split("/"):
+        raise ValueError(f"the {what} {name!r} of {directory} is not a file name inside it: refusing to read it")
+    path = os.path.join(directory, name)
+    resolved = os.path.realpath(path)
+    if not any(os.path.commonpath([resolved, root]) == root for root in _source_roots(directory)):
+        raise ValueError(f"the {what} {path} links to {resolved}, outside {directory}: refusing to read it (put the "
+                         "file itself there)")
+    if os.path.exists(resolved) and not os.path.isfile(resolved):
+        raise ValueError(f"the {what} {path} is not a regular file: refusing to read it")
+    return path
+
+
+def _source_roots(directory: str) -> list[str]:
+    """Where the files of checkpoint directory ``directory`` may lie: the directory itself and, for a snapshot
+    of the Hugging Face cache (or a folder inside one), the ``blobs/`` of its repository."""
+    root = os.path.realpath(directory)
+    roots = [root]
+    ancestor = root
+    while os.path.dirname(ancestor) != ancestor:
+        parent = os.path.dirname(ancestor)
+        if os.path.basename(parent) == "snapshots" and "--" in os.path.basename(os.path.dirname(parent)):
+            roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+            break
+        ancestor = parent
+    return roots
+
+
 def _read_sharded(index_path: str,
                   reader: Callable[[str], dict[str, SourceTensor]]) -> dict[str, SourceTensor]:
-    """Read every shard named by an HF ``*.index.json`` and check the shards agree with its weight map."""
+    """Read every shard named by an HF ``*.index.json`` and check the shards agree with its weight map. Shards
+    must lie in the index's directory (:func:`source_file`)."""
     try:
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ValueError(f"{index_path} is not a valid checkpoint index (needs a 'weight_map'): {e}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path} is not a valid checkpoint index: its 'weight_map' must map each tensor name "
+                         "to the file name of its shard")
     folder = os.path.dirname(index_path)
     shards = sorted(set(weight_map.values()))
-    absent = [s for s in shards if not os.path.exists(os.path.join(folder, s))]
+    paths = {shard: source_file(folder, shard, "shard") for shard in shards}
+    absent = [s for s in shards if not os.path.exists(paths[s])]
     if absent:
         raise ValueError(f"{index_path} lists shard(s) that do not exist in {folder}: {', '.join(absent)}")
     tensors: dict[str, SourceTensor] = {}
     problems = []
     for shard in shards:
-        for key, tensor in reader(os.path.join(folder, shard)).items():
+        for key, tensor in reader(paths[shard]).items():
             if key in tensors:
                 problems.append(f"{key} is stored in both {tensors[key].file} and {tensor.file}")
             elif weight_map.get(key) != shard:

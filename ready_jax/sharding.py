@@ -129,8 +129,14 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
     terminates every other one (SIGABRT) with a fatal log line saying that another task died: at once
     when process 0 (the coordinator) dies, within ``heartbeat_timeout_seconds`` otherwise (naming the
     dead process), so survivors never wait at a collective forever (a CPU collective already talking to
-    the dead process may fail first, raising ``Gloo all-reduce failed: ... Connection reset by peer``).
+    the dead process may fail first, raising ``Gloo all-reduce failed: ... Connection reset by peer``). A
+    coordinator that cannot be reached ends this process the same way (a fatal log line of jax's client,
+    which Python cannot catch): start process 0 first. An address that is not ``host:port`` is a ValueError
+    before anything is changed.
     """
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:  # jax answers an IndexError, or aborts
+        raise ValueError(f"coordinator_address {coordinator_address!r} is not host:port (a port in 1..65535)")
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
