@@ -323,12 +323,14 @@ def _check_shared(shared: SharedWeights, target_shared: SharedWeights) -> None:
                          "target")
 
 
+@cli.main
 def main(argv=None) -> int:
     parser = cli.parser("convert.deepspec", __doc__.split("\n\n")[0])
     parser.add_argument("src", help="DeepSpec DSpark checkpoint dir (with --export: a ready-jax drafter dir)")
     parser.add_argument("dst", help="output directory")
     parser.add_argument("--export", action="store_true", help="ready-jax drafter -> DeepSpec layout")
-    parser.add_argument("--target", help="target checkpoint dir (ready-jax or HF): required for --export "
+    parser.add_argument("--target", type=cli.existing_directory,
+                        help="target checkpoint dir (ready-jax or HF): required for --export "
                         "(its embedding and LM head are written back); on import, checks the drafter fits it")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="drafter parameter dtype")
     args = parser.parse_args(argv)

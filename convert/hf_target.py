@@ -82,6 +82,7 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None
 
 
 # ---- command line -------------------------------------------------------------------------------------
+@cli.main
 def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.parser("convert.hf_target", "Convert an HF Qwen3.5 / Qwen3-Next checkpoint to a ready-jax target "
                         "checkpoint, or (--export-hf) a ready-jax target checkpoint back to an HF directory.")

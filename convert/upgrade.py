@@ -71,6 +71,7 @@ def record_in_manifest(directory: Path, old: dict[str, dict], argv: Sequence[str
     files.write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
 
 
+@cli.main
 def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.parser("convert.upgrade", __doc__)
     parser.add_argument("checkpoints", nargs="+", type=Path, help="checkpoint directories to upgrade in place")

@@ -178,6 +178,7 @@ def _parameter_bytes(c: rj.TargetConfig, itemsize: int) -> float:
     return float(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))) * itemsize
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.bench_generate", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry and run sizes")

@@ -476,6 +476,7 @@ def _print_record(r: dict) -> None:
             print(f"{'':>33s}sweep {s['median_us']:9.2f} us  {s['config']}")
 
 
+@cli.main
 def main(argv: Sequence[str] | None = None) -> dict:
     p = cli.parser("experiments.bench_kernels", __doc__)
     p.add_argument("--kernels", default=",".join(REGISTRY), help=f"comma list of {sorted(REGISTRY)}")

@@ -106,6 +106,7 @@ def bench_jax(target: rj.Target, prompts: np.ndarray, new_tokens: int, repeats: 
             "tokens": np.stack([np.asarray(t) for t in tokens], axis=1), "logits": np.asarray(out.logits)}
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.bench_target", __doc__)
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (heads of 64)")

@@ -83,9 +83,11 @@ def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, 
             **results}
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.compare_zoo", __doc__)
-    parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="the target and drafters directory")
+    parser.add_argument("--zoo", default=cli.repo_path("zoo"), type=cli.existing_directory,
+                        help="the target and drafters directory")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (half code, half prose)")
     parser.add_argument("--batch1-prompts", type=int, default=4,
                         help="of those, how many also run one at a time (batch 1; 0: none)")

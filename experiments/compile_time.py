@@ -48,6 +48,7 @@ def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block_si
     return out
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.compile_time", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-27b", help="target geometry")

@@ -131,6 +131,7 @@ def plot(path: str | None, paper: dict, local: dict, measured: dict, preset: str
     save_figure(fig, path)
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.cost_model", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")

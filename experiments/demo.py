@@ -29,6 +29,7 @@ def demo_config(num_layers: int) -> rj.TargetConfig:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.demo", __doc__)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")

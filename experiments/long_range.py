@@ -542,6 +542,7 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
     return found
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.long_range", __doc__)
     parser.add_argument("step", choices=("train", "ship", "evaluate", "cost"), help="what to do (see above)")

@@ -312,6 +312,7 @@ def zoo_section(args) -> dict:
     return result
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.loop_efficiency", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="the random target's geometry")

@@ -177,6 +177,7 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
     return out
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.memory", __doc__)
     parser.add_argument("--batch", type=int, default=1, help="sequences per batch")

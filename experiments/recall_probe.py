@@ -78,6 +78,7 @@ def first_step_at(curve: list[dict], accuracy: float) -> int | None:
     return next((row["step"] for row in curve if row["answer_accuracy"] >= accuracy), None)
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.recall_probe", __doc__)
     parser.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS, help="initialisations to train")

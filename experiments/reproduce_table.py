@@ -319,6 +319,7 @@ def plot(result: dict, path: str) -> None:
     save_figure(fig, path)
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.reproduce_table", __doc__)
     parser.add_argument("step", choices=("train", "ship", "evaluate"), help="what to do (see above)")

@@ -82,6 +82,7 @@ def plot(path: str | None, results: dict, preset: str) -> None:
     save_figure(fig, path)
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.rollback", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")

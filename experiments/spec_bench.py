@@ -409,10 +409,13 @@ def print_summary(summary: dict, with_baseline: bool) -> None:
         print(line)
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.spec_bench", __doc__)
-    parser.add_argument("--target", required=True, help="HF or project-format target directory")
-    parser.add_argument("--drafter", help="project-format or DeepSpec drafter directory (none: autoregressive)")
+    parser.add_argument("--target", required=True, type=cli.existing_directory,
+                        help="HF or project-format target directory")
+    parser.add_argument("--drafter", type=cli.existing_directory,
+                        help="project-format or DeepSpec drafter directory (none: autoregressive)")
     parser.add_argument("--tokenizer", help="tokenizer.json (None: the target directory's)")
     parser.add_argument("--questions", default=QUESTIONS, help="Spec-Bench question JSONL")
     parser.add_argument("--categories", help="comma-separated categories (mt_bench: its 8 categories)")

@@ -72,14 +72,17 @@ def long_range_task(args) -> dict:
             "long_range_pool": settings["pool_size"] if args.long_range_pool is None else args.long_range_pool}
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.train_drafter", __doc__)
     parser.add_argument("--variant", required=True, choices=dt.VARIANTS, help="which drafter (see above)")
-    parser.add_argument("--target", default=cli.repo_path("zoo", "target"), help="trained target (project format)")
+    parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory,
+                        help="trained target (project format)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
                         help="corpus directory (built on first use, encoded with the target's tokenizer.json "
                         "where its directory ships one)")
-    parser.add_argument("--init-from", default=None, help="DSpark drafter to start from (ready, dspark-ft)")
+    parser.add_argument("--init-from", default=None, type=cli.existing_directory,
+                        help="DSpark drafter to start from (ready, dspark-ft)")
     parser.add_argument("--workdir", default=None, help="checkpoints and metrics (None: runs/drafter_<variant>)")
     parser.add_argument("--save-dir", default=None, help="write the trained drafter here")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),

@@ -37,6 +37,7 @@ from ready_jax import target as target_lib
 RECALL_SEED = 0x5EED_0E7A
 
 
+@cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.train_target", __doc__)
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
                         help="start every Gated DeltaNet layer set up for associative recall (keys = queries, keys "
                         "from the previous token: training.mimetic_recall_init), so recall through the states "
                         "forms in hundreds of steps instead of after a plateau of thousands; fresh targets only")
-    parser.add_argument("--init-from", default=None,
+    parser.add_argument("--init-from", default=None, type=cli.existing_directory,
                         help="start from this trained target's weights (project format; its config must be the one "
                         "the flags describe) instead of a random initialisation: a curriculum's next stage, or a "
                         "run continued in a new workdir")

@@ -2,16 +2,19 @@
 
 :func:`parser` makes every script's argument parser (``prog`` ``python -m <module>``, the module
 docstring as it is laid out, every option's default in ``--help``, the runtime options of
-``ready_jax.runtime`` applied as soon as the arguments are parsed); :func:`repo_path` resolves the
-repository's own files (``zoo/``, ``results/``, the shared data at ``../shared/data``) against the
-repository root, so a default path works from any working directory; :class:`Progress` reports a
-loop someone waits on.
+``ready_jax.runtime`` applied as soon as the arguments are parsed); :func:`main` wraps every script's
+``main``, so that an error of the input or of the file system ends the script with one line, ``error: ...``;
+:func:`repo_path` resolves the repository's own files (``zoo/``, ``results/``, the shared data at
+``../shared/data``) against the repository root, so a default path works from any working directory;
+:class:`Progress` reports a loop someone waits on.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 # the arguments are parsed (ready_jax.files.check_output), not after the work.
 OUTPUT_OPTIONS = ("out", "out_dir", "answer_file")
 
+DEBUG_ENV = "READY_JAX_DEBUG"  # "1" (or true / yes / on): an error shows its traceback, as --debug does
+# Errors :func:`main` reports in one line: bad input (ValueError), the file system's refusals (OSError: a full
+# disk, a read-only or missing path), a missing optional package, and every error type of the project's own.
+# Anything else is a bug and keeps its traceback.
+REPORTED_ERRORS = (ValueError, OSError, ImportError)
+_OWN_PACKAGES = ("ready_jax", "pallas_kernels", "convert", "experiments")
+_debug_requested = False  # --debug given to the script running now (set by its parser)
+
 
 class _ScriptParser(argparse.ArgumentParser):
     """An argument parser that refuses an unwritable :data:`OUTPUT_OPTIONS` path and applies the runtime options
@@ -39,7 +50,9 @@ class _ScriptParser(argparse.ArgumentParser):
     script recording ``vars(args)`` records it."""
 
     def parse_known_args(self, args=None, namespace=None):  # parse_args goes through here too
+        global _debug_requested
         parsed, rest = super().parse_known_args(args, namespace)
+        _debug_requested = parsed.debug
         for option in OUTPUT_OPTIONS:  # before the work, not after it
             path = getattr(parsed, option, None)
             if path:
@@ -59,7 +72,8 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
 
     Every script gets the ``runtime`` options (``--no-compile-cache``, ``--compile-cache-dir``,
     ``--pallas-interpret``), applied by ``parse_args`` / ``parse_known_args`` through
-    :func:`ready_jax.runtime.configure`, which also sets XLA's CPU flags (``runtime.CPU_XLA_FLAGS``)."""
+    :func:`ready_jax.runtime.configure`, which also sets XLA's CPU flags (``runtime.CPU_XLA_FLAGS``), and
+    ``--debug``, which :func:`main` reads."""
     script = Path(sys.argv[0]).name
     prog = script if script.startswith("ready-jax-") else f"python -m {module}"
     result = _ScriptParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
@@ -73,7 +87,58 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
                        help="on a CPU, which kernels impl='pallas' interprets: gpu (Triton, generic interpreter) "
                             "or tpu (Mosaic TPU, TPU interpreter with race detection); default: "
                             f"${backend.INTERPRET_ENV}, else gpu")
+    result.add_argument("--debug", action="store_true",
+                        help=f"on an error, show its traceback instead of one line (so does ${DEBUG_ENV}=1)")
     return result
+
+
+def main(script_main):
+    """Decorates a script's ``main(argv=None)``. An error of the input or of the environment
+    (:data:`REPORTED_ERRORS`, or an error type of the project's own) ends the script with one line on stderr,
+    ``error: <message>``, and exit status 2, as a usage error does; with ``--debug`` or ``$READY_JAX_DEBUG=1``
+    it propagates with its traceback. Whatever ``main`` returns or raises otherwise (a ``SystemExit`` with its
+    message, a bug's traceback) passes unchanged."""
+    @functools.wraps(script_main)
+    def run(argv=None):
+        global _debug_requested
+        _debug_requested = False
+        try:
+            return script_main(argv)
+        except Exception as e:
+            if not reported(e) or _debug_requested or debug_by_env():
+                raise
+            print(f"error: {message(e)}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return run
+
+
+def message(error: BaseException) -> str:
+    """What :func:`main` prints of ``error``: its text, without the ``[Errno N]`` of an OSError whose text says
+    what happened to which path."""
+    if isinstance(error, OSError) and error.strerror and error.filename is None:
+        return error.strerror
+    return str(error) or type(error).__name__
+
+
+def reported(error: BaseException) -> bool:
+    """Whether :func:`main` reports ``error`` in one line: one of :data:`REPORTED_ERRORS`, or of a type the
+    project defines (``training.ResumeError``, ...)."""
+    return isinstance(error, REPORTED_ERRORS) or any(
+        kind.__module__.split(".")[0] in _OWN_PACKAGES for kind in type(error).__mro__)
+
+
+def debug_by_env() -> bool:
+    """Whether ``$READY_JAX_DEBUG`` asks for tracebacks."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def existing_directory(text: str) -> str:
+    """argparse type: a directory that exists (a model to load), checked as the arguments are parsed rather than
+    after the work that comes before loading it; the text is kept as given."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is {'not a directory' if os.path.exists(text) else 'missing'}")
+    return text
 
 
 def positive_int(text: str) -> int:

@@ -338,6 +338,8 @@ def read_json(path: str | os.PathLike) -> Any:
             return json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read {path}: it is not valid JSON ({e})") from e
+    except RecursionError:  # nested deeper than Python's parser recurses, which no real config is
+        raise ValueError(f"cannot read {path}: its JSON is nested too deeply") from None
 
 
 def _hybrid_layers(num_layers: int) -> tuple[str, ...]:

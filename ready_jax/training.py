@@ -212,16 +212,31 @@ class Checkpointer:
 
     def save(self, state: TrainState, meta: dict) -> None:
         step = int(state.step)
+        # A full disk is refused here, before orbax writes anything: its writer threads report a failed write in
+        # dozens of log lines and tracebacks of their own.
+        files.check_output(self.directory, size=self._room_needed(state), what=f"checkpoint of step {step} in")
         self._pending_path(step).touch()
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
-                                                        meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
-        self.manager.wait_until_finished()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
+                                                            meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+            self.manager.wait_until_finished()
+        except (OSError, ValueError) as e:  # tensorstore reports a full disk as a ValueError (RESOURCE_EXHAUSTED)
+            raise OSError(f"cannot save checkpoint {self.step_dir(step)}: {e}. The checkpoints before it are "
+                          "kept: once the disk has room, the same command resumes from the last one") from e
         self._write_record(step)
         self._pending_path(step).unlink()
         kept = set(self.manager.all_steps())
         for stale in [*self.hashes.glob("*.json"), *self.hashes.glob("*.pending")]:
             if int(stale.stem) not in kept:  # orbax pruned old steps: drop their records too
                 stale.unlink()
+
+    def _room_needed(self, state: TrainState) -> int:
+        """The bytes a save of ``state`` takes: what the newest saved step holds on disk, else (the first save)
+        the arrays' own size."""
+        steps = self.steps()
+        if steps:
+            return sum(p.stat().st_size for p in self.step_dir(steps[-1]).rglob("*") if p.is_file())
+        return sum(x.nbytes for x in jax.tree.leaves(_saved_tree(state)))
 
     def _write_record(self, step: int) -> None:
         record = json.dumps(_file_hashes(self.step_dir(step)), indent=1)

@@ -15,7 +15,8 @@ import ready_jax as rj
 from experiments import compare_zoo, spec_bench, train_drafter, train_target
 from ready_jax import files, training
 
-MISSING = "/nonexistent/input"  # loading it would be the first piece of work: a check after it comes too late
+# A directory, not a model: loading it would be the first piece of work, so a check after it comes too late.
+MISSING = str(Path(__file__).resolve().parent)
 
 
 def _usage_error(capsys, main, argv) -> str:
