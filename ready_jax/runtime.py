@@ -10,12 +10,17 @@ library calls it itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import warnings
 from pathlib import Path
 
 import jax
-from jax._src import xla_bridge  # backends_are_initialized: public jax has no way to ask (0.10 and 0.12)
+from jax._src import (
+    compilation_cache,  # the cache's own codec: public jax has no way to read an entry
+    xla_bridge,  # backends_are_initialized: public jax has no way to ask (0.10 and 0.12)
+)
 
 from pallas_kernels import backend
 from pallas_kernels.backend import InterpretFamily
@@ -30,6 +35,9 @@ CPU_XLA_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
 
 CACHE_ENV = "READY_JAX_COMPILE_CACHE"   # "0" (or false / no / off) turns the persistent cache off
 CACHE_DIR_ENV = "READY_JAX_CACHE_DIR"   # where the persistent cache lives (default_cache_dir)
+# In the cache directory: entries older than this file were checked whole (remove_damaged_cache_entries).
+CACHE_CHECKED_FILE = ".ready-jax-checked"
+_CLOCK_MARGIN_NS = 2 * 10**9
 # The generation programs take seconds to compile; jax's default threshold (1 s) would skip the smaller
 # ones, which still cost a noticeable wait at every start.
 MIN_COMPILE_SECONDS = 0.5
@@ -61,7 +69,8 @@ def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None
     ``compile_cache`` turns on JAX's persistent compilation cache in ``cache_dir`` (default:
     :func:`default_cache_dir`), created if missing, so a second process compiling the same program
     loads it from disk instead. ``$READY_JAX_COMPILE_CACHE=0`` overrides it to off. A directory that
-    cannot be created or written warns and leaves the cache off.
+    cannot be created or written warns and leaves the cache off. Entries cut short since the last start are
+    removed (:func:`remove_damaged_cache_entries`).
 
     ``pallas_interpret`` picks the kernels ``impl="pallas"`` runs on a CPU, where no accelerator compiles them:
     ``"gpu"`` the Triton kernels in Pallas' generic interpreter, ``"tpu"`` the Mosaic TPU kernels in the TPU
@@ -79,12 +88,55 @@ def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None
     if compile_cache and not cache_disabled_by_env():
         directory = _usable_dir(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir())
     if directory is not None:
+        remove_damaged_cache_entries(directory)
         jax.config.update("jax_compilation_cache_dir", str(directory))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size minimum (0: jax picks)
     return {"xla_flags": os.environ.get("XLA_FLAGS", ""), "added_xla_flags": added,
             "compile_cache_dir": None if directory is None else str(directory),
             "pallas_interpret": backend.interpret_family()}
+
+
+def remove_damaged_cache_entries(directory: str | os.PathLike) -> list[Path]:
+    """Remove the entries of the persistent compilation cache in ``directory`` that a full disk or a killed write
+    left empty or cut short; the removed paths.
+
+    jax writes an entry in place and never replaces one that exists: a damaged entry would make every later
+    process warn, compile the program again and keep the damaged file. Removed, the next compile writes it
+    whole. Each entry is decoded once, the first start after it was written (or changed): entries older than
+    the previous check, recorded in the cache directory (:data:`CACHE_CHECKED_FILE`), are not read again. An
+    entry another process is writing at that moment may be removed as well: it costs one more compile."""
+    directory = Path(directory)
+    stamp = directory / CACHE_CHECKED_FILE
+    try:
+        # Back by a margin: a file's time comes from a coarser clock than time.time_ns.
+        checked_until = stamp.stat().st_mtime_ns - _CLOCK_MARGIN_NS
+    except FileNotFoundError:
+        checked_until = 0
+    started = time.time_ns()
+    removed = []
+    for entry in sorted(directory.glob("*-cache")):
+        try:
+            if entry.stat().st_mtime_ns < checked_until or _decodes(entry.read_bytes()):
+                continue
+            entry.unlink()
+        except FileNotFoundError:  # evicted or removed meanwhile by another process
+            continue
+        removed.append(entry)
+        (directory / (entry.name.removesuffix("-cache") + "-atime")).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a cache that cannot keep the record is checked whole next time
+        stamp.touch()
+        os.utime(stamp, ns=(started, started))
+    return removed
+
+
+def _decodes(data: bytes) -> bool:
+    """Whether ``data`` is a whole entry as jax writes it: a compressed stream (jax's own codec, which finds a
+    stream cut short) holding the 4-byte compile time and a serialised executable."""
+    try:
+        return len(compilation_cache.decompress_executable(data)) > 4
+    except Exception:  # noqa: BLE001 - any failure to decode is an entry jax could not read either
+        return False
 
 
 def _flag_name(flag: str) -> str:

@@ -142,6 +142,62 @@ def test_a_second_process_loads_the_compiled_program_from_the_cache(tmp_path):
     assert sorted(directory.iterdir()) == written  # nothing compiled anew
 
 
+def _entry(executable: bytes) -> bytes:
+    """A cache entry as jax writes it."""
+    from jax._src import compilation_cache
+    return compilation_cache.compress_executable(compilation_cache.combine_executable_and_time(executable, 3))
+
+
+def test_configure_removes_cache_entries_cut_short_and_reads_each_entry_once(jax_cache_options, tmp_path):
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    whole = _entry(b"an executable" * 1000)
+    (directory / "jit_f-1-cache").write_bytes(whole)
+    (directory / "jit_g-2-cache").write_bytes(whole[: len(whole) // 2])  # the disk filled mid-write
+    (directory / "jit_h-3-cache").write_bytes(b"")
+    (directory / "jit_h-3-atime").write_bytes(b"12345678")
+    runtime.configure(cache_dir=directory)
+    assert sorted(p.name for p in directory.iterdir()) == [runtime.CACHE_CHECKED_FILE, "jit_f-1-cache"]
+
+    # Checked before the previous start: not read again. Written since: checked.
+    old, new = directory / "jit_old-4-cache", directory / "jit_new-5-cache"
+    old.write_bytes(b"cut")
+    checked = (directory / runtime.CACHE_CHECKED_FILE).stat().st_mtime_ns
+    os.utime(old, ns=(checked - 10 * 10**9,) * 2)
+    new.write_bytes(b"cut")
+    assert runtime.remove_damaged_cache_entries(directory) == [new]
+    assert old.exists() and (directory / "jit_f-1-cache").read_bytes() == whole
+
+
+CACHED_COMPILE_WARNINGS = """
+    import json, sys, warnings
+    from ready_jax import runtime
+    runtime.configure(cache_dir=sys.argv[1])
+    import jax, jax.numpy as jnp
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this function compiles in milliseconds
+    events = []
+    jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert float(jax.jit(lambda x: jnp.cos(x) @ x.T)(jnp.ones((4, 4))).sum()) > 0
+    print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
+                      "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_cache_entry_cut_short_is_compiled_once_more_and_then_loaded(tmp_path):
+    directory = tmp_path / "cache"
+    assert _fresh_python(CACHED_COMPILE_WARNINGS, tmp_path, str(directory)) == {"hits": 0, "warnings": []}
+    entries = len(list(directory.glob("*-cache")))
+    (entry,) = directory.glob("jit__lambda-*-cache")
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[: len(whole) // 2])  # what a full disk leaves
+    assert _fresh_python(CACHED_COMPILE_WARNINGS, tmp_path, str(directory)) == {"hits": entries - 1, "warnings": []}
+    assert len(entry.read_bytes()) == len(whole)  # written whole again
+    assert _fresh_python(CACHED_COMPILE_WARNINGS, tmp_path, str(directory)) == {"hits": entries, "warnings": []}
+
+
 # ---- the scripts' options ----------------------------------------------------------------------------------
 def test_a_script_parser_takes_the_runtime_options_and_applies_them(jax_cache_options, tmp_path):
     parser = cli.parser("experiments.demo", "A script.")
