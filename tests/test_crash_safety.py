@@ -80,6 +80,7 @@ FILES_WRITE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter per kill point; one kill runs in the default set below
 @pytest.mark.parametrize("no_exchange", [False, True], ids=["exchange", "rename-aside"])
 def test_a_write_killed_at_any_step_leaves_the_old_or_the_new_version(tmp_path, no_exchange):
     directory, text = tmp_path / "ckpt", tmp_path / "result.json"
@@ -133,6 +134,7 @@ def two_drafters(tmp_path_factory):
     return root, weights
 
 
+@pytest.mark.slow  # a fresh interpreter per kill point; one kill runs in the default set below
 def test_save_over_a_checkpoint_killed_at_any_step_leaves_one_loadable(two_drafters, tmp_path):
     root, weights = two_drafters
     path = tmp_path / "ckpt"
@@ -194,6 +196,7 @@ def _format_1(path: Path) -> None:
 UPGRADE = "from convert import upgrade\nupgrade.main([sys.argv[3]])\n"
 
 
+@pytest.mark.slow  # a fresh interpreter per kill point; one kill runs in the default set below
 def test_upgrade_killed_at_any_step_leaves_a_loadable_checkpoint(two_drafters, tmp_path):
     root, weights = two_drafters
     path = tmp_path / "old"
@@ -216,6 +219,7 @@ def test_upgrade_killed_at_any_step_leaves_a_loadable_checkpoint(two_drafters, t
 CONVERT = "from convert import hf_target\nhf_target.main([sys.argv[3], sys.argv[4]])\n"
 
 
+@pytest.mark.slow  # a fresh interpreter that converts; the kill itself runs in the default set above
 def test_killed_conversion_leaves_nothing_the_rerun_does_not_clean(tmp_path):
     src, dst = _write_hf_dir(tmp_path / "src", _hf_tensors()), tmp_path / "dst"
     assert _killed_at(0, CONVERT, src, dst)
