@@ -22,6 +22,9 @@ import jax.numpy as jnp
 Layers = tuple[tuple[int, int], ...]
 """Static ``((array, leading index), ...)``: where each source layer sits among the per-position arrays."""
 
+QUERY_EPS = 1e-6
+"""Added to a full-key-space query's squared norm before its L2 normalisation (:func:`read_by_content`)."""
+
 
 # ---- the state read ---------------------------------------------------------------------------------------
 def per_position_arrays(per_position: jax.Array | Sequence[jax.Array],
@@ -124,7 +127,7 @@ def read_by_content(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: ja
     b, g, _ = h.shape
     num_pairs, _, rank = values.shape[1:]
     q = queries.astype(jnp.float32)
-    q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + QUERY_EPS)
     q = jnp.repeat(q, num_pairs // queries.shape[2], axis=2)                  # [B, G, M, d_k]
     y = jnp.einsum("bmkr,bgmk->bgmr", values.astype(jnp.float32), q).reshape(b, g, num_pairs * rank)
     return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)

@@ -1,4 +1,5 @@
-"""The ReaDy reader's Pallas (Triton) kernels: ``state_gather`` (DESIGN.md 3.1) and ``state_reader`` (3.2).
+"""The ReaDy reader's Pallas (Triton) kernels: ``state_gather`` (DESIGN.md 3.1), ``state_reader`` (3.2) and the
+full-key-space read ``content_reader``.
 
 References: ``pallas_kernels.state_reader.reference``; each kernel takes its reference's arguments and returns
 its result.
@@ -9,8 +10,10 @@ its result.
   ``[L_src, B, T+1, H_v, d_k, d_v]`` array or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]`` arrays with
   static ``layers`` naming (array, index) per source layer, so the target cache's per-layer-position buffers are
   read in place; states may be fp32 or bf16. Only the committed position of each state is read (n is clamped to
-  0..T in the kernel), each once; only ``r x r`` numbers per pair are written; accumulation is fp32. r, d_v and
-  the d_k chunk must be powers of 2 (every real GDN geometry is); other shapes raise ValueError.
+  0..T in the kernel), each once; only ``r x r`` numbers per pair are written; accumulation is fp32. With
+  key_basis None (a content read's values) the key side stays whole: ``P[b, m] = S V_m`` -> ``[B, M, d_k, r]``
+  fp32, ``d_k x r`` numbers written per pair, each d_k chunk of rows as soon as it is done. r, d_v and the d_k
+  chunk must be powers of 2 (every real GDN geometry is); other shapes raise ValueError.
 * :func:`state_reader` (reference ``read``): ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed
   ``[M, r]`` per draft position. h ``[B, G, d]``, compressed C ``[B, M, r, r]``, w_q ``[d, M r]``, w_o
   ``[M r, d]``, norm_weight ``[M r]``, eps a static float -> ``[B, G, d]`` in ``result_type(h, w_o)``. Two
@@ -19,6 +22,15 @@ its result.
   the reference rounds (a in ``result_type(h, W_q)``, y and the normalised vector in h's dtype), all
   accumulation is fp32, so fp32 inputs agree to fp32 rounding and bf16 inputs to about one bf16 ulp; no Triton
   dot contracts over a rank < 16. r must be a power of 2 (other ranks raise ValueError).
+* :func:`content_reader` (reference ``read_by_content``): ``h + W_o(rmsnorm(concat_m P_m^T q_m))`` with queries
+  in the full key space. h ``[B, G, d]``, queries ``[B, G, Q, d_k]`` (one per source layer and key head, shared
+  by the ``M / Q`` consecutive pairs of its value heads), values P ``[B, M, d_k, r]`` fp32 (the gather's, without
+  a key basis), w_o ``[M r, d]``, norm_weight ``[M r]``, eps a static float -> ``[B, G, d]`` in
+  ``result_type(h, w_o)``. The queries themselves (a factorised projection of h, or the target's own frozen
+  query path) are XLA matmuls before the kernel: what differs between the designs stays outside it. Two
+  launches: ``reader_content`` (per pair, ``q / |q|`` in fp32 with the reference's epsilon, ``y = P^T q`` by
+  multiply-and-sum for r < 16 and one dot per d_k chunk for r >= 16, y rounded to h's dtype, partial sums of
+  squares) and the basis read's ``reader_out``. r and d_k must be powers of 2 (other shapes raise ValueError).
 
 Design: docs/kernels.md.
 """
@@ -42,7 +54,7 @@ from ..triton_common import (
     next_power_of_2,
     triton_compiler_params,
 )
-from .reference import Layers, per_position_arrays
+from .reference import QUERY_EPS, Layers, per_position_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +160,6 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
         raise ValueError(f"state_reader needs a power-of-2 rank for Triton tiles; got {r}. "
                          "Use the reference (impl='xla') for this rank.")
     q_dtype = jnp.result_type(h.dtype, w_q.dtype)
-    o_dtype = jnp.result_type(h.dtype, w_o.dtype)
     g_pad = max(MIN_DOT_DIM, next_power_of_2(g))
     block_m = 1 if r >= MIN_DOT_DIM else min(config.block_m, largest_power_of_2_divisor(m))
     block_d = min(config.block_d, largest_power_of_2_divisor(d))
@@ -176,14 +187,26 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
         name="reader_query",
     )(h, w_q, compressed)
 
+    return _reader_out(h, y, ss, norm_weight, w_o, eps, block_n=block_n, block_out=block_out, params=params,
+                       interpret=interpret)
+
+
+def _reader_out(h: jax.Array, y: jax.Array, ss: jax.Array, norm_weight: jax.Array, w_o: jax.Array, eps: float, *,
+                block_n: int, block_out: int, params, interpret: bool) -> jax.Array:
+    """``h + W_o(rmsnorm(y))`` as one launch: y ``[B, G_pad, M r]`` in h's dtype, ss ``[B, P, G_pad]`` fp32
+    partial sums of y's squares (P blocks of columns). Shared by both reads."""
+    b, g, d = h.shape
+    g_pad, n = y.shape[1:]
+    num_partials = ss.shape[1]
+    o_dtype = jnp.result_type(h.dtype, w_o.dtype)
     return pl.pallas_call(
-        functools.partial(_out_kernel, block_n=block_n, num_cols=n, num_partials=num_blocks, eps=float(eps),
+        functools.partial(_out_kernel, block_n=block_n, num_cols=n, num_partials=num_partials, eps=float(eps),
                           h_dtype=h.dtype, o_dtype=o_dtype),
         out_shape=jax.ShapeDtypeStruct((b, g, d), o_dtype),
         grid=(b, d // block_out),
         in_specs=[pl.BlockSpec((None, g_pad, block_out), lambda i, j: (i, 0, j)),  # residual h
                   pl.BlockSpec((None, g_pad, n), lambda i, j: (i, 0, 0)),          # y[b], all M r columns
-                  pl.BlockSpec((None, num_blocks, g_pad), lambda i, j: (i, 0, 0)),
+                  pl.BlockSpec((None, num_partials, g_pad), lambda i, j: (i, 0, 0)),
                   pl.BlockSpec((n,), lambda i, j: (0,)),
                   pl.BlockSpec((n, block_out), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((None, g_pad, block_out), lambda i, j: (i, 0, j)),  # padded rows: masked stores
@@ -196,6 +219,130 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
     )(h, y, ss, norm_weight, w_o)
 
 
+# ---- the content read: y = P^T q for full-key-space queries, then reader_out -----------------------------------
+@dataclasses.dataclass(frozen=True)
+class ContentReaderConfig:
+    """Block sizes and Triton launch parameters of the content read's two kernels (static; part of the jit cache
+    key). Every block is an upper bound, capped at the largest power of 2 dividing its axis.
+
+    block_m: pairs per program of ``reader_content``. 1 gives B * M programs (96 per sequence on Qwen3.5-27B);
+        a program's work is one ``[G, d_k] x [d_k, r]`` product per pair, so more pairs per program only
+        lengthen the few programs there are.
+    block_k: d_k chunk of the product. For r < 16 it is a multiply-and-sum holding ``[G_pad, block_k, r]`` in
+        registers (16 x 32 x 8 fp32 = 32 registers per thread at 4 warps); r >= 16 raises it to 16 for a dot.
+    block_n, block_out: ``reader_out``'s, as in :class:`ReaderKernelConfig`.
+    num_warps, num_stages: passed to Triton explicitly, for both kernels.
+    """
+
+    block_m: int = 1
+    block_k: int = 32
+    block_n: int = 128
+    block_out: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
+                    for name in ("block_m", "block_k", "block_n", "block_out", "num_warps")
+                    if not is_power_of_2(getattr(self, name))]
+        if self.num_stages < 1:
+            problems.append(f"num_stages must be >= 1; got {self.num_stages}")
+        if problems:
+            raise ValueError("invalid ContentReaderConfig: " + "; ".join(problems))
+
+
+def _content_kernel(q_ref, p_ref, y_ref, ss_ref, *, block_m: int, block_k: int, d_k: int, rank: int, group: int,
+                    h_dtype):
+    """Program (b, pair block). q_ref [G_pad, Q d_k] (the sequence's queries, one d_k slice per key head);
+    p_ref [block_m, d_k, r] fp32; y_ref [G_pad, block_m r] (h's dtype); ss_ref [G_pad] fp32."""
+    g_pad = y_ref.shape[0]
+
+    def pair(j):
+        """``y = P^T (q / |q|)`` of the block's j-th pair, [G_pad, r] fp32."""
+        # Value heads of one key head are consecutive pairs (group of them), all reading that head's query.
+        q0 = pl.multiple_of((pl.program_id(1) * block_m + j) // group * d_k, d_k)
+        q = q_ref[:, pl.ds(q0, d_k)].astype(jnp.float32)                              # [G_pad, d_k]
+        inv_norm = lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + QUERY_EPS)        # [G_pad, 1]
+
+        def step(kc, acc):  # acc [G_pad, r] fp32
+            k0 = pl.multiple_of(kc * block_k, block_k)
+            q_unit = q_ref[:, pl.ds(q0 + k0, block_k)].astype(jnp.float32) * inv_norm  # the reference's q / |q|
+            return acc + matmul(q_unit, p_ref[j, pl.ds(k0, block_k), :].astype(jnp.float32))
+
+        return lax.fori_loop(0, d_k // block_k, step, jnp.zeros((g_pad, rank), jnp.float32))
+
+    ss = jnp.zeros((g_pad,), jnp.float32)
+    for j in range(block_m):
+        y = pair(j).astype(h_dtype)                        # rounded where the reference rounds
+        y_ref[:, pl.ds(j * rank, rank)] = y
+        y32 = y.astype(jnp.float32)
+        ss = ss + jnp.sum(y32 * y32, axis=1)
+    ss_ref[...] = ss
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
+def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                   eps: float, *, interpret: bool = False, config: ContentReaderConfig | None = None) -> jax.Array:
+    """The content read as two launches; see the module docstring for shapes.
+
+    ``eps``: the RMSNorm epsilon (static). ``interpret``: Pallas interpret mode (the only mode on a CPU).
+    ``config``: block sizes and launch parameters (None: the defaults).
+    """
+    config = ContentReaderConfig() if config is None else config
+    b, g, d = h.shape
+    _, m, d_k, r = values.shape
+    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    n = m * r
+    problems = []
+    if values.shape != (b, m, d_k, r):
+        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {b}")
+    if queries.ndim != 4 or queries.shape[:2] != (b, g) or queries.shape[3] != d_k or not num_queries \
+            or m % num_queries:
+        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{b}, {g}, Q, {d_k}] with Q dividing "
+                        f"M = {m}")
+    if w_o.shape != (n, d) or norm_weight.shape != (n,):
+        problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{n}, {d}], [{n}] "
+                        f"(d = {d}, M r = {m} x {r})")
+    if problems:
+        raise ValueError("content_reader: " + "; ".join(problems))
+    unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_k", d_k)) if not is_power_of_2(v)]
+    if unsupported:
+        raise ValueError(f"content_reader needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
+                         "Use the reference (impl='xla') for this geometry.")
+    group = m // num_queries
+    g_pad = max(MIN_DOT_DIM, next_power_of_2(g))  # reader_out's dot needs >= 16 rows
+    block_m = min(config.block_m, largest_power_of_2_divisor(m))
+    block_k = min(config.block_k, d_k)
+    if r >= MIN_DOT_DIM:
+        block_k = max(block_k, min(MIN_DOT_DIM, d_k))
+    block_n = min(config.block_n, largest_power_of_2_divisor(n))
+    block_out = min(config.block_out, largest_power_of_2_divisor(d))
+    num_blocks = m // block_m
+    params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+    flat_queries = queries.reshape(b, g, num_queries * d_k)   # free: a key head's query is a d_k slice of a row
+
+    y, ss = pl.pallas_call(
+        functools.partial(_content_kernel, block_m=block_m, block_k=block_k, d_k=d_k, rank=r, group=group,
+                          h_dtype=h.dtype),
+        out_shape=(jax.ShapeDtypeStruct((b, g_pad, n), h.dtype),
+                   jax.ShapeDtypeStruct((b, num_blocks, g_pad), jnp.float32)),
+        grid=(b, num_blocks),
+        in_specs=[pl.BlockSpec((None, g_pad, num_queries * d_k), lambda i, j: (i, 0, 0)),  # rows padded to g_pad
+                  pl.BlockSpec((None, block_m, d_k, r), lambda i, j: (i, j, 0, 0))],
+        out_specs=[pl.BlockSpec((None, g_pad, block_m * r), lambda i, j: (i, 0, j)),
+                   pl.BlockSpec((None, None, g_pad), lambda i, j: (i, j, 0))],
+        interpret=interpret,
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * b * g * n * d_k + 3 * b * g * m * d_k, transcendentals=b * g * m,
+            bytes_accessed=queries.nbytes * group + values.nbytes + b * g_pad * n * (h.dtype.itemsize + 4)),
+        name="reader_content",
+    )(flat_queries, values)
+
+    return _reader_out(h, y, ss, norm_weight, w_o, eps, block_n=block_n, block_out=block_out, params=params,
+                       interpret=interpret)
+
+
 @dataclasses.dataclass(frozen=True)
 class GatherConfig:
     """Block sizes and Triton launch parameters of the Pallas kernel (static; part of the jit cache key).
@@ -203,8 +350,9 @@ class GatherConfig:
     block_m: (layer, head) pairs per program. 1 gives the most programs (B * M; 96 for B = 1 on
         Qwen3.5-27B, under one wave of the H200's 132 SMs), which a latency-bound kernel wants.
     block_k: d_k rows per step of the in-kernel loop (upper bound, a power of 2; capped at the largest power
-        of 2 dividing d_k). For r < 16 the step holds a ``[block_k, r, d_v]`` product in registers
-        (16 x 8 x 128 fp32 = 128 registers per thread at 4 warps), so keep it small.
+        of 2 dividing d_k). For r < 16 the step holds a ``[block_k, r, d_v]`` product in registers (``[block_k,
+        d_v, r]`` without a key basis; 16 x 8 x 128 fp32 = 128 registers per thread at 4 warps), so keep it
+        small.
     num_warps, num_stages: passed to Triton explicitly (stages pipeline the d_k loop's loads).
     """
 
@@ -224,16 +372,29 @@ class GatherConfig:
 
 # ---- the kernel ---------------------------------------------------------------------------------------------
 def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int, num_pairs: int, block_m: int,
-                   block_k: int, d_k: int, rank: int, t_max: int, use_dot: bool):
+                   block_k: int, d_k: int, rank: int, t_max: int, use_dot: bool, keyed: bool):
     """Program (b, pair block). Refs (un-blocked, whole arrays):
 
-    n_ref [B] int32; x_refs[i] [L_i, B, T+1, H_v, d_k, d_v]; u_ref [M, d_k, r]; v_ref [M, d_v, r];
-    o_ref [B, M, r, r] fp32.
+    n_ref [B] int32; x_refs[i] [L_i, B, T+1, H_v, d_k, d_v]; u_ref [M, d_k, r] (``keyed`` only); v_ref
+    [M, d_v, r]; o_ref [B, M, r, r] fp32 (keyed) or [B, M, d_k, r] fp32.
     """
-    x_refs, (u_ref, v_ref, o_ref) = refs[:num_arrays], refs[num_arrays:]
+    x_refs = refs[:num_arrays]
+    u_ref, v_ref, o_ref = refs[num_arrays:] if keyed else (None, *refs[num_arrays:])
     b = pl.program_id(0)
     n = jnp.clip(n_ref[b], 0, t_max)  # the committed position: the only one of the T+1 states read
     d_v = v_ref.shape[1]
+
+    def values(x_ref, index, head, m):
+        """``P = S V`` in d_k row chunks, each written as it is done: nothing accumulates across chunks."""
+        v = v_ref[m].astype(jnp.float32)                                              # [d_v, r]
+
+        def step(kc, carry):
+            k0 = pl.multiple_of(kc * block_k, block_k)
+            s = x_ref[index, b, n, head, pl.ds(k0, block_k), :].astype(jnp.float32)  # [block_k, d_v]
+            o_ref[b, m, pl.ds(k0, block_k), :] = matmul(s, v)                          # [block_k, r]
+            return carry
+
+        lax.fori_loop(0, d_k // block_k, step, 0)
 
     def compress(x_ref, index, head, m):
         def step(kc, p):  # p = U_m^T S accumulated over d_k chunks: [r, d_v] fp32
@@ -249,6 +410,8 @@ def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int
         c = matmul(p, v) if use_dot else jnp.sum(p[:, :, None] * v[None, :, :], axis=1)  # [r, r]
         o_ref[b, m] = c
 
+    read = compress if keyed else values
+
     # Static (layer -> array, index) table: each source array's leading index as a function of the layer.
     by_array = {i: [(layer, j) for layer, (a, j) in enumerate(layers) if a == i] for i in range(num_arrays)}
 
@@ -261,10 +424,10 @@ def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int
             for layer_id, j in entries[1:]:
                 index = jnp.where(layer == layer_id, jnp.int32(j), index)
             if len(by_array) == 1:
-                compress(x_refs[i], index, head, m)
+                read(x_refs[i], index, head, m)
             else:
                 mine = functools.reduce(jnp.logical_or, [layer == layer_id for layer_id, _ in entries])
-                pl.when(mine)(functools.partial(compress, x_refs[i], index, head, m))
+                pl.when(mine)(functools.partial(read, x_refs[i], index, head, m))
 
     for j in range(block_m):
         m = pl.program_id(1) * block_m + j
@@ -278,8 +441,11 @@ def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
     _, b, t1, h, d_k, d_v = arrays[0].shape
     problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
                 for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
-    m, r = len(layers) * h, key_basis.shape[-1]
-    if key_basis.shape != (m, d_k, r) or value_basis.shape != (m, d_v, r):
+    m, r = len(layers) * h, value_basis.shape[-1]
+    if key_basis is None and value_basis.shape != (m, d_v, r):
+        problems.append(f"value basis V {value_basis.shape} must be [{m}, {d_v}, r] "
+                        f"(M = {len(layers)} source layers x {h} heads)")
+    if key_basis is not None and (key_basis.shape != (m, d_k, r) or value_basis.shape != (m, d_v, r)):
         problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], [{m}, {d_v}, r] "
                         f"(M = {len(layers)} source layers x {h} heads)")
     if n_committed.shape != (b,):
@@ -289,15 +455,16 @@ def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
     return b, t1, h, d_k, d_v, m, r
 
 
-def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array, value_basis: jax.Array, *,
+def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array, *,
                  layers: Sequence[tuple[int, int]] | None = None, interpret: bool = False,
                  config: GatherConfig | None = None) -> jax.Array:
     """Committed-state gather + rank-r compression as one launch; see the module docstring.
 
     per_position: ``[L_src, B, T+1, H_v, d_k, d_v]``, or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]``
-    arrays; n_committed ``[B]`` int in 0..T; key_basis U ``[M, d_k, r]``; value_basis V ``[M, d_v, r]``;
+    arrays; n_committed ``[B]`` int in 0..T; key_basis U ``[M, d_k, r]`` or None; value_basis V ``[M, d_v, r]``;
     layers: static ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every
-    array). ``interpret``: Pallas interpret mode (the only mode on a CPU). Returns C ``[B, M, r, r]`` fp32.
+    array). ``interpret``: Pallas interpret mode (the only mode on a CPU). Returns C ``[B, M, r, r]`` fp32, or
+    with key_basis None ``S V`` ``[B, M, d_k, r]`` fp32.
     """
     layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
     return _state_gather_pallas(per_position, n_committed, key_basis, value_basis, layers=layers,
@@ -321,18 +488,21 @@ def _state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, l
         raise ValueError(f"state_gather needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
                          "Use the reference (impl='xla') for this geometry.")
     block_m = min(config.block_m, m)
+    keyed = key_basis is not None
     kernel = functools.partial(
         _gather_kernel, num_arrays=len(arrays), layers=layers, num_heads=h, num_pairs=m, block_m=block_m,
-        block_k=block_k, d_k=d_k, rank=r, t_max=t1 - 1, use_dot=use_dot)
+        block_k=block_k, d_k=d_k, rank=r, t_max=t1 - 1, use_dot=use_dot, keyed=keyed)
     state_bytes = b * m * d_k * d_v * arrays[0].dtype.itemsize
-    cost = pl.CostEstimate(flops=2 * b * m * (d_k * d_v * r + d_v * r * r), transcendentals=0,
-                           bytes_accessed=state_bytes + (key_basis.nbytes + value_basis.nbytes) * b + b * m * r * r * 4)
+    out_rows = r if keyed else d_k                        # C [r, r] per pair, or S V [d_k, r]
+    bases = (key_basis.nbytes if keyed else 0) + value_basis.nbytes
+    cost = pl.CostEstimate(flops=2 * b * m * (d_k * d_v * r + (d_v * r * r if keyed else 0)), transcendentals=0,
+                           bytes_accessed=state_bytes + bases * b + b * m * out_rows * r * 4)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, m, r, r), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((b, m, out_rows, r), jnp.float32),
         grid=(b, pl.cdiv(m, block_m)),
         interpret=interpret,
         compiler_params=triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
         cost_estimate=cost,
         name="state_gather",
-    )(n_committed, *arrays, key_basis, value_basis)
+    )(n_committed, *arrays, *((key_basis,) if keyed else ()), value_basis)
