@@ -43,6 +43,7 @@ def test_references_and_kernels_load_without_the_models():
         import pallas_kernels.gated_delta, pallas_kernels.state_reader
         import pallas_kernels.gated_delta.triton, pallas_kernels.state_reader.triton
         import pallas_kernels.gated_delta.tpu
+        import pallas_kernels.state_reader.tpu
         loaded = [m for m in sys.modules if m == "flax" or m.startswith("flax.") or m.split(".")[0] == "ready_jax"]
         print(sorted(loaded))
     """)
