@@ -24,9 +24,11 @@ demo: $(call stamp,$(DEMO_EXTRAS))
 	$(PY) -m experiments.compare_zoo
 
 # Test files are spread over TEST_WORKERS processes whole (--dist loadfile), so a file's module fixtures are built once.
+# PYTEST_ARGS selects or adds to the run (CI's second Python: -m "not slow").
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m pip install -q ruff
