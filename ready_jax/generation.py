@@ -369,6 +369,8 @@ class Program:
 
     ``lower()`` gives the XLA program itself, to inspect without running it: compiled memory
     analysis, HLO, transfers (``experiments/memory.py``, ``tests/test_memory_transfer.py``).
+    ``trace()`` stops one step earlier, so the program can be lowered for another platform than this
+    machine's (``.lower(lowering_platforms=("tpu",))``: ``experiments/lower.py``).
     """
 
     settings: _Settings
@@ -376,10 +378,13 @@ class Program:
     drafter_def: Any
     args: tuple  # (target params, drafter params, shared weights, prompts [B, T], lengths [B], key)
 
-    def lower(self) -> jax.stages.Lowered:
+    def trace(self) -> jax.stages.Traced:
         jitted = _checked_jit if self.settings.check_finite else _program_jit
-        return jitted.lower(*self.args, target_def=self.target_def, drafter_def=self.drafter_def,
+        return jitted.trace(*self.args, target_def=self.target_def, drafter_def=self.drafter_def,
                             settings=self.settings)
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.trace().lower()
 
 
 def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,

@@ -1,0 +1,311 @@
+"""Lower the target's steps and one whole ``generate`` program for a TPU or a GPU from this machine, and count
+the kernels each calls.
+
+For ``--platform`` (``tpu`` or ``cuda``), ``--preset`` (``zoo``: the shipped target and ReaDy drafter, read from
+``zoo/target/config.json`` and ``zoo/ready/config.json``; ``qwen3.5-27b``: that geometry with a ReaDy drafter of
+the benchmarks' shape) and ``--impl``, it builds target and drafter from abstract weights (``ShapeDtypeStruct``
+leaves: no parameter is allocated), traces five programs and lowers each for the platform:
+
+* ``prefill``: the prompt through the target's chunked form (``target.extend``);
+* ``decode``: one token per sequence through the recurrent form;
+* ``verify``: a block ``[anchor, d_1..d_gamma]`` scored against the committed cache (``target.verify``);
+* ``commit``: keeping each sequence's accepted block tokens (``cache.commit``);
+* ``generate``: the whole speculative loop with the ReaDy drafter (``generation.prepare(...).trace()``).
+
+Nothing is compiled: lowering stops at StableHLO, where each Pallas kernel is one custom call carrying its kernel
+(Mosaic IR in a ``tpu_custom_call``; Triton IR in a ``__gpu$xla.gpu.triton`` call, or a Mosaic GPU module).
+Each program's line gives the kernels one run of it launches, by kernel name, a loop body (the scan over layer
+groups, the rounds' while loop) counted once: a prefill of the stacked target launches one chunked kernel per
+Gated DeltaNet layer of a layer group.
+
+With ``--impl pallas`` every program must call exactly the kernels of its ops (prefill: the chunked Gated
+DeltaNet kernel; decode, verify and a replay commit: the recurrent one; generate: both, plus the reader's state
+gather and state read); with ``--impl xla`` none. The script exits 1 when a program fails to lower or calls other
+kernels than these, with one line per failure.
+
+    python -m experiments.lower --platform tpu --preset qwen3.5-27b --impl pallas
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import json
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import ready_jax as rj
+from pallas_kernels import backend, triton_common
+from ready_jax import cache as cache_lib
+from ready_jax import cli, generation
+from ready_jax import drafter as drafter_lib
+from ready_jax import target as target_lib
+from ready_jax.modes import IMPLS, ROLLBACKS
+
+from .presets import PRESETS
+
+PLATFORMS = ("tpu", "cuda")
+PRESET_NAMES = ("zoo", "qwen3.5-27b")
+PROGRAMS = ("prefill", "decode", "verify", "commit", "generate")
+
+# The Pallas kernels by the name their pallas_call gives them, and the op (pallas_kernels/<op folder>) each runs.
+KERNEL_OPS = {
+    "gdn_chunked": "gdn_chunked", "gdn_chunked_prepare": "gdn_chunked", "gdn_chunked_scan": "gdn_chunked",
+    "gdn_recurrent": "gdn_recurrent", "state_gather": "state_gather",
+    "state_reader": "state_reader", "reader_query": "state_reader", "reader_out": "state_reader",
+    "reader_content": "content_reader",
+}
+# A kernel custom call in lowered StableHLO text, per platform, and where its kernel's name sits in that line.
+_KERNEL_CALL = {"tpu": re.compile(r"custom_call @tpu_custom_call\("),
+                "cuda": re.compile(r'custom_call @"?(__gpu\$xla\.gpu\.triton|mosaic_gpu(_v2)?)"?\(')}
+_KERNEL_NAME = {"tpu": re.compile(r'kernel_name = "([^"]*)"'),
+                "cuda": re.compile(r'mhlo\.backend_config = \{.*?\bname = "([^"]*)"')}
+_FUNCTION = re.compile(r'^\s*func\.func (?:public |private )?@"?([^"\s(]+)"?\(')
+_FUNC_CALL = re.compile(r'(?<![\w.])(?:func\.)?call @"?([^"\s(]+)"?\(')  # "func.call @f(" or "call @f("
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A target and ReaDy drafter configuration, their weights' dtype, and the run sizes the programs take."""
+
+    target: rj.TargetConfig
+    drafter: rj.DrafterConfig
+    dtype: jnp.dtype
+    batch: int
+    prompt: int
+    max_new_tokens: int
+
+    @property
+    def capacity(self) -> int:
+        """Cache slots of ``generate``'s program: the prompt, the new tokens and one verify block."""
+        return self.prompt + self.max_new_tokens + self.drafter.block_size
+
+
+def geometry(preset: str) -> Geometry:
+    """``zoo``: the shipped checkpoints' configs (their weights are never read); ``qwen3.5-27b``: the
+    benchmarks' preset with a rank-8 ReaDy drafter of block 7."""
+    if preset == "zoo":
+        target_meta = _read_json(cli.repo_path("zoo", "target", "config.json"))
+        drafter_meta = _read_json(cli.repo_path("zoo", "ready", "config.json"))
+        return Geometry(rj.TargetConfig.from_dict(target_meta["target"]),
+                        rj.DrafterConfig.from_dict(drafter_meta["drafter"]), jnp.dtype(target_meta["dtype"]),
+                        batch=2, prompt=64, max_new_tokens=32)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {PRESET_NAMES}")
+    p = PRESETS[preset]
+    return Geometry(p.target, p.drafter(7, rj.ReaderConfig(rank=8)).resolve(p.target), jnp.dtype(p.dtype),
+                    batch=p.batch, prompt=p.prompt, max_new_tokens=p.max_new_tokens)
+
+
+def _read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def abstract_models(geo: Geometry) -> tuple[rj.Target, rj.Drafter]:
+    """Target and drafter whose weights are ``ShapeDtypeStruct`` s; the target's layer groups stacked, as an
+    accelerator runs them (one scan body whatever the depth)."""
+    target = rj.Target(nnx.eval_shape(lambda: rj.TargetModel(geo.target, rngs=nnx.Rngs(0), dtype=geo.dtype)),
+                       group_layout="stacked")
+    drafter = rj.Drafter(nnx.eval_shape(lambda: drafter_lib.DrafterModel(geo.drafter, rngs=nnx.Rngs(0),
+                                                                         dtype=geo.dtype)))
+    return target, drafter
+
+
+def program_tracers(geo: Geometry, impl: str, rollback: str) -> dict[str, Callable[[], jax.stages.Traced]]:
+    """Per program, a function tracing it on abstract arguments (called where the kernels are chosen: inside
+    :func:`lowering_context`)."""
+    target, drafter = abstract_models(geo)
+    graphdef, params = target.graphdef, target.params
+    ids = geo.drafter.target_layer_ids
+    batch, gamma = geo.batch, geo.drafter.block_size
+    cache = jax.eval_shape(lambda: cache_lib.init_cache(geo.target, batch, geo.capacity, geo.dtype))
+    prompts_bt = jax.ShapeDtypeStruct((batch, geo.prompt), jnp.int32)
+    lengths_b = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    block_bt = jax.ShapeDtypeStruct((batch, gamma + 1), jnp.int32)
+
+    def prefill(params, cache, prompts_bt, lengths_b):
+        return target_lib.extend(graphdef, params, cache, prompts_bt, lengths_b, form="chunked", hidden_layers=ids,
+                                 impl=impl, logits_at=lengths_b - 1)
+
+    def decode(params, cache, anchor_b1):
+        return target_lib.extend(graphdef, params, cache, anchor_b1, form="recurrent", impl=impl)
+
+    def verify(params, cache, block_bt, impl=impl):
+        return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback, impl=impl)
+
+    def commit(candidate, n_accepted_b):
+        return cache_lib.commit(candidate, n_accepted_b, impl)
+
+    # The candidate's shapes do not depend on the impl: take them from XLA's, which traces no kernel.
+    candidate = jax.eval_shape(lambda p, c, b: verify(p, c, b, impl="xla"), params, cache, block_bt).cache
+    # Built here, outside any lowering context: prepare makes its (small) concrete inputs on this machine.
+    program = generation.prepare(target, np.zeros((batch, geo.prompt), np.int32), geo.max_new_tokens, drafter,
+                                 rollback=rollback, impl=impl)
+    return {
+        "prefill": lambda: jax.jit(prefill).trace(params, cache, prompts_bt, lengths_b),
+        "decode": lambda: jax.jit(decode).trace(params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32)),
+        "verify": lambda: jax.jit(verify).trace(params, cache, block_bt),
+        "commit": lambda: jax.jit(commit).trace(candidate, lengths_b),
+        "generate": program.trace,
+    }
+
+
+@contextlib.contextmanager
+def lowering_context(platform: str) -> Iterator[None]:
+    """Kernels traced compiled for ``platform`` (``backend.lowering_for``); for cuda also an abstract GPU for the
+    Triton lowering to target (:func:`abstract_cuda_device`), and the Triton backend's deprecation warning
+    silenced (its use is deliberate)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(backend.lowering_for(platform))
+        if platform == "cuda":
+            stack.enter_context(abstract_cuda_device())
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        yield
+
+
+@contextlib.contextmanager
+def abstract_cuda_device(device_kind: str = triton_common.GPU_DEVICE_KIND) -> Iterator[None]:
+    """``triton_common.abstract_gpu``'s one-device abstract mesh, its axis ``Auto``: jax >= 0.12 makes a mesh's
+    axes ``Explicit`` by default, and under an explicit mesh its sharding-in-types check rejects a whole model
+    program that writes unsharded values into the cache (``dynamic_update_slice`` operand and update
+    shardings differ); the kernels' own lowering only needs the device."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("_gpu",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def kernel_calls(stablehlo_text: str, platform: str) -> collections.Counter:
+    """The kernels one run of a lowered program's ``main`` launches, by kernel name ("?" where a call names none),
+    a loop body counted once.
+
+    Lowering emits a function used in several places once, as a private ``func.func`` that each use calls
+    (``call``): the Gated DeltaNet layers of a layer group share one. So the kernel calls are counted per
+    function and summed along the call graph from ``main``; StableHLO functions do not nest, so a function's
+    text runs to the next ``func.func``."""
+    direct: dict[str, collections.Counter] = {}
+    callees: dict[str, list[str]] = {}
+    current = None
+    for line in stablehlo_text.splitlines():
+        if (function := _FUNCTION.search(line)) is not None:
+            current = function.group(1)
+            direct[current], callees[current] = collections.Counter(), []
+        elif current is None:
+            continue
+        elif _KERNEL_CALL[platform].search(line):
+            name = _KERNEL_NAME[platform].search(line)
+            direct[current][name.group(1) if name else "?"] += 1
+        elif (call := _FUNC_CALL.search(line)) is not None:
+            callees[current].append(call.group(1))
+
+    @functools.cache
+    def launched(function: str) -> collections.Counter:
+        total = collections.Counter(direct.get(function, {}))
+        for callee in callees.get(function, ()):
+            total += launched(callee)
+        return total
+
+    return launched("main")
+
+
+def expected_ops(program: str, impl: str, rollback: str) -> set[str]:
+    """The ops whose kernels ``program`` must call with ``impl``; the others it must not call."""
+    if impl == "xla":
+        return set()
+    return {"prefill": {"gdn_chunked"}, "decode": {"gdn_recurrent"}, "verify": {"gdn_recurrent"},
+            "commit": {"gdn_recurrent"} if rollback == "replay" else set(),
+            "generate": {"gdn_chunked", "gdn_recurrent", "state_gather", "state_reader"}}[program]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """One program's outcome: its kernel calls by kernel name, the seconds tracing and lowering took, and what
+    went wrong (None: lowered and called exactly the expected kernels)."""
+
+    program: str
+    calls: dict[str, int]
+    seconds: float
+    error: str | None = None
+
+    @property
+    def ops(self) -> set[str]:
+        return {KERNEL_OPS.get(name, name) for name in self.calls}
+
+    def line(self) -> str:
+        total = sum(self.calls.values())
+        kernels = ", ".join(f"{name} x{n}" for name, n in sorted(self.calls.items())) or "none"
+        status = f"  FAILED: {self.error}" if self.error else ""
+        return f"{self.program:9s} {total:3d} kernel calls ({kernels})  {self.seconds:6.1f} s{status}"
+
+
+def lower_program(name: str, trace: Callable[[], jax.stages.Traced], platform: str, impl: str,
+                  rollback: str) -> Lowered:
+    """Trace and lower one program for ``platform``; its kernel calls checked against :func:`expected_ops`."""
+    start = time.perf_counter()
+    try:
+        with lowering_context(platform):
+            text = trace().lower(lowering_platforms=(platform,)).as_text()
+    except Exception as e:  # noqa: BLE001 - one failing program must not hide the others
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Lowered(name, {}, time.perf_counter() - start, f"{type(e).__name__}: {message}"[:300])
+    result = Lowered(name, dict(kernel_calls(text, platform)), time.perf_counter() - start)
+    expected = expected_ops(name, impl, rollback)
+    missing, unexpected = sorted(expected - result.ops), sorted(result.ops - expected)
+    if missing or unexpected:
+        problems = ([f"no kernel of {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected kernels of {', '.join(unexpected)}"] if unexpected else [])
+        result = dataclasses.replace(result, error="; ".join(problems))
+    return result
+
+
+def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
+              programs: tuple[str, ...] = PROGRAMS) -> list[Lowered]:
+    """Lower ``programs`` of ``preset`` for ``platform`` with ``impl``, printing one line per program."""
+    tracers = program_tracers(geometry(preset), impl, rollback)
+    results = []
+    for name in programs:
+        results.append(lower_program(name, tracers[name], platform, impl, rollback))
+        print(results[-1].line(), flush=True)
+    return results
+
+
+def main(argv=None) -> list[Lowered]:
+    parser = cli.parser("experiments.lower", __doc__)
+    parser.add_argument("--platform", choices=PLATFORMS, required=True, help="the accelerator to lower for")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="zoo", help="target and drafter geometry")
+    parser.add_argument("--impl", choices=IMPLS, default="pallas", help="who runs the fused ops")
+    parser.add_argument("--rollback", choices=ROLLBACKS, default="replay",
+                        help="verify's and commit's rollback strategy (generate's default: replay)")
+    args = parser.parse_args(argv)
+    geo = geometry(args.preset)
+    print(f"lowering for {args.platform}: preset {args.preset} ({geo.target.num_hidden_layers} layers, hidden "
+          f"{geo.target.hidden_size}, {geo.dtype.name}; batch {geo.batch}, prompt {geo.prompt}, "
+          f"{geo.max_new_tokens} new tokens, block {geo.drafter.block_size}), impl {args.impl}, rollback "
+          f"{args.rollback}; jax {jax.__version__}", flush=True)
+    start = time.perf_counter()
+    results = lower_all(args.platform, args.preset, args.impl, args.rollback)
+    failed = [r for r in results if r.error]
+    print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+    if failed:
+        for r in failed:
+            print(f"error: {r.program}: {r.error}", file=sys.stderr)
+        raise SystemExit(1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
