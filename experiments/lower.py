@@ -282,6 +282,7 @@ def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
     return results
 
 
+@cli.main
 def main(argv=None) -> list[Lowered]:
     parser = cli.parser("experiments.lower", __doc__)
     parser.add_argument("--platform", choices=PLATFORMS, required=True, help="the accelerator to lower for")
