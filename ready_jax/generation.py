@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import backend
+
 from . import cache as cache_lib
 from . import debug, modes, speculative
 from . import drafter as drafter_lib
@@ -140,6 +142,9 @@ class _Settings:
     layout: sharding_lib.Layout | None = None  # the target's mesh: carries are pinned to it
     check_finite: bool = False                 # ready_jax.debug's NaN / Inf checks
     transposed_head: bool = False              # a tied LM head transposed once per program (transposes_tied_head)
+    # impl="pallas": the kernel family traced in (pallas_kernels.backend), so a program traced with one family
+    # is never reused after the choice changes; "" for XLA.
+    kernels: str = ""
 
     @property
     def learned(self) -> bool:
@@ -423,7 +428,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     eos = target.config.eos_token_ids if eos_token_ids is None else _check_eos(eos_token_ids, target.config.vocab_size)
     layout = target.layout
     settings = _Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
-                         impl, layout, bool(check_finite), transposes_tied_head(target))
+                         impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl))
     shared = _shared_weights(target) if isinstance(drafter, Drafter) else None
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):
@@ -517,6 +522,15 @@ def _describe(program: Program) -> str:
     if s.impl != "xla":
         details.append(f"impl {s.impl}")
     return f"{kind} ({', '.join(details)})"
+
+
+def kernel_choice(impl: Impl) -> str:
+    """Which Pallas kernels a program with ``impl`` traces: the family and whether it is interpreted; "" for
+    XLA."""
+    if impl != "pallas":
+        return ""
+    target = backend.kernel_target()
+    return f"{target.family}{' interpreted' if target.interpreted else ''}"
 
 
 def transposes_tied_head(target: Target) -> bool:
