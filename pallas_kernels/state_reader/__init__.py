@@ -1,7 +1,7 @@
 """The ReaDy state reader, one function per fused op: ``state_gather`` (once per round: the committed states,
-compressed) and ``state_reader`` (every draft position: the read), each run by XLA from its jnp reference
-(``reference.py``) or by the Pallas kernel of this machine's family (``triton.py`` on a GPU, ``tpu.py`` on a TPU;
-on a CPU, interpreted: ``pallas_kernels.backend``).
+compressed), ``state_reader`` (every draft position: the read) and ``content_reader`` (the read of queries in the
+full key space), each run by XLA from its jnp reference (``reference.py``) or by the Pallas kernel of this
+machine's family (``triton.py`` on a GPU, ``tpu.py`` on a TPU; on a CPU, interpreted: ``pallas_kernels.backend``).
 
 Both implementations take the reference's arguments and return the same shapes and dtypes. ``config`` is the
 kernel's frozen block config (static; None lets the kernel pick one for the shapes); XLA ignores it.
@@ -30,10 +30,9 @@ def state_gather(
     config=None,
 ) -> jax.Array:
     """Committed-state gather + rank-r compression: ``reference.gather_prepare`` -> C ``[B, M, r, r]`` fp32, or
-    with ``key_basis`` None (a content read's values) ``S V`` ``[B, M, d_k, r]`` fp32, which has no fused kernel
-    yet: XLA runs it for either impl."""
+    with ``key_basis`` None (a content read's values) ``S V`` ``[B, M, d_k, r]`` fp32."""
     backend.check_impl(impl)
-    if impl == "pallas" and key_basis is not None:
+    if impl == "pallas":
         target = backend.kernel_target()
         kernels = _kernels(target.family)
         config = backend.check_config(config, kernels.GatherConfig, "state_gather")
@@ -73,10 +72,18 @@ def content_reader(
     eps: float,
     *,
     impl: str = "xla",
+    config=None,
 ) -> jax.Array:
     """The read of full-key-space queries, ``h + W_o(rmsnorm(concat_m P_m^T q_m))``:
-    ``reference.read_by_content`` -> ``[B, G, d]``. It has no fused kernel yet: XLA runs it for either impl."""
+    ``reference.read_by_content`` -> ``[B, G, d]``. ``queries`` ``[B, G, Q, d_k]`` come in computed (by XLA, for
+    either impl): the kernel starts at their normalisation."""
     backend.check_impl(impl)
+    if impl == "pallas":
+        target = backend.kernel_target()
+        kernels = _kernels(target.family)
+        config = backend.check_config(config, kernels.ContentReaderConfig, "content_reader")
+        return kernels.content_reader(h, queries, values, w_o, norm_weight, float(eps), interpret=target.interpret,
+                                      config=config)
     return reference.read_by_content(h, queries, values, w_o, norm_weight, eps)
 
 

@@ -1,4 +1,5 @@
-"""The ReaDy reader's Mosaic TPU kernels: ``state_gather`` (DESIGN.md 3.1) and ``state_reader`` (3.2).
+"""The ReaDy reader's Mosaic TPU kernels: ``state_gather`` (DESIGN.md 3.1), ``state_reader`` (3.2) and the
+full-key-space read ``content_reader``.
 
 References: ``pallas_kernels.state_reader.reference``; each kernel takes its reference's arguments and returns
 its result. Notation: B sequences, source layers L_src, H_v value heads, M = L_src H_v pairs (pair
@@ -8,12 +9,19 @@ its result. Notation: B sequences, source layers L_src, H_v value heads, M = L_s
   or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]`` arrays, fp32 or bf16, with static ``layers`` naming
   (array, leading index) per source layer, so the target cache's buffers are read in place; n_committed ``[B]``
   (clamped to 0..T); U ``[M, d_k, r]``, V ``[M, d_v, r]`` -> C ``[B, M, r, r]`` fp32, ``C[b, m] = U_m^T S V_m``
-  with ``S = per_position[array][index, b, n_committed[b], head]``.
+  with ``S = per_position[array][index, b, n_committed[b], head]``. With U None (a content read's values):
+  ``P[b, m] = S V_m`` -> ``[B, M, d_k, r]`` fp32.
 * :func:`state_reader` (reference ``read``): h ``[B, G, d]``, C ``[B, M, r, r]``, w_q ``[d, M r]``, w_o
   ``[M r, d]``, norm_weight ``[M r]``, eps a static float -> ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with
   ``a = h W_q`` viewed ``[M, r]``, ``[B, G, d]`` in ``result_type(h, w_o)``. Rounding happens where the
   reference rounds: a in ``result_type(h, w_q)``, y and the normalised vector in h's dtype, W_o's product in
   ``result_type(h, w_o)``. h and the weights are fp32 or bf16.
+* :func:`content_reader` (reference ``read_by_content``): h ``[B, G, d]``, queries ``[B, G, Q, d_k]`` (one per
+  source layer and key head, shared by the ``M / Q`` consecutive pairs of its value heads), values P
+  ``[B, M, d_k, r]``, w_o ``[M r, d]``, norm_weight ``[M r]``, eps a static float ->
+  ``h + W_o(rmsnorm(concat_m P_m^T q_m / |q_m|))``, ``[B, G, d]`` in ``result_type(h, w_o)``; y rounded to h's
+  dtype as in ``state_reader``. The queries come in computed (the factorised projection or the target's frozen
+  query path, XLA matmuls before the kernel); the kernel starts at their fp32 L2 normalisation.
 
 Both accumulate in fp32: bf16 operands go to the MXU as they are (their products are exact in fp32), fp32
 operands at ``Precision.HIGHEST``. Anything else (other dtypes, block configs that do not tile the shapes, a
@@ -61,6 +69,28 @@ footprint over the VMEM budget) raises ValueError before launch.
   multiple of 128) dividing M r. An M r that is no such multiple (small test models) is one block of all M r
   columns, which Mosaic takes as the array's whole dim; nothing is padded or copied.
 
+``state_gather`` without a key basis: the same launch, grid and index maps; per head one MXU product
+``V^T S^T = (S V)^T`` (``[r, d_k]``, contracting d_v). Its operand ``V^T`` ``[M, r, d_v]`` and result
+``[B, M, r, d_k]`` are lane-dense: at r = 8 a head's ``(S V)^T`` is one whole (8, 128) fp32 tile, where
+``[d_k, r]`` would fill r of each tile's 128 lanes, in VMEM and in HBM. The wrapper transposes V (a parameter:
+XLA hoists it out of a generation loop) and hands back ``[B, M, d_k, r]`` as a transpose, which
+:func:`content_reader` undoes first; in one program XLA can cancel the two.
+
+``content_reader``: one launch, grid ``(M r / block_q + d / block_out,)``, "arbitrary", the ``state_reader``
+launch with the W_q steps replaced by steps over ``(S V)^T``:
+
+* Operands: ``(S V)^T`` as ``[B, M r, d_k]`` rows (pair, column), streamed in ``[B, block_q, d_k]`` blocks; the
+  queries fp32, key-head-major ``[B, Q, G_p, d_k]`` with zero rows past G, resident (the wrapper's transpose of
+  the ``G Q d_k`` query numbers per sequence).
+* A read step covers the pairs of ``block_q`` columns and the ``kh`` key heads they belong to. Per sequence:
+  those heads' queries ``[kh G_p, d_k]`` are normalised (fp32, the reference's epsilon), one MXU product with
+  the ``(S V)^T`` block contracting d_k (the MXU's natural width) gives every query against every column
+  ``[kh G_p, block_q]``, and each lane keeps the rows of its own key head (kh - 1 selects against lane
+  thresholds). So the MXU does kh times the needed work: the heuristic keeps ``kh G_p <= 128``, the rows of one
+  MXU tile, which bounds the waste by what loading the tile's weights costs anyway.
+* y is written into the same ``[B G_p, M r]`` scratch with its sums of squares, and the remaining steps are
+  ``state_reader``'s (``_norm_and_out``): normalise block by block, stream W_o.
+
 VMEM. The footprint is the pipelined blocks, double-buffered, plus resident blocks, scratch and the largest
 in-kernel values, each rounded up to whole (sublane, lane) tiles (``tpu_common.VmemFootprint``); with p(shape)
 that padded size in its dtype, R = B G_p, N = M r:
@@ -70,7 +100,11 @@ that padded size in its dtype, R = B G_p, N = M r:
 * reader: ``2 [p(d, bq) + p(C block) + p(N, bo) + p(B, G_p, bo)] + p(B, G_p, d) + p(1, N) + p(R, N) [y]
   + p(R, N) [normalised] + p(R, 1) [sum of squares] + 4 p(R, bq) + p(R, bo)`` (fp32 values, counted together
   though different steps hold them), bq = block_q, bo = block_out; the C block is ``[B, r, bq]`` (rotated) or
-  ``[B, bq / r, r, r]``.
+  ``[B, bq / r, r, r]``;
+* gather without a key basis: ``2 [sum over arrays p(bh, d_k, d_v) + p(bh, r, d_v) + p(bh, r, d_k)]
+  + p(d_k, d_v) + p(r, d_k)``;
+* content read: ``2 [p(B, bq, d_k) + p(N, bo) + p(B, G_p, bo)] + p(B, G_p, d) + p(B, Q, G_p, d_k) + p(1, N)
+  + 2 p(R, N) + p(R, 1) + p(kh G_p, d_k) + p(kh G_p, bq) + 2 p(G_p, bq) + p(R, bo)``.
 
 ``config=None`` picks blocks per shape: the widest block whose bytes per step stay within ``STEP_BYTES`` (a
 step then moves enough data to hide its fixed cost), shrunk until the footprint fits the generation's budget
@@ -93,12 +127,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import tpu_common
 from ..tpu_common import LANES, SUBLANES, VmemFootprint
-from .reference import Layers, per_position_arrays
+from .reference import QUERY_EPS, Layers, per_position_arrays
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 _NN = (((1,), (0,)), ((), ()))  # a [m, k] @ b [k, n]
 _TN = (((0,), (0,)), ((), ()))  # a [k, m]^T @ b [k, n]
+_NT = (((1,), (1,)), ((), ()))  # a [m, k] @ b [n, k]^T
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 STEP_BYTES = 1 << 20
 """Bytes per grid step the block heuristic aims at: a grid step costs a fixed few hundred nanoseconds, and a MiB
@@ -148,23 +183,28 @@ class GatherConfig:
 
 
 def gather_footprint(block_heads: int, *, d_k: int, d_v: int, rank: int, state_dtypes: Sequence,
-                     key_dtype=_F32, value_dtype=_F32) -> VmemFootprint:
+                     key_dtype=_F32, value_dtype=_F32, keyed: bool = True) -> VmemFootprint:
     """VMEM of one gather launch: a state block per source array, the basis and output blocks, double-buffered,
-    plus one head's fp32 values (the state and ``U^T S``)."""
+    plus one head's fp32 values (the state and ``U^T S``). Without a key basis (``keyed`` False): the state
+    blocks, ``V^T`` ``[bh, r, d_v]`` and ``(S V)^T`` ``[bh, r, d_k]`` blocks, the state and ``(S V)^T`` values."""
     blocks = tuple(((block_heads, d_k, d_v), dt) for dt in state_dtypes)
+    if not keyed:
+        blocks += (((block_heads, rank, d_v), value_dtype), ((block_heads, rank, d_k), _F32))
+        return VmemFootprint(blocks=blocks, scratch=(((d_k, d_v), _F32), ((rank, d_k), _F32)))
     blocks += (((block_heads, d_k, rank), key_dtype), ((block_heads, d_v, rank), value_dtype),
                ((block_heads, rank, rank), _F32))
     return VmemFootprint(blocks=blocks, scratch=(((d_k, d_v), _F32), ((rank, d_v), _F32)))
 
 
 def resolve_gather_config(config: GatherConfig | None, *, heads: int, d_k: int, d_v: int, rank: int,
-                          state_dtypes: Sequence, key_dtype=_F32, value_dtype=_F32) -> tuple[GatherConfig,
-                                                                                               VmemFootprint]:
+                          state_dtypes: Sequence, key_dtype=_F32, value_dtype=_F32,
+                          keyed: bool = True) -> tuple[GatherConfig, VmemFootprint]:
     """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when the blocks do
-    not tile H_v or the footprint exceeds the generation's budget."""
+    not tile H_v or the footprint exceeds the generation's budget. ``keyed`` False: the gather without a key
+    basis."""
     config = GatherConfig() if config is None else config
     footprint = functools.partial(gather_footprint, d_k=d_k, d_v=d_v, rank=rank, state_dtypes=state_dtypes,
-                                  key_dtype=key_dtype, value_dtype=value_dtype)
+                                  key_dtype=key_dtype, value_dtype=value_dtype, keyed=keyed)
     if config.block_heads is not None:
         if heads % config.block_heads:
             raise ValueError(f"state_gather: block_heads = {config.block_heads} must divide H_v = {heads}")
@@ -180,18 +220,23 @@ def resolve_gather_config(config: GatherConfig | None, *, heads: int, d_k: int, 
     return dataclasses.replace(config, block_heads=bh), fp
 
 
-def _gather_kernel(n_ref, layer_ref, lead_ref, *refs, spans: tuple[tuple[int, int], ...]):
+def _gather_kernel(n_ref, layer_ref, lead_ref, *refs, spans: tuple[tuple[int, int], ...], keyed: bool):
     """Grid point (step p, head block, b). Refs after the scalar tables: one state block per source array
-    ``[bh, d_k, d_v]``, U ``[bh, d_k, r]``, V ``[bh, d_v, r]``, out ``[bh, r, r]`` fp32."""
+    ``[bh, d_k, d_v]``, then U ``[bh, d_k, r]``, V ``[bh, d_v, r]``, out ``[bh, r, r]`` fp32 (``keyed``), or
+    V^T ``[bh, r, d_v]``, out ``(S V)^T`` ``[bh, r, d_k]`` fp32."""
     del n_ref, layer_ref, lead_ref  # used by the index maps only
     num_arrays = len(spans)
-    x_refs, (u_ref, v_ref, o_ref) = refs[:num_arrays], refs[num_arrays:]
+    x_refs = refs[:num_arrays]
+    u_ref, v_ref, o_ref = refs[num_arrays:] if keyed else (None, *refs[num_arrays:])
 
     def compress(x_ref):
         def head(j, carry):
             s = x_ref[j].astype(_F32)                                 # [d_k, d_v]
-            p = _dot(u_ref[j].astype(_F32), s, _TN)                   # U^T S: [r, d_v]
-            o_ref[j] = _dot(p, v_ref[j].astype(_F32))                 # [r, r]
+            if keyed:
+                p = _dot(u_ref[j].astype(_F32), s, _TN)               # U^T S: [r, d_v]
+                o_ref[j] = _dot(p, v_ref[j].astype(_F32))             # [r, r]
+            else:
+                o_ref[j] = _dot(v_ref[j].astype(_F32), s, _NT)        # V^T S^T = (S V)^T: [r, d_k]
             return carry
 
         lax.fori_loop(0, x_ref.shape[0], head, 0)
@@ -204,15 +249,16 @@ def _gather_kernel(n_ref, layer_ref, lead_ref, *refs, spans: tuple[tuple[int, in
         pl.when((step >= first) & (step <= last))(functools.partial(compress, x_ref))
 
 
-def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array, value_basis: jax.Array, *,
+def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array, *,
                  layers: Sequence[tuple[int, int]] | None = None, interpret=False,
                  config: GatherConfig | None = None) -> jax.Array:
     """Committed-state gather + rank-r compression as one launch; see the module docstring.
 
     per_position: ``[L, B, T+1, H_v, d_k, d_v]``, or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]``
-    arrays; n_committed ``[B]`` int; key_basis U ``[M, d_k, r]``; value_basis V ``[M, d_v, r]``; layers: static
-    ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every array).
-    ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``. Returns C ``[B, M, r, r]`` fp32.
+    arrays; n_committed ``[B]`` int; key_basis U ``[M, d_k, r]`` or None; value_basis V ``[M, d_v, r]``; layers:
+    static ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every array).
+    ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``. Returns C ``[B, M, r, r]`` fp32, or
+    with key_basis None ``S V`` ``[B, M, d_k, r]`` fp32.
     """
     layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
     return _state_gather(per_position, n_committed, key_basis, value_basis, layers=layers, interpret=interpret,
@@ -225,11 +271,15 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
     arrays, layers = per_position_arrays(per_position, layers)
     n_committed = jnp.asarray(n_committed, jnp.int32)
     _, batch, positions, heads, d_k, d_v = arrays[0].shape
-    num_src, rank = len(layers), key_basis.shape[-1]
+    num_src, rank = len(layers), value_basis.shape[-1]
     m = num_src * heads
+    keyed = key_basis is not None
     problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
                 for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
-    if key_basis.shape != (m, d_k, rank) or value_basis.shape != (m, d_v, rank):
+    if not keyed and value_basis.shape != (m, d_v, rank):
+        problems.append(f"value basis V {value_basis.shape} must be [{m}, {d_v}, r] "
+                        f"(M = {num_src} source layers x {heads} heads)")
+    if keyed and (key_basis.shape != (m, d_k, rank) or value_basis.shape != (m, d_v, rank)):
         problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], "
                         f"[{m}, {d_v}, r] (M = {num_src} source layers x {heads} heads)")
     if n_committed.shape != (batch,):
@@ -237,7 +287,7 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
     if problems:
         raise ValueError("state_gather: " + "; ".join(problems))
     _check_dtypes("state_gather", **{f"per_position[{i}]": a for i, a in enumerate(arrays)},
-                  key_basis=key_basis, value_basis=value_basis)
+                  **({"key_basis": key_basis} if keyed else {}), value_basis=value_basis)
 
     # The grid's first axis visits the source layers grouped by array (stable), each array a contiguous span.
     used = sorted({i for i, _ in layers})
@@ -246,8 +296,9 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
                    max(p for p, layer in enumerate(order) if layers[layer][0] == i)) for i in used)
     sources = [arrays[i] for i in used]
     config, _ = resolve_gather_config(config, heads=heads, d_k=d_k, d_v=d_v, rank=rank,
-                                      state_dtypes=[a.dtype for a in sources], key_dtype=key_basis.dtype,
-                                      value_dtype=value_basis.dtype)
+                                      state_dtypes=[a.dtype for a in sources],
+                                      key_dtype=key_basis.dtype if keyed else _F32, value_dtype=value_basis.dtype,
+                                      keyed=keyed)
     bh = config.block_heads
     head_blocks = heads // bh
     t_max = positions - 1
@@ -270,27 +321,36 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
     def pair_block(p, hb, layer_ref):
         return layer_ref[p] * head_blocks + hb
 
+    def basis_spec(*block: int) -> pl.BlockSpec:
+        return pl.BlockSpec((bh, *block), lambda p, hb, b, n, lr, ld: (pair_block(p, hb, lr), 0, 0))
+
+    if keyed:
+        bases, basis_specs, out_block = (key_basis, value_basis), [basis_spec(d_k, rank), basis_spec(d_v, rank)], rank
+    else:
+        # Lane-dense operands and result: V^T [M, r, d_v] (a transpose of a parameter, which XLA hoists out of a
+        # generation loop) and (S V)^T [B, M, r, d_k], a whole (8, 128) tile per head at r = 8 where [d_k, r]
+        # would fill r of each tile's 128 lanes. The caller's [B, M, d_k, r] is a transpose of it.
+        bases, basis_specs, out_block = (jnp.swapaxes(value_basis, 1, 2),), [basis_spec(rank, d_v)], d_k
     state_bytes = sum(batch * heads * d_k * d_v * jnp.dtype(arrays[i].dtype).itemsize for i, _ in layers)
-    cost = pl.CostEstimate(flops=2 * batch * m * (d_k * d_v * rank + d_v * rank * rank), transcendentals=0,
-                           bytes_accessed=state_bytes + key_basis.nbytes + value_basis.nbytes
-                           + batch * m * rank * rank * 4)
-    return pl.pallas_call(
-        functools.partial(_gather_kernel, spans=spans),
-        out_shape=jax.ShapeDtypeStruct((batch, m, rank, rank), _F32),
+    cost = pl.CostEstimate(flops=2 * batch * m * (d_k * d_v * rank + (d_v * rank * rank if keyed else 0)),
+                           transcendentals=0, bytes_accessed=state_bytes + sum(x.nbytes for x in bases)
+                           + batch * m * rank * out_block * 4)
+    out = pl.pallas_call(
+        functools.partial(_gather_kernel, spans=spans, keyed=keyed),
+        out_shape=jax.ShapeDtypeStruct((batch, m, rank, out_block), _F32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_src, head_blocks, batch),
-            in_specs=[*(state_spec(first, last) for first, last in spans),
-                      pl.BlockSpec((bh, d_k, rank), lambda p, hb, b, n, lr, ld: (pair_block(p, hb, lr), 0, 0)),
-                      pl.BlockSpec((bh, d_v, rank), lambda p, hb, b, n, lr, ld: (pair_block(p, hb, lr), 0, 0))],
-            out_specs=pl.BlockSpec((None, bh, rank, rank),
+            in_specs=[*(state_spec(first, last) for first, last in spans), *basis_specs],
+            out_specs=pl.BlockSpec((None, bh, rank, out_block),
                                    lambda p, hb, b, n, lr, ld: (b, pair_block(p, hb, lr), 0, 0)),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         cost_estimate=cost,
         name="state_gather",
-    )(n_committed, layer_of_step, lead_of_step, *sources, key_basis, value_basis)
+    )(n_committed, layer_of_step, lead_of_step, *sources, *bases)
+    return out if keyed else jnp.swapaxes(out, 2, 3)
 
 
 # ==== state_reader ===========================================================================================
@@ -489,23 +549,35 @@ def _reader_kernel(h_ref, wq_ref, c_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_
         y32 = y.astype(_F32)
         ss_ref[...] += jnp.sum(y32 * y32, axis=1, keepdims=True)
 
-    @pl.when(step == num_q_steps)
-    def _normalise():  # block by block, so no value spans all M r columns
-        inv_rms = lax.rsqrt(ss_ref[...] / s.num_cols + eps)                           # [rows, 1]
+    _norm_and_out(step - num_q_steps, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, num_q_steps=num_q_steps,
+                  block_q=block_q, block_out=block_out, h_dtype=s.h_dtype, o_dtype=s.o_dtype, eps=eps)
+
+
+def _norm_and_out(out_step, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *, num_q_steps: int, block_q: int,
+                  block_out: int, h_dtype, o_dtype, eps: float):
+    """The steps after y is complete (``out_step`` >= 0), shared by both reads: the first normalises y into z,
+    block by block (so no value spans all M r columns), each streams one W_o block and adds the residual.
+    h_ref [B, G_p, d]; w_ref [1, N]; wo_ref [N, bo]; o_ref [B, G_p, bo]; y_ref, z_ref [B G_p, N]; ss_ref
+    [B G_p, 1] fp32, y's sum of squares per row."""
+    batch, draft_padded, _ = h_ref.shape
+
+    @pl.when(out_step == 0)
+    def _normalise():
+        inv_rms = lax.rsqrt(ss_ref[...] / y_ref.shape[1] + eps)                       # [rows, 1]
 
         def block(c, carry):
             cols = pl.ds(pl.multiple_of(c * block_q, block_q), block_q)
-            normed = (y_ref[:, cols].astype(_F32) * inv_rms).astype(s.h_dtype).astype(_F32)
-            weight = w_ref[:, cols].astype(s.h_dtype).astype(_F32)
-            z_ref[:, cols] = (weight * normed).astype(s.h_dtype).astype(s.o_dtype)
+            normed = (y_ref[:, cols].astype(_F32) * inv_rms).astype(h_dtype).astype(_F32)
+            weight = w_ref[:, cols].astype(h_dtype).astype(_F32)
+            z_ref[:, cols] = (weight * normed).astype(h_dtype).astype(o_dtype)
             return carry
 
         lax.fori_loop(0, num_q_steps, block, 0)
 
-    @pl.when(step >= num_q_steps)
+    @pl.when(out_step >= 0)
     def _out():
-        col0 = pl.multiple_of((step - num_q_steps) * block_out, block_out)
-        out = _dot(z_ref[...], wo_ref[...].astype(s.o_dtype)).astype(s.o_dtype).astype(_F32)   # [rows, bo]
+        col0 = pl.multiple_of(out_step * block_out, block_out)
+        out = _dot(z_ref[...], wo_ref[...].astype(o_dtype)).astype(o_dtype).astype(_F32)       # [rows, bo]
         h = h_ref[:, :, pl.ds(col0, block_out)].astype(_F32)
         o_ref[...] = (h + out.reshape(batch, draft_padded, block_out)).astype(o_ref.dtype)
 
@@ -575,3 +647,246 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
         cost_estimate=cost,
         name="state_reader",
     )(h, w_q, c_in, norm_weight.reshape(1, n), w_o)
+
+
+# ==== content_reader =========================================================================================
+@dataclasses.dataclass(frozen=True)
+class ContentReaderConfig:
+    """Blocks of the content read kernel (static; part of the jit cache key).
+
+    block_q: ``(S V)^T`` rows (columns of y) per read step: a multiple of ``lcm(r, 128)`` dividing M r, or M r
+        itself. None: the heuristic.
+    block_out: W_o columns per output step, as in :class:`ReaderKernelConfig`. None: the heuristic.
+    generation: the TPU generation whose VMEM budget the footprint is checked against.
+    """
+
+    block_q: int | None = None
+    block_out: int | None = None
+    generation: str = tpu_common.DEFAULT_GENERATION
+
+    def __post_init__(self):
+        tpu_common.vmem_budget_bytes(self.generation)
+        bad = [f"{name} must be a positive int or None; got {getattr(self, name)!r}"
+               for name in ("block_q", "block_out")
+               if getattr(self, name) is not None and (not isinstance(getattr(self, name), int)
+                                                      or getattr(self, name) < 1)]
+        if bad:
+            raise ValueError("invalid ContentReaderConfig: " + "; ".join(bad))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContentShapes:
+    """What the content read's blocks and footprint depend on (:meth:`of` the kernel's arguments)."""
+
+    batch: int
+    draft: int
+    hidden: int
+    num_pairs: int
+    num_queries: int
+    key_dim: int
+    rank: int
+    h_dtype: jnp.dtype
+    o_dtype: jnp.dtype          # result_type(h, w_o): the output's dtype and the W_o product's operands
+    wo_dtype: jnp.dtype
+    norm_dtype: jnp.dtype
+
+    @classmethod
+    def of(cls, h, queries, values, w_o, norm_weight) -> ContentShapes:
+        """From the kernel's arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
+        b, g, d = h.shape
+        _, m, d_k, r = values.shape
+        return cls(batch=b, draft=g, hidden=d, num_pairs=m, num_queries=queries.shape[2], key_dim=d_k, rank=r,
+                   h_dtype=jnp.dtype(h.dtype), o_dtype=jnp.result_type(h.dtype, w_o.dtype),
+                   wo_dtype=jnp.dtype(w_o.dtype), norm_dtype=jnp.dtype(norm_weight.dtype))
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head: consecutive pairs that read one query."""
+        return self.num_pairs // self.num_queries
+
+    @property
+    def num_cols(self) -> int:
+        return self.num_pairs * self.rank
+
+    @property
+    def draft_padded(self) -> int:
+        return _round_up(self.draft, _sublane_tile(self.h_dtype))
+
+    def q_blocks(self) -> list[int]:
+        n, unit = self.num_cols, math.lcm(self.rank, LANES)
+        return [c for c in range(n, 0, -unit) if n % c == 0] if n % unit == 0 else [n]
+
+    def out_blocks(self) -> list[int]:
+        d = self.hidden
+        return [c for c in range(d, 0, -LANES) if d % c == 0] if d % LANES == 0 else [d]
+
+    def key_heads(self, block_q: int) -> int:
+        """The most key heads whose pairs one read step of ``block_q`` columns touches."""
+        pairs = block_q // self.rank
+        return max((p0 + pairs - 1) // self.group - p0 // self.group + 1 for p0 in range(0, self.num_pairs, pairs))
+
+
+def content_footprint(block_q: int, block_out: int, shapes: ContentShapes) -> VmemFootprint:
+    """VMEM of one content read launch (module docstring): pipelined ``(S V)^T``, W_o and output blocks; resident
+    h, queries and norm weight; y, its normalised copy and its sums of squares; one sequence's queries of the
+    step's key heads, their products with the block, y's block (twice: the select) and the W_o product as fp32
+    values."""
+    s = shapes
+    rows, n = s.batch * s.draft_padded, s.num_cols
+    query_rows = s.key_heads(block_q) * s.draft_padded
+    return VmemFootprint(
+        blocks=(((s.batch, block_q, s.key_dim), _F32), ((n, block_out), s.wo_dtype),
+                ((s.batch, s.draft_padded, block_out), s.o_dtype)),
+        scratch=(((s.batch, s.draft_padded, s.hidden), s.h_dtype),
+                 ((s.batch, s.num_queries, s.draft_padded, s.key_dim), _F32), ((1, n), s.norm_dtype),
+                 ((rows, n), s.h_dtype), ((rows, n), s.o_dtype), ((rows, 1), _F32), ((query_rows, s.key_dim), _F32),
+                 ((query_rows, block_q), _F32), *([((s.draft_padded, block_q), _F32)] * 2), ((rows, block_out), _F32)))
+
+
+def resolve_content_config(config: ContentReaderConfig | None,
+                           shapes: ContentShapes) -> tuple[ContentReaderConfig, VmemFootprint]:
+    """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when a block does not
+    tile its axis or the footprint exceeds the generation's budget.
+
+    The heuristic's read block is the widest whose ``(S V)^T`` block stays within ``STEP_BYTES`` and whose key
+    heads' queries fit one MXU tile of rows (``key_heads * G_p <= 128``): every query of those heads meets every
+    column of the block, so more heads per step is wasted MXU work (module docstring)."""
+    config = ContentReaderConfig() if config is None else config
+    q_blocks, out_blocks = shapes.q_blocks(), shapes.out_blocks()
+    problems = []
+    if config.block_q is not None and config.block_q not in q_blocks:
+        problems.append(f"block_q = {config.block_q} must be one of {q_blocks} (multiples of "
+                        f"{math.lcm(shapes.rank, LANES)} dividing M r = {shapes.num_cols}, or M r)")
+    if config.block_out is not None and config.block_out not in out_blocks:
+        problems.append(f"block_out = {config.block_out} must be one of {out_blocks} (multiples of {LANES} "
+                        f"dividing d = {shapes.hidden}, or d)")
+    if problems:
+        raise ValueError("content_reader: " + "; ".join(problems))
+    bq = config.block_q or next(
+        (c for c in q_blocks if c * shapes.batch * shapes.key_dim * 4 <= STEP_BYTES
+         and shapes.key_heads(c) * shapes.draft_padded <= LANES), q_blocks[-1])
+    bo = config.block_out or next(
+        (c for c in out_blocks if c * shapes.num_cols * jnp.dtype(shapes.wo_dtype).itemsize <= STEP_BYTES),
+        out_blocks[-1])
+    fp = content_footprint(bq, bo, shapes)
+    budget = tpu_common.vmem_budget_bytes(config.generation)
+    while fp.bytes > budget:  # shrink whichever free block is wider in bytes until the footprint fits
+        q_next = [c for c in q_blocks if c < bq] if config.block_q is None else []
+        o_next = [c for c in out_blocks if c < bo] if config.block_out is None else []
+        if not q_next and not o_next:
+            break
+        q_bytes = shapes.batch * bq * shapes.key_dim * 4
+        o_bytes = shapes.num_cols * bo * jnp.dtype(shapes.wo_dtype).itemsize
+        if q_next and (q_bytes >= o_bytes or not o_next):
+            bq = q_next[0]
+        else:
+            bo = o_next[0]
+        fp = content_footprint(bq, bo, shapes)
+    fp.check(config.generation, f"content_reader (B = {shapes.batch}, G = {shapes.draft}, d = {shapes.hidden}, "
+                                f"Q = {shapes.num_queries}, M r = {shapes.num_cols}, block_q = {bq}, "
+                                f"block_out = {bo}; split the batch if the smallest blocks do not fit)")
+    return dataclasses.replace(config, block_q=bq, block_out=bo), fp
+
+
+def _content_kernel(h_ref, q_ref, pt_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *, shapes: ContentShapes,
+                    num_q_steps: int, block_q: int, block_out: int, key_heads: int, eps: float):
+    """Grid step i: i < num_q_steps reads a block of pairs, the rest are :func:`_norm_and_out`'s.
+
+    h_ref [B, G_p, d]; q_ref [B, Q, G_p, d_k] fp32 (rows past G zero); pt_ref [B, bq, d_k] fp32, rows (pair,
+    column); w_ref [1, N]; wo_ref [N, bo]; o_ref [B, G_p, bo]. Scratch as ``state_reader``'s: y_ref, z_ref
+    [B G_p, N], ss_ref [B G_p, 1] fp32."""
+    s = shapes
+    step = pl.program_id(0)
+    draft_padded = h_ref.shape[1]
+
+    @pl.when(step == 0)
+    def _init():
+        ss_ref[...] = jnp.zeros_like(ss_ref)
+
+    @pl.when(step < num_q_steps)
+    def _read():
+        pair0 = step * (block_q // s.rank)
+        # The step's first key head (lax.div: pair0 >= 0, and jnp's floor division lowers through a sign).
+        head0 = jnp.minimum(lax.div(pair0, s.group), s.num_queries - key_heads)
+        lane = lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+        col0 = pl.multiple_of(step * block_q, block_q)
+        for b in range(s.batch):
+            q = q_ref[b, pl.ds(head0, key_heads)].reshape(key_heads * draft_padded, s.key_dim)
+            q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + QUERY_EPS)   # the reference's q / |q|
+            z = _dot(q, pt_ref[b], _NT)                                  # [key_heads G_p, bq]: P^T q per head
+            # Lane (pair, column) keeps the rows of its pair's key head: head0 + j owns the lanes from its first
+            # pair's on, so later heads overwrite earlier ones.
+            y = z[:draft_padded]
+            for j in range(1, key_heads):
+                first_lane = ((head0 + j) * s.group - pair0) * s.rank
+                y = jnp.where(lane >= first_lane, z[j * draft_padded:(j + 1) * draft_padded], y)
+            y = y.astype(s.h_dtype)                                      # rounded as the reference
+            rows = slice(b * draft_padded, (b + 1) * draft_padded)
+            y_ref[rows, pl.ds(col0, block_q)] = y
+            y32 = y.astype(_F32)
+            ss_ref[rows] += jnp.sum(y32 * y32, axis=1, keepdims=True)
+
+    _norm_and_out(step - num_q_steps, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, num_q_steps=num_q_steps,
+                  block_q=block_q, block_out=block_out, h_dtype=s.h_dtype, o_dtype=s.o_dtype, eps=eps)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
+def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                   eps: float, *, interpret=False, config: ContentReaderConfig | None = None) -> jax.Array:
+    """The content read as one launch; see the module docstring for shapes.
+
+    ``eps``: the RMSNorm epsilon (static). ``interpret``: False (compiled for a TPU) or a
+    ``pltpu.InterpretParams``. ``config``: blocks and generation (None: the heuristic for the default one).
+    """
+    b, g, d = h.shape
+    _, m, d_k, r = values.shape
+    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    n = m * r
+    problems = []
+    if values.shape != (b, m, d_k, r):
+        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {b}")
+    if queries.ndim != 4 or queries.shape[:2] != (b, g) or queries.shape[3] != d_k or not num_queries \
+            or m % num_queries:
+        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{b}, {g}, Q, {d_k}] with Q dividing "
+                        f"M = {m}")
+    if w_o.shape != (n, d) or norm_weight.shape != (n,):
+        problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{n}, {d}], [{n}] "
+                        f"(d = {d}, M r = {m} x {r})")
+    if problems:
+        raise ValueError("content_reader: " + "; ".join(problems))
+    _check_dtypes("content_reader", h=h, queries=queries, values=values, w_o=w_o, norm_weight=norm_weight)
+    shapes = ContentShapes.of(h, queries, values, w_o, norm_weight)
+    config, _ = resolve_content_config(config, shapes)
+    bq, bo = config.block_q, config.block_out
+    g_pad = shapes.draft_padded
+    num_q, num_out = n // bq, d // bo
+    # Lane-dense operands: (S V)^T with rows (pair, column) [B, M r, d_k] (the gather's own result, which XLA can
+    # hand over without the round trip through [B, M, d_k, r] when both run in one program) and the queries
+    # fp32, key-head-major, zero rows past G [B, Q, G_p, d_k].
+    values_t = jnp.swapaxes(values, 2, 3).reshape(b, n, d_k).astype(_F32)
+    q_t = jnp.pad(jnp.swapaxes(queries, 1, 2).astype(_F32), ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
+    resident = pl.Buffered(1)  # constant block index: fetched once, a second buffer would never be used
+    cost = pl.CostEstimate(flops=2 * b * g * (n * d_k + n * d), transcendentals=b * g * (num_queries + 1),
+                           bytes_accessed=values_t.nbytes + q_t.nbytes + w_o.nbytes + h.nbytes
+                           + b * g * d * jnp.dtype(shapes.o_dtype).itemsize)
+    return pl.pallas_call(
+        functools.partial(_content_kernel, shapes=shapes, num_q_steps=num_q, block_q=bq, block_out=bo,
+                          key_heads=shapes.key_heads(bq), eps=float(eps)),
+        out_shape=jax.ShapeDtypeStruct((b, g, d), shapes.o_dtype),
+        grid=(num_q + num_out,),
+        in_specs=[
+            pl.BlockSpec((b, g_pad, d), lambda i: (0, 0, 0), pipeline_mode=resident),
+            pl.BlockSpec((b, num_queries, g_pad, d_k), lambda i: (0, 0, 0, 0), pipeline_mode=resident),
+            pl.BlockSpec((b, bq, d_k), lambda i: (0, jnp.minimum(i, num_q - 1), 0)),  # parked at the last block
+            pl.BlockSpec((1, n), lambda i: (0, 0), pipeline_mode=resident),
+            pl.BlockSpec((n, bo), lambda i: (0, jnp.maximum(i - num_q, 0))),      # first W_o block prefetched
+        ],
+        out_specs=pl.BlockSpec((b, g_pad, bo), lambda i: (0, 0, jnp.maximum(i - num_q, 0))),
+        scratch_shapes=[pltpu.VMEM((b * g_pad, n), shapes.h_dtype),    # y = P^T q, rounded to h's dtype
+                        pltpu.VMEM((b * g_pad, n), shapes.o_dtype),    # rmsnorm(y), W_o's operand
+                        pltpu.VMEM((b * g_pad, 1), _F32)],             # sum of y^2 per row
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="content_reader",
+    )(h, q_t, values_t, norm_weight.reshape(1, n), w_o)
