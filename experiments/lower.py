@@ -63,7 +63,7 @@ KERNEL_OPS = {
     "gdn_chunked": "gdn_chunked", "gdn_chunked_prepare": "gdn_chunked", "gdn_chunked_scan": "gdn_chunked",
     "gdn_recurrent": "gdn_recurrent", "state_gather": "state_gather",
     "state_reader": "state_reader", "reader_query": "state_reader", "reader_out": "state_reader",
-    "reader_content": "content_reader",
+    "reader_content": "content_reader", "content_reader": "content_reader",  # a content reader's (Triton, TPU)
 }
 # A kernel custom call in lowered StableHLO text, per platform, and where its kernel's name sits in that line.
 _KERNEL_CALL = {"tpu": re.compile(r"custom_call @tpu_custom_call\("),
