@@ -6,7 +6,7 @@ tokens later, its query ``OPEN key``; the target's next tokens are the record's 
 exactly D tokens back. A drafter whose context window W is shorter than D cannot see them; the target's
 committed Gated DeltaNet states might hold them, and a ReaDy reader reads those states.
 
-Steps (each resumable; the target is trained first with ``experiments.train_target``, see the README):
+Steps (each resumable; the target is trained first with ``experiments.train_target``, see docs/long_range.md):
 
     python -m experiments.long_range train --target runs/long_range/target --runs runs/long_range/drafters
     python -m experiments.long_range ship --target runs/long_range/target --runs runs/long_range/drafters

@@ -337,7 +337,7 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     different lengths share one compiled program (padding is masked: the tokens do not change;
     prefill does up to m - 1 tokens of extra work). ``rollback`` picks how rejected drafts are undone
     (``target.verify``): both are exact; ``"replay"`` is the default because its verify candidate does
-    not grow with the block size (the README compares their cost). ``impl="pallas"``
+    not grow with the block size (docs/api.md compares their cost). ``impl="pallas"``
     runs the fused Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
     (interpreted on a CPU: correct but slow); the tokens are the same.
 
@@ -539,9 +539,9 @@ def transposes_tied_head(target: Target) -> bool:
     A tied head multiplies by the embedding [V, D] transposed. XLA's CPU backend runs that layout far below
     the plain one: for the zoo target (V = 4096, D = 256) 4.0 against 0.5 ms at a 7-row draft and 2.1 against
     0.7 ms at an 8-row verify, with a one-row decode fused into a loop instead of a matrix-vector product
-    (2-core CPU; README "The speculative loop on a CPU"). With bfloat16 weights the [D, V] copy also makes a
-    verify's logits bit-identical to decode's; multiplying by the [V, D] embedding did not on 3 of 6 prompts.
-    On the CPU the program therefore pays one copy of the embedding per call. GPU and TPU matmuls take either
+    (2-core CPU; docs/results.md, "The speculative loop on a CPU"). With bfloat16 weights the [D, V] copy also
+    makes a verify's logits bit-identical to decode's; multiplying by the [V, D] embedding did not on 3 of 6
+    prompts. On the CPU the program therefore pays one copy of the embedding per call. GPU and TPU matmuls take either
     layout, where the copy would only cost memory.
     """
     if not target.config.tie_word_embeddings:
