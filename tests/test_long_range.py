@@ -432,7 +432,7 @@ SHIPPED = cli.repo_path("zoo", "long_range")
 
 @pytest.mark.skipif(not (SHIPPED / "target").exists(), reason="zoo/long_range is not shipped")
 def test_shipped_testbed_recalls_through_the_states_and_its_drafters_are_lossless():
-    """What the testbed table (README, docs/long_range.md) rests on, on a few held-out prompts beyond the drafters' window: the
+    """What the testbed table rests on, on a few held-out prompts beyond the drafters' window: the
     target answers, it still answers with its attention cut to the window (the record is in its states), and
     generating with the shipped control and ReaDy gives exactly the target's greedy answers."""
     target = rj.Target.load(SHIPPED / "target", dtype=jnp.float32)
