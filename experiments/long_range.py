@@ -262,8 +262,11 @@ def retrieval_by_basis(target: rj.Target, ids: np.ndarray, reference: np.ndarray
     bases = {}
     for name, drafter in readers.items():
         if drafter.config.reader.source_layers == sources:
-            layer = drafter.config.reader.inject_layers[0]
-            bases[name] = (query_space(drafter), drafter.flat_params()[f"layers.{layer}.reader.value_basis"])
+            reader, flat = drafter.config.reader, drafter.flat_params()
+            whole = np.broadcast_to(np.eye(reader.value_dim, dtype=np.float32),   # a value side kept whole
+                                    (reader.num_pairs, reader.value_dim, reader.value_dim))
+            value_basis = flat.get(f"layers.{reader.inject_layers[0]}.reader.value_basis", whole)
+            bases[name] = (query_space(drafter), value_basis)
     principal_keys, principal_values = principal_bases(target, ids, sources)
     for rank in sorted({d.config.reader.rank for d in readers.values()}):
         bases[f"principal_r{rank}"] = (principal_keys[..., :rank], principal_values[..., :rank])

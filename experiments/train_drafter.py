@@ -60,7 +60,8 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
     if args.variant == "dspark-ft":
         return base
     reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers,
-                             kind=args.reader_kind, query=args.reader_query, query_rank=args.query_rank)
+                             kind=args.reader_kind, query=args.reader_query, query_rank=args.query_rank,
+                             output_rank=args.output_rank)
     return dt.with_reader(base, target.config, reader, seed=args.seed, target=target)
 
 
@@ -124,6 +125,9 @@ def main(argv=None) -> None:
     parser.add_argument("--query-rank", type=int, default=None,
                         help="content query: rank of its factorised projection (None: as many parameters as the "
                         "basis reader); tied query: rank of its adapter (None: --rank)")
+    parser.add_argument("--output-rank", type=int, default=None,
+                        help="content or tied query: factorise W_o through this many numbers per draft position "
+                        "(None: one matrix from the M*rank read)")
     # self-distillation and anchors
     parser.add_argument("--sequences", type=cli.positive_int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")

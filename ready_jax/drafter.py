@@ -344,7 +344,7 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
             return tuple(r.prepare(keys, values, lengths) for r in readers)
         arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
         return tuple(state_reader_ops.state_gather(arrays, n, r.key_basis[...] if rc.query == "basis" else None,
-                                                   r.value_basis[...], layers=layers, impl=impl) for r in readers)
+                                                   r.value_basis_matrix(), layers=layers, impl=impl) for r in readers)
 
 
 def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead | None, key: jax.Array | None,

@@ -45,6 +45,11 @@ class ReaderConfig:
     source layer's own query projection (frozen, copied from the target) on the draft hidden through a
     zero-initialised low-rank adapter of rank ``query_rank`` (None: ``rank``). Either way the value side stays
     compressed to ``rank`` by ``V_m``.
+
+    ``output_rank`` (content and tied queries only): None, ``W_o`` is one ``[M rank, d]`` matrix; an integer
+    ``r_o`` factorises it as ``M rank -> r_o -> d`` (the second factor starts at zero), so the value side can stay
+    whole (``rank = d_v``) while every draft position still passes through ``r_o`` numbers, chosen jointly over
+    the pairs after the read rather than per pair before it.
     """
 
     source_layers: tuple[int, ...] | None = None
@@ -57,6 +62,7 @@ class ReaderConfig:
     query: ReaderQuery = "basis"
     query_rank: int | None = None
     num_key_heads: int | None = None
+    output_rank: int | None = None
 
     def __post_init__(self):
         problems = field_type_problems(self)
@@ -77,6 +83,9 @@ class ReaderConfig:
             problems.append(f"query {self.query!r} reads Gated DeltaNet states: it needs kind 'state'")
         if self.query_rank is not None and (self.query_rank < 1 or self.query == "basis"):
             problems.append(f"query_rank {self.query_rank} must be >= 1 and belongs to a 'content' or 'tied' query")
+        if self.output_rank is not None and (self.output_rank < 1 or self.query == "basis"):
+            problems.append(f"output_rank {self.output_rank} must be >= 1 and belongs to a 'content' or 'tied' "
+                            "query")
         if self.num_key_heads is not None and (self.num_key_heads < 1 or (
                 self.num_heads is not None and self.num_heads % self.num_key_heads)):
             problems.append(f"num_key_heads {self.num_key_heads} must be >= 1 and divide num_heads {self.num_heads}")
@@ -162,7 +171,12 @@ class ReaderConfig:
         """Trained parameters of one reader sub-block by part, for a drafter of ``hidden_size`` (a resolved
         config). The tied query's copy of the target's projection is frozen and not counted."""
         d, m, r = hidden_size, self.num_pairs, self.rank
-        parts = {"value_basis": m * self.value_dim * r, "o_proj": m * r * d, "norm": m * r}
+        whole = self.query != "basis" and r == self.value_dim  # no value basis: see reader._ValueSideParams
+        parts = {"value_basis": 0 if whole else m * self.value_dim * r, "norm": m * r}
+        if self.output_rank is None:
+            parts.update(o_proj=m * r * d)
+        else:
+            parts.update(o_down=m * r * self.output_rank, o_up=self.output_rank * d)
         if self.query == "basis":
             parts.update(key_basis=m * self.key_dim * r, q_proj=d * m * r)
         elif self.query == "content":
@@ -184,10 +198,11 @@ class ReaderConfig:
         else:
             kept, gather, read = m * dk * r, m * dk * dv * r, m * dk * r
             query = 2 * d * self.query_rank + d * self.num_query_heads * dk
+        output = m * r * d if self.output_rank is None else (m * r + d) * self.output_rank
         return {"parameters": sum(self.parameter_count(d).values()),
                 "frozen_parameters": d * self.num_query_heads * dk if self.query == "tied" else 0,
                 "state_numbers_read": m * dk * dv, "prepared_numbers": kept, "gather_macs": gather,
-                "macs_per_position": query + read + m * r * d}
+                "macs_per_position": query + read + output}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

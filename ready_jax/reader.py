@@ -166,6 +166,9 @@ class _ReaderParams(nnx.Module):
 class StateReader(_ReaderParams):
     """Parameters of one state-reader sub-block: U [M, d_k, r], V [M, d_v, r], W_q, W_o (zero), norm."""
 
+    def value_basis_matrix(self) -> jax.Array:
+        return self.value_basis[...]
+
     def prepare(self, states_bmkv: jax.Array) -> jax.Array:
         return compress(states_bmkv, self.key_basis[...], self.value_basis[...])
 
@@ -176,28 +179,55 @@ class StateReader(_ReaderParams):
 
 
 class _ValueSideParams(nnx.Module):
-    """What every full-key-space reader holds: V [M, d_v, r], W_o (zero) and the norm; no key basis."""
+    """What every full-key-space reader holds: V [M, d_v, r], the norm and W_o, either one zero matrix
+    ``o_proj`` [M r, d] or, with ``output_rank`` r_o, ``o_down`` [M r, r_o] then ``o_up`` [r_o, d] (zero); no key
+    basis."""
 
     def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
         if not config.resolved:
             raise ValueError("resolve the ReaderConfig against the target first (ReaderConfig.resolve)")
         m, r = config.num_pairs, config.rank
         self.num_query_heads, self.key_dim = config.num_query_heads, config.key_dim
-        self.value_basis = nnx.Param(_orthonormal_bases(rngs.params(), m, config.value_dim, r, dtype))
-        self.o_proj = nnx.Linear(m * r, hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
-                                 kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+        # Kept whole (r = d_v), a value basis would be a rotation that W_o absorbs exactly (the norm's rms does not
+        # see it and its scale is per element), so there is none.
+        self.value_basis = (None if r == config.value_dim else
+                            nnx.Param(_orthonormal_bases(rngs.params(), m, config.value_dim, r, dtype)))
+        self.num_pairs, self.value_dim = m, config.value_dim
+        self.output_rank = config.output_rank
+        if config.output_rank is None:
+            self.o_proj = nnx.Linear(m * r, hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                     kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+        else:
+            self.o_down = linear(m * r, config.output_rank, rngs=rngs, dtype=dtype)
+            self.o_up = nnx.Linear(config.output_rank, hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                   kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
         self.norm = Qwen3RMSNorm(m * r, eps, dtype=dtype)
 
+    def value_basis_matrix(self) -> jax.Array:
+        """V [M, d_v, r]: the learned basis, or the identity when the value side is kept whole."""
+        if self.value_basis is None:
+            return jnp.broadcast_to(jnp.eye(self.value_dim, dtype=jnp.float32),
+                                    (self.num_pairs, self.value_dim, self.value_dim))
+        return self.value_basis[...]
+
     def prepare(self, states_bmkv: jax.Array) -> jax.Array:
-        """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed, the key side whole."""
-        return compress(states_bmkv, None, self.value_basis[...])
+        """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed (or whole), the key side whole."""
+        return compress(states_bmkv, None, self.value_basis_matrix())
 
     def __call__(self, h: jax.Array, values: jax.Array, impl: Impl = "xla") -> jax.Array:
         """The read of the subclass's ``queries(h)``, one full-key-space query per (source layer, key head) and
         position [B, G, Q, d_k], over ``values`` (:meth:`prepare`'s)."""
         with jax.named_scope("state_reader"):
-            return state_reader_ops.content_reader(h, self.queries(h), values, self.o_proj.kernel[...],
-                                                   self.norm.weight[...], self.norm.eps, impl=impl)
+            queries = self.queries(h)
+            if self.output_rank is None:
+                return state_reader_ops.content_reader(h, queries, values, self.o_proj.kernel[...],
+                                                       self.norm.weight[...], self.norm.eps, impl=impl)
+            # The read and W_o's first factor run as one content read onto a zero residual of width r_o; the second
+            # factor takes those r_o numbers to the hidden size.
+            zero = jnp.zeros((*h.shape[:2], self.output_rank), h.dtype)
+            low = state_reader_ops.content_reader(zero, queries, values, self.o_down.kernel[...],
+                                                  self.norm.weight[...], self.norm.eps, impl=impl)
+            return h + self.o_up(low)
 
 
 class ContentStateReader(_ValueSideParams):

@@ -172,3 +172,52 @@ def test_every_design_reads_each_state_once_per_round():
     assert costs["basis"]["frozen_parameters"] == costs["content"]["frozen_parameters"] == 0
     assert costs["tied"]["frozen_parameters"] > 0
     assert costs["content"]["parameters"] <= costs["basis"]["parameters"]
+
+
+def _with_factorised_output(target, query, seed=0, scale=0.3):
+    """A ``query`` reader with the value side whole and W_o factorised through 6 numbers, its zero factor set."""
+    base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=seed)
+    whole = target.config.linear_value_head_dim
+    reader = ReaderConfig(rank=whole, query=query, output_rank=6)
+    drafter = dt.with_reader(base, target.config, reader, seed=seed, target=target)
+    flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
+    assert not any(k.endswith("reader.value_basis") or k.endswith("reader.o_proj.kernel") for k in flat)
+    key = next(k for k in flat if k.endswith("reader.o_up.kernel"))
+    flat[key] = scale * np.random.default_rng(seed).normal(size=flat[key].shape).astype(flat[key].dtype)
+    return rj.Drafter.from_state(drafter.config, flat, drafter.dtype)
+
+
+@pytest.mark.parametrize("query", ["content", "tied"])
+def test_a_factorised_output_is_the_read_through_both_factors(tiny_target, query):
+    """``h + rmsnorm(concat_m S_m^T q_m) W_down W_up``, the value side whole (no basis), against the reference read
+    with W_o = W_down W_up multiplied out; generation with it stays lossless."""
+    drafter = _with_factorised_output(tiny_target, query)
+    reader = nnx.merge(drafter.graphdef, drafter.params).layers[drafter.config.reader.inject_layers[0]].reader
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, tiny_target.config.vocab_size, size=(2, 11)), jnp.int32)
+    out = tiny_target.prefill(tiny_target.init_cache(2, 12), ids)
+    (values,) = drafter.prepare_reader(out.cache)
+    h = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
+    w_o = reader.o_down.kernel[...] @ reader.o_up.kernel[...]
+    expected = read_by_content(h, reader.queries(h), values, w_o, reader.norm.weight[...], reader.norm.eps)
+    np.testing.assert_allclose(np.asarray(reader(h, values)), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, tiny_target.config.vocab_size, size=n).astype(np.int32) for n in (9, 5)]
+    np.testing.assert_array_equal(rj.generate(tiny_target, prompts, 8, drafter=drafter).tokens,
+                                  rj.generate(tiny_target, prompts, 8).tokens)
+
+
+def test_output_rank_costs_and_settings():
+    target = tiny_config()
+    whole = target.linear_value_head_dim
+    plain = ReaderConfig(rank=whole, query="content").resolve(target, 2)
+    factored = ReaderConfig(rank=whole, query="content", output_rank=5).resolve(target, 2)
+    d, m = target.hidden_size, plain.num_pairs
+    parts = factored.parameter_count(d)
+    assert parts["value_basis"] == 0 and parts["o_down"] == m * whole * 5 and parts["o_up"] == 5 * d
+    assert "o_proj" not in parts and plain.parameter_count(d)["o_proj"] == m * whole * d
+    saved = plain.round_cost(d)["macs_per_position"] - factored.round_cost(d)["macs_per_position"]
+    assert saved == m * whole * d - (m * whole + d) * 5
+    with pytest.raises(ValueError, match="output_rank 3 must be >= 1 and belongs to a 'content' or 'tied'"):
+        ReaderConfig(output_rank=3)
+    with pytest.raises(ValueError, match="output_rank 0"):
+        ReaderConfig(query="tied", output_rank=0)
