@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import ready_jax as rj
 from pallas_kernels import backend, tpu_common
@@ -347,3 +348,26 @@ def test_generate_pallas_with_a_full_key_space_reader_equals_xla(tiny_target, qu
     pallas = rj.generate(target, prompts, 8, drafter=drafter, impl="pallas")
     np.testing.assert_array_equal(pallas.tokens, xla.tokens)
     np.testing.assert_array_equal(pallas.accept_lengths, xla.accept_lengths)
+
+
+@interpret
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("query", ["content", "tied"])
+def test_a_factorised_output_runs_the_content_kernel(family, query, tiny_target, monkeypatch):
+    """A reader with the value side whole and W_o factorised (``output_rank``) runs the read and W_o's first factor
+    as one content-read kernel: impl="pallas" gives XLA's update."""
+    monkeypatch.setenv(backend.INTERPRET_ENV, {"triton": "gpu", "tpu": "tpu"}[family])
+    config = tiny_target.config
+    base = rj.Drafter.init(config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=0)
+    reader_config = ReaderConfig(rank=config.linear_value_head_dim, query=query, output_rank=16)
+    drafter = dt.with_reader(base, config, reader_config, seed=0, target=tiny_target)
+    reader = nnx.merge(drafter.graphdef, drafter.params).layers[drafter.config.reader.inject_layers[0]].reader
+    reader.o_up.kernel[...] = jnp.asarray(np.random.default_rng(1).normal(size=reader.o_up.kernel.shape), F32)
+    ids = jnp.asarray(np.random.default_rng(2).integers(3, config.vocab_size, size=(2, 9)), jnp.int32)
+    out = tiny_target.prefill(tiny_target.init_cache(2, 10), ids)
+    states = [drafter.prepare_reader(out.cache, impl=impl)[0] for impl in ("xla", "pallas")]
+    _assert_close(states[1], states[0], 1e-5)
+    h = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, config.hidden_size)), F32)
+    update = [np.asarray(reader(h, states[0], impl=impl)) - np.asarray(h) for impl in ("xla", "pallas")]
+    assert np.abs(update[0]).max() > 0
+    _assert_close(update[1], update[0], 1e-5)
