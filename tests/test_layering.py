@@ -18,7 +18,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read"),
     ("ready_jax.checkpoint",),
     ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader"),
-    ("ready_jax.speculative", "ready_jax.generation"),
+    ("ready_jax.speculative", "ready_jax.generation_loop"),
+    ("ready_jax.generation",),
     ("ready_jax.training", "ready_jax.drafter_training"),
     ("convert.*", "experiments.*"),
 )
@@ -114,7 +115,7 @@ def test_importing_the_library_loads_no_converter_torch_or_model_above_what_is_a
         "import ready_jax.target\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('convert', 'experiments', 'torch', "
         "'transformers') or m in ('ready_jax.drafter', 'ready_jax.reader', 'ready_jax.generation', "
-        "'ready_jax.training'))\n"
+        "'ready_jax.generation_loop', 'ready_jax.training'))\n"
         "print(loaded)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -1,0 +1,234 @@
+"""The generation program: prefill -> ``lax.while_loop`` over rounds -> tokens, with no host round trip per round.
+
+A speculative round drafts a block from the last committed token (the anchor), verifies
+``[anchor, d_1..d_gamma]`` with the target in one pass, accepts a prefix (greedy or lossless
+sampling, ``speculative.py``), commits the target cache, the drafter's context cache and the reader
+states (all pure selections: rejected drafts' states are simply never selected), and appends the
+accepted drafts plus the target's own bonus token. With no drafter a round is one decode step (the
+autoregressive baseline), so speedups compare like with like.
+
+Sequences in a batch have their own prompt lengths, committed lengths and acceptance; a finished
+sequence (EOS or ``max_new_tokens``) keeps running in the batch but commits and keeps nothing.
+``generation`` checks the arguments, builds the :class:`Settings` and compiles this program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import cache as cache_lib
+from . import debug, speculative
+from . import drafter as drafter_lib
+from . import sharding as sharding_lib
+from . import target as target_lib
+from .cache import ContextCache, TargetCache
+from .config import TargetConfig
+from .drafter_config import DrafterConfig
+from .modes import Impl, Rollback
+
+PAD = -1  # fills the token buffer (and GenerateOutput.tokens) after a sequence ended
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedConfig:
+    """The static part of a :class:`ScriptedDrafter` (its reference tokens are a program input)."""
+
+    block_size: int
+    error_rate: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything static about one compiled program (hashable: it keys the compilation cache)."""
+
+    target_config: TargetConfig
+    drafter_config: DrafterConfig | ScriptedConfig | None
+    max_new_tokens: int
+    capacity: int
+    temperature: float
+    eos_ids: tuple[int, ...]
+    rollback: Rollback
+    impl: Impl
+    layout: sharding_lib.Layout | None = None  # the target's mesh: carries are pinned to it
+    check_finite: bool = False                 # ready_jax.debug's NaN / Inf checks
+    transposed_head: bool = False              # a tied LM head transposed once per program (transposes_tied_head)
+    # impl="pallas": the kernel family traced in (pallas_kernels.backend), so a program traced with one family
+    # is never reused after the choice changes; "" for XLA.
+    kernels: str = ""
+
+    @property
+    def learned(self) -> bool:
+        return isinstance(self.drafter_config, DrafterConfig)
+
+    @property
+    def gamma(self) -> int:
+        return 0 if self.drafter_config is None else self.drafter_config.block_size
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.drafter_config.target_layer_ids if self.learned else ()
+
+    @property
+    def has_reader(self) -> bool:
+        return self.learned and self.drafter_config.reader is not None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    """The ``lax.while_loop`` carry: everything one round reads and the next needs."""
+
+    cache: TargetCache        # the target's committed cache (prompt + every kept token but the anchor)
+    anchor: jax.Array         # [B] int32 the last kept token, which the target has not run yet
+    generated: jax.Array      # [B] int32 tokens kept so far (the anchor included)
+    key: jax.Array            # PRNG key of the next round
+    round: jax.Array          # int32 rounds run so far
+    buffer: jax.Array         # [B, max_new_tokens + gamma + 1] int32 kept tokens, PAD after them
+    done: jax.Array           # [B] bool: EOS kept or max_new_tokens reached
+    accepted: jax.Array       # [max_new_tokens, B] int32 tokens committed per round, 0 = idle
+    context: ContextCache | None = None  # a learned drafter's context K/V
+    reader: tuple | None = None          # a reader's per-round input, one entry per inject layer
+
+
+def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
+             s: Settings) -> LoopState:
+    """Prefill, the first token, and the loop's initial carry."""
+    batch = prompts.shape[0]
+    dtype = target_params["embed_tokens"]["embedding"].dtype
+    cache = sharding_lib.constrain(cache_lib.init_cache(s.target_config, batch, s.capacity, dtype), s.layout)
+    out = target_lib.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
+                            hidden_layers=s.hidden_layers, impl=s.impl, check_finite=s.check_finite,
+                            logits_at=prompt_lengths - 1)
+    key, first_key = jax.random.split(key)
+    last = out.logits[:, 0]                                                                # [B, V]
+    anchor = speculative.sample_token(last, s.temperature, first_key)
+    generated = jnp.ones((batch,), jnp.int32)
+    context = reader = None
+    if s.learned:
+        context = sharding_lib.constrain(drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype),
+                                         s.layout)
+        context = sharding_lib.constrain(
+            drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden, prompt_lengths), s.layout)
+    if s.has_reader:
+        reader = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, impl=s.impl)
+    return LoopState(
+        cache=sharding_lib.constrain(out.cache, s.layout), anchor=anchor, generated=generated, key=key,
+        round=jnp.int32(0),
+        buffer=jnp.full((batch, s.max_new_tokens + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
+        done=_is_eos(anchor, s.eos_ids) | (generated >= s.max_new_tokens),
+        accepted=jnp.zeros((s.max_new_tokens, batch), jnp.int32), context=context, reader=reader)
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_params, shared, head,
+           s: Settings) -> LoopState:
+    """One round: (draft ->) verify -> accept -> commit -> append."""
+    key, draft_key, accept_key = jax.random.split(carry.key, 3)
+    done, anchor = carry.done, carry.anchor
+    context, reader = carry.context, carry.reader
+    if s.drafter_config is None:
+        with jax.named_scope("decode"):
+            # A finished sequence stays in the batch but commits nothing (num_new = 0).
+            step = target_lib.extend(target_def, target_params, carry.cache, anchor[:, None],
+                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl,
+                                     check_finite=s.check_finite, head=head)
+        n_accepted = jnp.zeros_like(anchor)
+        bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
+        emitted = bonus[:, None]
+        keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
+                                                     s.max_new_tokens, done)
+        cache = step.cache
+    else:
+        with jax.named_scope("draft"):
+            if s.learned:
+                draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, context, anchor,
+                                                reader, draft_key, temperature=s.temperature,
+                                                impl=s.impl)
+                draft_tokens, draft_probs = draft.tokens, draft.probs
+                if s.check_finite:
+                    debug.check_finite(draft.logits, "drafter logits")
+            else:
+                draft_tokens = _scripted_drafts(drafter_params, carry.generated, s, draft_key)
+                draft_probs = jax.nn.one_hot(draft_tokens, s.target_config.vocab_size, dtype=jnp.float32)
+        block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
+        with jax.named_scope("verify"):
+            ver = target_lib.verify(target_def, target_params, carry.cache, block, hidden_layers=s.hidden_layers,
+                                    rollback=s.rollback, impl=s.impl, check_finite=s.check_finite, head=head)
+        with jax.named_scope("accept"):
+            if s.temperature == 0.0:
+                n_accepted, bonus = speculative.greedy_accept(draft_tokens, ver.logits)
+            else:
+                n_accepted, bonus = speculative.sampling_accept(draft_tokens, draft_probs, ver.logits,
+                                                                s.temperature, accept_key)
+        emitted = speculative.emitted_tokens(draft_tokens, n_accepted, bonus)
+        # Commit the anchor and the drafts before the last kept token (which becomes the next anchor):
+        # n + 1 block tokens normally, fewer when an EOS or max_new_tokens cuts the round short, none
+        # once done. The committed cache then always holds the prompt plus all kept tokens but the last.
+        keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
+                                                     s.max_new_tokens, done)
+        with jax.named_scope("commit"):
+            cache = cache_lib.commit(ver.cache, keep, s.impl)
+            if s.learned:
+                context = drafter_lib.append_context(drafter_def, drafter_params, context, ver.hidden, keep)
+        if s.has_reader:
+            with jax.named_scope("reader_prepare"):
+                # Read from the candidate (before commit) when it holds per-position states.
+                source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (cache, None)
+                reader = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, impl=s.impl)
+    if context is not None:
+        context = sharding_lib.constrain(context, s.layout)
+    return LoopState(
+        cache=sharding_lib.constrain(cache, s.layout), anchor=bonus, generated=carry.generated + keep, key=key,
+        round=carry.round + 1, buffer=speculative.write_tokens(carry.buffer, carry.generated, emitted),
+        done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)), context=context,
+        reader=reader)
+
+
+def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
+    """Drafts ``reference[b, generated[b] + k]`` for k < gamma, each corrupted with probability error_rate."""
+    error_rate = s.drafter_config.error_rate
+    index = generated[:, None] + jnp.arange(s.gamma)[None, :]                         # [B, gamma]
+    right = jnp.take_along_axis(reference, jnp.minimum(index, reference.shape[1] - 1), axis=1)
+    wrong_key, where_key = jax.random.split(key)
+    vocab = s.target_config.vocab_size
+    wrong = (right + jax.random.randint(wrong_key, right.shape, 1, vocab)) % vocab   # never equals `right`
+    return jnp.where(jax.random.uniform(where_key, right.shape) < error_rate, wrong, right).astype(jnp.int32)
+
+
+def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key, *, target_def, drafter_def,
+             settings: Settings):
+    """The whole generation as one XLA program: prefill, then rounds until every sequence is done."""
+    head = None
+    if settings.transposed_head:  # materialised once, here, before the loop reads it every round
+        head = target_params["embed_tokens"]["embedding"].T                                # [D, V]
+        if shared is not None:
+            shared = dataclasses.replace(shared, lm_head=head)
+    with jax.named_scope("prefill"):
+        carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
+                         settings)
+    carry = jax.lax.while_loop(
+        lambda c: ~jnp.all(c.done),
+        lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, settings), carry)
+    tokens = (carry.buffer, carry.generated, carry.accepted, carry.round)
+    if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
+        tokens = jax.lax.with_sharding_constraint(tokens, settings.layout.replicated)
+    return *tokens, carry.cache
+
+
+def _checked_program(*args, target_def, drafter_def, settings: Settings):
+    """:func:`_program` with its ``check_finite`` checks functionalised: ``(error, outputs)``."""
+    return debug.checked(functools.partial(_program, target_def=target_def, drafter_def=drafter_def,
+                                           settings=settings))(*args)
+
+
+program_jit = jax.jit(_program, static_argnames=("target_def", "drafter_def", "settings"))
+checked_jit = jax.jit(_checked_program, static_argnames=("target_def", "drafter_def", "settings"))
