@@ -27,10 +27,12 @@ from . import debug, modes
 from . import drafter as drafter_lib
 from . import sharding as sharding_lib
 from .cache import TargetCache
+from .checks import as_array, check_flag, check_int, check_real, check_token_ids
+from .config import INT32_MAX
 from .drafter import Drafter, SharedWeights
 from .generation_loop import PAD, ScriptedConfig, Settings, checked_jit, program_jit
 from .modes import Impl, Rollback
-from .target import INT32_MAX, Target, check_flag, check_int
+from .target import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +216,8 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     if capacity > INT32_MAX:
         raise ValueError(f"the prompts, max_new_tokens and the verify block need a cache of {capacity} slots; "
                          f"positions are int32, so at most {INT32_MAX}")
-    eos = target.config.eos_token_ids if eos_token_ids is None else _check_eos(eos_token_ids, target.config.vocab_size)
+    eos = (target.config.eos_token_ids if eos_token_ids is None
+           else check_token_ids(eos_token_ids, "eos_token_ids", target.config.vocab_size))
     layout = target.layout
     settings = Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
                          impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl))
@@ -234,33 +237,20 @@ def effective_temperature(temperature) -> float:
 
     Dividing logits by a temperature that small would overflow float32 and sample garbage; at that
     temperature sampling is argmax in all but ties anyway."""
-    temperature = _real(temperature, "temperature")
+    temperature = check_real(temperature, "temperature")
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     return 0.0 if temperature < drafter_lib.GREEDY_BELOW else temperature
-
-
-def _real(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _check_eos(eos_token_ids, vocab_size: int) -> tuple[int, ...]:
-    if isinstance(eos_token_ids, str) or not isinstance(eos_token_ids, Sequence | np.ndarray):
-        raise TypeError(f"eos_token_ids must be a sequence of token ids, got {type(eos_token_ids).__name__} "
-                        f"{eos_token_ids!r}")
-    return tuple(check_int(i, "eos_token_ids", 0, vocab_size - 1) for i in eos_token_ids)
 
 
 def _scripted_reference(drafter: ScriptedDrafter, batch: int, vocab_size: int) -> jax.Array:
     """A :class:`ScriptedDrafter`'s fields checked, and its reference tokens as int32 [B, N]."""
     check_int(drafter.block_size, "ScriptedDrafter.block_size", 1, INT32_MAX)
     check_int(drafter.seed, "ScriptedDrafter.seed", 0, 2**32 - 1)  # folded into the key as a uint32
-    rate = _real(drafter.error_rate, "ScriptedDrafter.error_rate")
+    rate = check_real(drafter.error_rate, "ScriptedDrafter.error_rate")
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"ScriptedDrafter.error_rate must lie in [0, 1], got {rate}")
-    reference = _as_array(drafter.reference, "ScriptedDrafter.reference")
+    reference = as_array(drafter.reference, "ScriptedDrafter.reference")
     if reference.ndim != 2 or reference.shape[0] != batch or reference.shape[1] == 0:
         raise ValueError(f"ScriptedDrafter.reference must be [B={batch}, N] with N >= 1, got {reference.shape}")
     if not np.issubdtype(reference.dtype, np.integer):
@@ -364,11 +354,11 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
 def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """[B, T] array or list of 1-D arrays -> right-padded [B, T_max rounded up to ``bucket``] int32, lengths [B]."""
     if isinstance(prompt_ids, list | tuple):
-        rows = [_as_array(p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
+        rows = [as_array(p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
         if any(r.ndim != 1 for r in rows):
             raise ValueError("a list of prompts must hold 1-D token arrays")
     else:
-        array = _as_array(prompt_ids, "prompt_ids")
+        array = as_array(prompt_ids, "prompt_ids")
         if array.ndim != 2:
             raise ValueError(f"prompt_ids must be [B, T] or a list of 1-D arrays, got shape {array.shape}")
         rows = list(array)
@@ -386,11 +376,3 @@ def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarr
     for i, r in enumerate(rows):
         prompts[i, :len(r)] = r
     return prompts, lengths
-
-
-def _as_array(value, name: str) -> np.ndarray:
-    """``value`` through numpy, or a ValueError naming ``name`` (a ragged nested list, for one)."""
-    try:
-        return np.asarray(value)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{name} is not an array of token ids ({e})") from None

@@ -35,6 +35,7 @@ from . import cache as cache_lib
 from . import checkpoint, debug, hf_format, modes
 from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
+from .checks import check_counts, check_flag, check_int, int_array, is_int
 from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
 from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from .modes import Form, Impl, Rollback
@@ -234,7 +235,7 @@ class StepOutput:
 
 def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[int, ...]:
     if isinstance(hidden_layers, str) or not isinstance(hidden_layers, Sequence | np.ndarray) or not all(
-            _is_int(i) for i in hidden_layers):
+            is_int(i) for i in hidden_layers):
         raise TypeError(f"hidden_layers must be a sequence of decoder-layer indices, got {hidden_layers!r}")
     layers = tuple(int(i) for i in hidden_layers)
     bad = [i for i in layers if not 0 <= i < config.num_hidden_layers]
@@ -499,7 +500,7 @@ class Target:
         layers = self._check_step(cache, hidden_layers, impl, check_finite)
         tokens = self._check_tokens(tokens, cache)
         if num_new is not None:
-            num_new = _check_counts(num_new, cache.batch_size, tokens.shape[1], "num_new", "prompt tokens per row")
+            num_new = check_counts(num_new, cache.batch_size, tokens.shape[1], "num_new", "prompt tokens per row")
         return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked", hidden_layers=layers,
                                      impl=impl, check_finite=check_finite))
 
@@ -507,7 +508,7 @@ class Target:
                impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
         """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]."""
         layers = self._check_step(cache, hidden_layers, impl, check_finite)
-        tokens = _int_array(tokens, "tokens")
+        tokens = int_array(tokens, "tokens")
         if tokens.shape not in ((cache.batch_size,), (cache.batch_size, 1)):
             raise ValueError(f"decode takes one token per row: tokens must be [B={cache.batch_size}], got shape "
                              f"{tokens.shape}")
@@ -531,14 +532,14 @@ class Target:
             raise TypeError(f"commit takes the Candidate that Target.verify returned (its .cache), got "
                             f"{type(candidate).__name__}")
         _check_live(candidate, "candidate")
-        n_accepted = _check_counts(n_accepted, candidate.batch_size, candidate.block_length, "n_accepted",
-                                   "verified block tokens")
+        n_accepted = check_counts(n_accepted, candidate.batch_size, candidate.block_length, "n_accepted",
+                                  "verified block tokens")
         donated, kept = _split_layers(candidate.layers, states=True)
         return _commit_jit(donated, kept, candidate.lengths, jnp.asarray(n_accepted, jnp.int32))
 
     def forward(self, input_ids) -> jax.Array:
         """Full-sequence logits [B, T, V] from an empty cache (no padding)."""
-        input_ids = _int_array(input_ids, "input_ids")
+        input_ids = int_array(input_ids, "input_ids")
         if input_ids.ndim != 2 or 0 in input_ids.shape:
             raise ValueError(f"input_ids must be [B, T] with B, T >= 1, got shape {input_ids.shape}")
         cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
@@ -558,7 +559,7 @@ class Target:
         return _check_layers(self.config, hidden_layers)
 
     def _check_tokens(self, tokens, cache: TargetCache, name: str = "tokens") -> jax.Array:
-        tokens = _int_array(tokens, name)
+        tokens = int_array(tokens, name)
         if tokens.ndim != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] == 0:
             raise ValueError(f"{name} must be [B={cache.batch_size}, T] with T >= 1, got shape {tokens.shape}")
         if tokens.size and not isinstance(tokens, jax.core.Tracer):
@@ -589,62 +590,11 @@ def param_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in checkpoint.flat_state(nnx.split(model)[1]).items()}
 
 
-def _check_counts(counts, batch_size: int, most: int | None, name: str, what: str) -> jax.Array:
-    """``counts`` as int32 [B], after checking on the host that each lies in 0..most (``most`` None: >= 0).
-
-    Inside jit (a traced value) nothing can be checked here: the contract is the same, and an out-of-range
-    count there gives undefined cache contents (``check_finite`` catches the NaNs it may cause)."""
-    array = _int_array(counts, name)
-    if array.shape != (batch_size,):
-        raise ValueError(f"{name} must have shape [B={batch_size}] (one count per row), got shape {array.shape}")
-    if not isinstance(array, jax.core.Tracer):
-        values = np.asarray(array)
-        bad = values[(values < 0) | (values > (most if most is not None else INT32_MAX))]
-        if bad.size:
-            limit = f"0..{most}" if most is not None else ">= 0"
-            raise ValueError(f"{name} must lie in {limit} ({what}), got {bad.tolist()}")
-    return jnp.asarray(array, jnp.int32)
-
-
-def _int_array(values, name: str):
-    """``values`` as an integer array: a jax array (or tracer) as it is, anything else through numpy, so that
-    no id is cast to int32 before it is range-checked."""
-    if not isinstance(values, jax.Array):
-        try:
-            values = np.asarray(values)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{name} must be an integer array, got {type(values).__name__} ({e})") from None
-    if not np.issubdtype(values.dtype, np.integer):
-        raise ValueError(f"{name} must be integers, got {values.dtype}")
-    return values
-
-
 def _check_live(cache: TargetCache | Candidate, name: str) -> None:
     """A donated cache's buffers are deleted; a later step on it would fail deep inside jax."""
     if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
         raise ValueError(f"{name} was donated to an earlier step (its buffers are deleted): pass the cache that "
                          "step returned instead")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def check_int(value, name: str, low: int, high: int) -> int:
-    """``value`` as an int, if it is one (a bool is not) in ``low..high``; a TypeError or ValueError naming it
-    otherwise."""
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
-    return int(value)
-
-
-def check_flag(value, name: str) -> bool:
-    """``value`` if it is a bool; a TypeError naming it otherwise (``"no"`` would be truthy)."""
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
 
 
 def _checked(result) -> StepOutput:
