@@ -1,7 +1,7 @@
 """The long-range testbed: does reading the target's committed state help when the drafts need content that
 the drafter's own context window cannot see?
 
-The task (``ready_jax.data.LongRangeTask``): a document holds a record ``OPEN key v_1..v_n CLOSE`` and, D
+The task (``ready_jax.long_range_task.LongRangeTask``): a document holds a record ``OPEN key v_1..v_n CLOSE`` and, D
 tokens later, its query ``OPEN key``; the target's next tokens are the record's values, set by content
 exactly D tokens back. A drafter whose context window W is shorter than D cannot see them; the target's
 committed Gated DeltaNet states might hold them, and a ReaDy reader reads those states.
@@ -61,6 +61,7 @@ from ready_jax import drafter_training as dt
 from ready_jax import reader as reader_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter import SharedWeights
+from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_range_settings
 
 from .common import pyplot, save_figure, write_json
 from .reproduce_table import Arm, run_name, ship_dirs, spread, train
@@ -145,7 +146,7 @@ def state_carried_accuracy(target: rj.Target, ids: np.ndarray, reference: np.nda
 
 def state_retention(target: rj.Target, ids: np.ndarray, distance: int) -> list[list[float]]:
     """Per Gated DeltaNet layer and value head, how much of a record's first value write is still in the state
-    at the end of prompts ``ids`` [B, P] whose record lies ``distance`` back (``data.LongRangeTask.prompt``):
+    at the end of prompts ``ids`` [B, P] whose record lies ``distance`` back (``long_range_task.LongRangeTask.prompt``):
     exp(sum of the layer's g over the tokens after it), averaged over the prompts. The decay alone: the delta
     rule's overwrites can only lower it. Near 0 means the state cannot carry the record, whatever its training
     did. [GDN layers][H_v]"""
@@ -294,13 +295,13 @@ def principal_bases(target: rj.Target, ids: np.ndarray, source_layers: tuple[int
 def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, rj.Drafter], window: int,
              task: dict) -> dict:
     """Per distance: the target's accuracy on the answers and every drafter's tau (outputs checked against AR),
-    on held-out prompts of the task settings ``task`` (``data.long_range_settings``), and how much of the record
-    the state readers' bases keep (:func:`retrieval_by_basis`)."""
-    prompts_by_distance = {d: data.long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task)
+    on held-out prompts of the task settings ``task`` (``long_range_task.long_range_settings``), and how much of the
+    record the state readers' bases keep (:func:`retrieval_by_basis`)."""
+    prompts_by_distance = {d: long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task)
                            for d in args.distances or distances(window)}
     # One prompt width for every distance, so each drafter compiles one program rather than one per distance.
     width = max(len(p["ids"]) for prompts in prompts_by_distance.values() for p in prompts)
-    open_id = data.LongRangeTask.for_tokenizer(tokenizer, **task).open_id
+    open_id = LongRangeTask.for_tokenizer(tokenizer, **task).open_id
     per_distance = {}
     for distance, prompts in prompts_by_distance.items():
         ids = np.asarray([p["ids"] for p in prompts], np.int32)
@@ -620,7 +621,7 @@ def main(argv=None) -> None:
         return
     start = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
-    task = data.long_range_settings(target_dir)  # the records the target was trained on
+    task = long_range_settings(target_dir)  # the records the target was trained on
     drafters = load_drafters(runs, Path(args.zoo), only_arms(arms(
         args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks), tuple(args.queries),
         tuple(args.query_ranks)), args.arms), args.seeds)

@@ -1,6 +1,6 @@
 """Does recall through a Gated DeltaNet state form, and how fast? A synthetic associative-recall probe.
 
-Windows of random ids hold record/query pairs (``data.LongRangeTask.overlay``: ``OPEN key v_1..v_n CLOSE``
+Windows of random ids hold record/query pairs (``long_range_task.LongRangeTask.overlay``: ``OPEN key v_1..v_n CLOSE``
 and, further on, ``OPEN key``; keys, values and the filler around them come from the same ids). A small target
 of Gated DeltaNet layers only (no attention, so only its states can carry a record to its query) learns them
 from scratch, once per initialisation: the layers' own (``layers.GatedDeltaNet``) and the mimetic one
@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, data, training
+from ready_jax import cli, training
 from ready_jax.config import LINEAR_ATTENTION, TargetConfig
+from ready_jax.long_range_task import LONG_RANGE_VALUE_TOKENS, LongRangeTask
 
 from .common import write_json
 
@@ -39,14 +40,14 @@ def probe_config(pool: int, hidden: int, layers: int, head_dim: int) -> TargetCo
         linear_value_head_dim=head_dim, tie_word_embeddings=True, eos_token_ids=(0,))
 
 
-def probe_windows(task: data.LongRangeTask, rng: np.random.Generator, count: int, length: int,
+def probe_windows(task: LongRangeTask, rng: np.random.Generator, count: int, length: int,
                   records: int) -> np.ndarray:
     """``count`` windows [count, length + 1] of random pool ids with up to ``records`` record/query pairs each."""
     filler = task.pool_filler(rng, (count, length + 1))
     return np.stack([task.overlay(rng, window, length, records) for window in filler])
 
 
-def run(init: str, config: TargetConfig, task: data.LongRangeTask, args) -> list[dict]:
+def run(init: str, config: TargetConfig, task: LongRangeTask, args) -> list[dict]:
     """Train one initialisation; its answer scores every ``args.eval_every`` steps."""
     target = rj.Target.init(config, seed=args.seed)
     params = training.mimetic_recall_init(target.params, config) if init == "mimetic" else target.params
@@ -86,7 +87,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="windows per step")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per window")
     parser.add_argument("--records", type=int, default=3, help="record/query pairs per window")
-    parser.add_argument("--values", type=int, default=data.LONG_RANGE_VALUE_TOKENS, help="value tokens per record")
+    parser.add_argument("--values", type=int, default=LONG_RANGE_VALUE_TOKENS, help="value tokens per record")
     parser.add_argument("--pool", type=int, default=256, help="ids keys, values and filler are drawn from")
     parser.add_argument("--layers", type=int, default=2, help="Gated DeltaNet layers")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size")
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
     if args.eval_windows < args.batch_size:
         parser.error(f"--eval-windows {args.eval_windows} must hold at least one batch of {args.batch_size}")
     config = probe_config(args.pool, args.hidden, args.layers, args.head_dim)
-    task = data.LongRangeTask(OPEN_ID, CLOSE_ID, np.arange(3, args.pool + 3, dtype=np.int32), args.values)
+    task = LongRangeTask(OPEN_ID, CLOSE_ID, np.arange(3, args.pool + 3, dtype=np.int32), args.values)
     curves = {init: run(init, config, task, args) for init in args.inits}
     floor = 1 / (args.values + 1)
     summary = {init: {"final_answer_accuracy": curve[-1]["answer_accuracy"],

@@ -43,6 +43,7 @@ import ready_jax as rj
 from ready_jax import checkpoint, cli, data, files, modes, provenance, training
 from ready_jax import drafter_training as dt
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
+from ready_jax.long_range_task import long_range_settings
 
 
 def build_drafter(args, target: rj.Target) -> rj.Drafter:
@@ -67,7 +68,7 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
 
 def long_range_task(args) -> dict:
     """DistillConfig's long-range task settings: the flags where given, else those the target was trained on."""
-    settings = data.long_range_settings(args.target)
+    settings = long_range_settings(args.target)
     return {"long_range_values": settings["value_tokens"] if args.long_range_values is None
             else args.long_range_values,
             "long_range_pool": settings["pool_size"] if args.long_range_pool is None else args.long_range_pool}
@@ -134,8 +135,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per distilled sequence, prompt included")
     parser.add_argument("--stride", type=int, default=8, help="tokens between anchors")
     parser.add_argument("--long-range-max-distance", type=int, default=None,
-                        help="distill long-range recall prompts (ready_jax.data.long_range_mixture) with distances "
-                        "up to this many tokens instead of corpus prompts")
+                        help="distill long-range recall prompts (ready_jax.long_range_task.long_range_mixture) with "
+                        "distances up to this many tokens instead of corpus prompts")
     parser.add_argument("--long-range-values", type=int, default=None,
                         help="value tokens per long-range record (default: the target's long_range_task.json)")
     parser.add_argument("--long-range-pool", type=int, default=None,

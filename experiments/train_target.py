@@ -31,6 +31,13 @@ from flax import nnx
 import ready_jax as rj
 from ready_jax import checkpoint, cli, data, files, modes, provenance, training
 from ready_jax import target as target_lib
+from ready_jax.long_range_task import (
+    LONG_RANGE_POOL,
+    LONG_RANGE_VALUE_TOKENS,
+    LongRangeTask,
+    long_range_windows,
+    save_long_range_settings,
+)
 
 # The seed of the long-range validation windows' records: far from any --seed a run uses, so they are records no
 # training batch holds (and their text is the validation split's).
@@ -68,17 +75,18 @@ def main(argv=None) -> None:
     parser.add_argument("--val-windows", type=int, default=64, help="validation windows per evaluation")
     parser.add_argument("--long-range-fraction", type=float, default=0.0,
                         help="share of training windows that get long-range recall records written over them "
-                        "(ready_jax.data.LongRangeTask; 0: the plain corpus)")
+                        "(ready_jax.long_range_task.LongRangeTask; 0: the plain corpus)")
     parser.add_argument("--long-range-records", type=int, default=12, help="record/query pairs per such window")
     parser.add_argument("--long-range-max-distance", type=int, default=512,
                         help="longest record-to-query distance (drawn log-uniformly from the record length up)")
-    parser.add_argument("--long-range-values", type=int, default=data.LONG_RANGE_VALUE_TOKENS,
+    parser.add_argument("--long-range-values", type=int, default=LONG_RANGE_VALUE_TOKENS,
                         help="value tokens per record")
-    parser.add_argument("--long-range-pool", type=int, default=data.LONG_RANGE_POOL,
+    parser.add_argument("--long-range-pool", type=int, default=LONG_RANGE_POOL,
                         help="ids keys and values are drawn from (a fixed seeded subset of the vocabulary)")
     parser.add_argument("--recall-warmup", type=int, default=0, metavar="STEPS",
                         help="the first STEPS steps train on records over random pool ids instead of corpus text "
-                        "(every window; data.LongRangeTask.pool_filler), where recall is all there is to learn")
+                        "(every window; long_range_task.LongRangeTask.pool_filler), where recall is all there is "
+                        "to learn")
     parser.add_argument("--pool-filler-fraction", type=float, default=0.0,
                         help="after any --recall-warmup, the share of training windows whose text is random pool ids "
                         "(keeps the recall the warm-up formed in the gradient while the corpus is learned)")
@@ -181,10 +189,10 @@ def main(argv=None) -> None:
     eval_fn = training.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
     long_range = None
     if args.long_range_fraction > 0:
-        long_range = data.LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
+        long_range = LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
         # Recall on held-out text: validation windows, every one with records.
-        recall_windows = data.long_range_windows(long_range, val_windows, RECALL_SEED, 0, 1.0,
-                                                 args.long_range_max_distance, args.long_range_records)
+        recall_windows = long_range_windows(long_range, val_windows, RECALL_SEED, 0, 1.0,
+                                            args.long_range_max_distance, args.long_range_records)
         recall_eval = training.make_masked_eval(target.graphdef, config, recall_windows,
                                                 long_range.answer_mask(recall_windows), args.batch_size,
                                                 "val_recall", args.impl)
@@ -201,10 +209,10 @@ def main(argv=None) -> None:
         windows = train_windows.batch(args.seed, position, args.batch_size)
         if long_range is not None:
             warmup = step < args.recall_warmup
-            windows = data.long_range_windows(long_range, windows, args.seed, position,
-                                              1.0 if warmup else args.long_range_fraction,
-                                              args.long_range_max_distance, args.long_range_records,
-                                              pool_filler=1.0 if warmup else args.pool_filler_fraction)
+            windows = long_range_windows(long_range, windows, args.seed, position,
+                                         1.0 if warmup else args.long_range_fraction,
+                                         args.long_range_max_distance, args.long_range_records,
+                                         pool_filler=1.0 if warmup else args.pool_filler_fraction)
         return jnp.asarray(windows)
 
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
@@ -247,7 +255,7 @@ def main(argv=None) -> None:
         shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
         shutil.copy(Path(args.corpus) / "manifest.json", Path(args.save_dir) / "corpus_manifest.json")
         if long_range is not None:
-            data.save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
+            save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
         export_command = provenance.command_line("experiments.train_target", argv)
         training.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
         print(f"wrote {args.save_dir}")

@@ -57,6 +57,7 @@ from .drafter import Drafter, DrafterModel, SharedWeights
 from .drafter_config import KV, STATE, DrafterConfig, ReaderConfig
 from .generation import generate
 from .kv_read import KVReadState
+from .long_range_task import LONG_RANGE_POOL, LONG_RANGE_VALUE_TOKENS, long_range_mixture
 from .reader import committed_states, source_kv
 from .target import Target
 
@@ -349,7 +350,7 @@ class DistillConfig:
     """Self-distilled sequences: ``prompt_len`` corpus tokens + ``seq_len - prompt_len`` target tokens.
 
     With ``long_range_max_distance`` the prompts are long-range recall prompts instead
-    (:func:`ready_jax.data.long_range_mixture`: a record, then its query at a distance up to that many
+    (:func:`ready_jax.long_range_task.long_range_mixture`: a record, then its query at a distance up to that many
     tokens, so the target's continuation starts with the record's values).
     """
 
@@ -360,8 +361,8 @@ class DistillConfig:
     temperature: float = 0.0
     seed: int = 0
     long_range_max_distance: int | None = None
-    long_range_values: int = data.LONG_RANGE_VALUE_TOKENS
-    long_range_pool: int | None = data.LONG_RANGE_POOL
+    long_range_values: int = LONG_RANGE_VALUE_TOKENS
+    long_range_pool: int | None = LONG_RANGE_POOL
 
 
 def distilled_data(target: Target, corpus, config: DistillConfig, path,
@@ -388,10 +389,10 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
         val_prompts = data.Windows(corpus.tokens("validation"), config.prompt_len - 1).ordered(config.val_sequences)
     else:
         def recall_prompts(count: int, split: str) -> np.ndarray:
-            prompts = data.long_range_mixture(corpus.tokenizer, count, config.seed, config.prompt_len,
-                                              config.long_range_max_distance, value_tokens=config.long_range_values,
-                                              pool_size=config.long_range_pool,
-                                              split=split)
+            prompts = long_range_mixture(corpus.tokenizer, count, config.seed, config.prompt_len,
+                                         config.long_range_max_distance, value_tokens=config.long_range_values,
+                                         pool_size=config.long_range_pool,
+                                         split=split)
             return np.asarray([p["ids"] for p in prompts], np.int32)
 
         train_prompts, val_prompts = recall_prompts(config.num_sequences, "train"), recall_prompts(

@@ -732,7 +732,7 @@ def make_masked_eval(graphdef, config: TargetConfig, windows: np.ndarray, mask: 
                      name: str, impl: str = "xla", attention_window: int | None = None) -> Callable:
     """``eval_fn(params) -> {<name>_loss, <name>_accuracy}``: mean next-token cross-entropy and greedy accuracy
     over the positions ``mask`` [N, T] marks in windows [N, T + 1] (N cut to batches), e.g. the answers of
-    long-range queries (``data.LongRangeTask.answer_mask``); with ``attention_window``, every row's attention
+    long-range queries (``long_range_task.LongRangeTask.answer_mask``); with ``attention_window``, every row's attention
     sees only that many positions back (what the Gated DeltaNet states alone carry further back)."""
     rows = None if attention_window is None else jnp.full((batch_size,), attention_window, jnp.int32)
     scores = jax.jit(lambda params, tokens: next_token_scores(graphdef, config, params, tokens, impl, rows))

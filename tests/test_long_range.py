@@ -1,4 +1,4 @@
-"""The long-range recall task (``ready_jax.data``) and the long-range testbed's pieces."""
+"""The long-range recall task (``ready_jax.long_range_task``) and the long-range testbed's pieces."""
 
 import json
 
@@ -14,6 +14,17 @@ from experiments import long_range as lr
 from experiments import reproduce_table as rt
 from ready_jax import cli, data, training
 from ready_jax import target as target_lib
+from ready_jax.long_range_task import (
+    LONG_RANGE_POOL,
+    LONG_RANGE_TASK_FILE,
+    LONG_RANGE_VALUE_TOKENS,
+    LongRangeTask,
+    long_range_mixture,
+    long_range_prompts,
+    long_range_settings,
+    long_range_windows,
+    save_long_range_settings,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +41,8 @@ def _records(ids, task):
 
 @pytest.mark.parametrize("distance", [8, 40])
 def test_prompt_answer_sits_distance_tokens_back(tokenizer, distance):
-    task = data.LongRangeTask.for_tokenizer(tokenizer)
-    prompts = data.long_range_prompts(tokenizer, distance, 4, seed=3)
+    task = LongRangeTask.for_tokenizer(tokenizer)
+    prompts = long_range_prompts(tokenizer, distance, 4, seed=3)
     assert len(prompts) == 4
     for p in prompts:
         ids, ref = np.asarray(p["ids"]), np.asarray(p["reference"])
@@ -45,51 +56,51 @@ def test_prompt_answer_sits_distance_tokens_back(tokenizer, distance):
         assert np.flatnonzero(ids == task.open_id).tolist() == [query - distance, query]
         assert np.flatnonzero(ids == task.close_id).tolist() == [query - distance + task.record_tokens - 1]
         assert np.isin(ref[:-1], task.pool).all() and ids[-1] in task.pool     # values and key from the pool
-    assert len(task.pool) == data.LONG_RANGE_POOL
+    assert len(task.pool) == LONG_RANGE_POOL
 
 
 def test_pool_is_a_fixed_subset_without_special_or_marker_ids(tokenizer):
-    every = data.LongRangeTask.for_tokenizer(tokenizer, pool_size=None).pool
+    every = LongRangeTask.for_tokenizer(tokenizer, pool_size=None).pool
     assert len(every) == tokenizer.get_vocab_size() - 5
-    task = data.LongRangeTask.for_tokenizer(tokenizer, pool_size=16)
+    task = LongRangeTask.for_tokenizer(tokenizer, pool_size=16)
     assert len(set(task.pool.tolist())) == 16 and np.isin(task.pool, every).all()
-    np.testing.assert_array_equal(task.pool, data.LongRangeTask.for_tokenizer(tokenizer, pool_size=16).pool)
+    np.testing.assert_array_equal(task.pool, LongRangeTask.for_tokenizer(tokenizer, pool_size=16).pool)
     assert not np.isin([data.EOS_ID, data.MASK_ID, data.PAD_ID, task.open_id, task.close_id], every).any()
     with pytest.raises(ValueError, match="pool_size 1 must be between 2"):
-        data.LongRangeTask.for_tokenizer(tokenizer, pool_size=1)
+        LongRangeTask.for_tokenizer(tokenizer, pool_size=1)
     with pytest.raises(ValueError, match="need more distinct keys than the pool's 16"):
         task.overlay(np.random.default_rng(0), np.zeros(64, np.int32), 32, records=16)
 
 
 def test_prompts_are_deterministic_and_seeds_differ(tokenizer):
-    a = data.long_range_prompts(tokenizer, 16, 3, seed=0)
-    assert a == data.long_range_prompts(tokenizer, 16, 3, seed=0)
-    b = data.long_range_prompts(tokenizer, 16, 3, seed=1)
+    a = long_range_prompts(tokenizer, 16, 3, seed=0)
+    assert a == long_range_prompts(tokenizer, 16, 3, seed=0)
+    b = long_range_prompts(tokenizer, 16, 3, seed=1)
     assert all(x["reference"] != y["reference"] and x["ids"] != y["ids"] for x, y in zip(a, b, strict=True))
 
 
 def test_fixed_length_prompts_and_bad_settings(tokenizer):
     for distance in (8, 50):
-        prompts = data.long_range_prompts(tokenizer, distance, 2, seed=0, length=64, split="train")
+        prompts = long_range_prompts(tokenizer, distance, 2, seed=0, length=64, split="train")
         assert all(len(p["ids"]) == 64 for p in prompts)
     with pytest.raises(ValueError, match="distance 7 is shorter than a record"):
-        data.long_range_prompts(tokenizer, 7, 1, seed=0)
+        long_range_prompts(tokenizer, 7, 1, seed=0)
     with pytest.raises(ValueError, match="cannot hold a query 70 tokens after"):
-        data.long_range_prompts(tokenizer, 70, 1, seed=0, length=64)
+        long_range_prompts(tokenizer, 70, 1, seed=0, length=64)
     with pytest.raises(ValueError, match="split 'dev'"):
-        data.long_range_prompts(tokenizer, 16, 1, seed=0, split="dev")
+        long_range_prompts(tokenizer, 16, 1, seed=0, split="dev")
     with pytest.raises(ValueError, match="value_tokens 0"):
-        data.long_range_prompts(tokenizer, 16, 1, seed=0, value_tokens=0)
+        long_range_prompts(tokenizer, 16, 1, seed=0, value_tokens=0)
 
 
 def test_training_windows_hold_records_and_their_queries(tokenizer):
-    task = data.LongRangeTask.for_tokenizer(tokenizer, value_tokens=3)
+    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens=3)
     windows = np.random.default_rng(0).integers(200, 600, (16, 257)).astype(np.int32)  # no marker ids
     windows[0, 5] = task.open_id                              # a stray marker in the corpus text is removed
-    out = data.long_range_windows(task, windows, seed=0, position=32, fraction=1.0, max_distance=100, records=6)
+    out = long_range_windows(task, windows, seed=0, position=32, fraction=1.0, max_distance=100, records=6)
     assert out.shape == windows.shape
-    np.testing.assert_array_equal(out, data.long_range_windows(task, windows, 0, 32, 1.0, 100, 6))
-    assert not np.array_equal(out, data.long_range_windows(task, windows, 0, 48, 1.0, 100, 6))
+    np.testing.assert_array_equal(out, long_range_windows(task, windows, 0, 32, 1.0, 100, 6))
+    assert not np.array_equal(out, long_range_windows(task, windows, 0, 48, 1.0, 100, 6))
     pairs = 0
     for row in out:
         records = _records(row, task)
@@ -104,34 +115,34 @@ def test_training_windows_hold_records_and_their_queries(tokenizer):
         keys = [record[1] for record in by_key]
         assert len(set(keys)) == len(keys)                   # one answer per query
     assert pairs >= 16 * 3
-    untouched = data.long_range_windows(task, windows[1:], seed=0, position=0, fraction=0.0, max_distance=100,
-                                        records=6)
+    untouched = long_range_windows(task, windows[1:], seed=0, position=0, fraction=0.0, max_distance=100,
+                                   records=6)
     np.testing.assert_array_equal(untouched, windows[1:])
 
 
 def test_pool_filler_windows_hold_only_pool_ids_and_records(tokenizer):
     """The recall warm-up's windows: the corpus text replaced by random pool ids (a pure function of seed and
     position, like every training window), with the records written over them as usual."""
-    task = data.LongRangeTask.for_tokenizer(tokenizer, value_tokens=3, pool_size=64)
+    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens=3, pool_size=64)
     windows = np.random.default_rng(0).integers(200, 600, (8, 129)).astype(np.int32)
-    out = data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=1.0)
-    np.testing.assert_array_equal(out, data.long_range_windows(task, windows[::-1], 0, 16, 1.0, 100, 4,
-                                                               pool_filler=1.0))   # the text plays no part
-    assert not np.array_equal(out, data.long_range_windows(task, windows, 0, 24, 1.0, 100, 4, pool_filler=1.0))
+    out = long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=1.0)
+    np.testing.assert_array_equal(out, long_range_windows(task, windows[::-1], 0, 16, 1.0, 100, 4,
+                                                          pool_filler=1.0))   # the text plays no part
+    assert not np.array_equal(out, long_range_windows(task, windows, 0, 24, 1.0, 100, 4, pool_filler=1.0))
     assert set(np.unique(out)) <= {*task.pool.tolist(), task.open_id, task.close_id}
     assert len(np.unique(out)) > 48                                     # the pool's ids, spread
     assert task.answer_mask(out).sum(1).min() >= task.value_tokens + 1  # every window has a query
-    mixed = data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=0.5)
+    mixed = long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=0.5)
     text = [bool(np.isin(row, windows).sum() > 64) for row in mixed]   # corpus text left in the window
     assert 0 < sum(text) < len(text)
-    np.testing.assert_array_equal(data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4),
-                                  data.long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=0.0))
+    np.testing.assert_array_equal(long_range_windows(task, windows, 0, 16, 1.0, 100, 4),
+                                  long_range_windows(task, windows, 0, 16, 1.0, 100, 4, pool_filler=0.0))
 
 
 def test_answer_mask_marks_exactly_the_queries_values_and_close(tokenizer):
-    task = data.LongRangeTask.for_tokenizer(tokenizer, value_tokens=3)
+    task = LongRangeTask.for_tokenizer(tokenizer, value_tokens=3)
     windows = np.random.default_rng(1).integers(200, 600, (8, 129)).astype(np.int32)
-    out = data.long_range_windows(task, windows, seed=2, position=0, fraction=1.0, max_distance=60, records=4)
+    out = long_range_windows(task, windows, seed=2, position=0, fraction=1.0, max_distance=60, records=4)
     mask = task.answer_mask(out)
     assert mask.shape == (8, 128)
     for row, row_mask in zip(out, mask, strict=True):
@@ -167,30 +178,30 @@ def test_task_settings_come_from_the_target_unless_flags_say_otherwise(tmp_path)
     import argparse
 
     from experiments import train_drafter
-    defaults = {"value_tokens": data.LONG_RANGE_VALUE_TOKENS, "pool_size": data.LONG_RANGE_POOL}
-    assert data.long_range_settings(tmp_path) == defaults               # a target never trained on the task
-    data.save_long_range_settings(tmp_path, 3, 256)
-    assert data.long_range_settings(tmp_path) == {"value_tokens": 3, "pool_size": 256}
+    defaults = {"value_tokens": LONG_RANGE_VALUE_TOKENS, "pool_size": LONG_RANGE_POOL}
+    assert long_range_settings(tmp_path) == defaults               # a target never trained on the task
+    save_long_range_settings(tmp_path, 3, 256)
+    assert long_range_settings(tmp_path) == {"value_tokens": 3, "pool_size": 256}
     flags = argparse.Namespace(target=tmp_path, long_range_values=None, long_range_pool=None)
     assert train_drafter.long_range_task(flags) == {"long_range_values": 3, "long_range_pool": 256}
     flags.long_range_pool = 64
     assert train_drafter.long_range_task(flags) == {"long_range_values": 3, "long_range_pool": 64}
-    (tmp_path / data.LONG_RANGE_TASK_FILE).write_text('{"value_tokens": 3, "pool": 256}')
+    (tmp_path / LONG_RANGE_TASK_FILE).write_text('{"value_tokens": 3, "pool": 256}')
     with pytest.raises(ValueError, match="holds the keys"):
-        data.long_range_settings(tmp_path)
+        long_range_settings(tmp_path)
 
 
 def test_mixture_prompts_have_one_length_and_many_distances(tokenizer):
-    task = data.LongRangeTask.for_tokenizer(tokenizer)
-    prompts = data.long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)
+    task = LongRangeTask.for_tokenizer(tokenizer)
+    prompts = long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)
     assert {len(p["ids"]) for p in prompts} == {96}
     distances = [p["distance"] for p in prompts]
     assert min(distances) >= task.record_tokens and max(distances) <= 80 and len(set(distances)) > 8
     for p in prompts:
         ids, d = np.asarray(p["ids"]), p["distance"]
         np.testing.assert_array_equal(ids[len(ids) - 2 - d + 2:len(ids) - 2 - d + task.record_tokens], p["reference"])
-    assert prompts == data.long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)
-    assert prompts != data.long_range_mixture(tokenizer, 24, seed=1, length=96, max_distance=80)
+    assert prompts == long_range_mixture(tokenizer, 24, seed=0, length=96, max_distance=80)
+    assert prompts != long_range_mixture(tokenizer, 24, seed=1, length=96, max_distance=80)
 
 
 # ---- the testbed's bookkeeping ---------------------------------------------------------------------------------
@@ -437,7 +448,7 @@ def test_shipped_testbed_recalls_through_the_states_and_its_drafters_are_lossles
     generating with the shipped control and ReaDy gives exactly the target's greedy answers."""
     target = rj.Target.load(SHIPPED / "target", dtype=jnp.float32)
     tokenizer = Tokenizer.from_file(str(SHIPPED / "target" / data.MODEL_TOKENIZER))
-    prompts = data.long_range_prompts(tokenizer, 32, 8, seed=5, **data.long_range_settings(SHIPPED / "target"))
+    prompts = long_range_prompts(tokenizer, 32, 8, seed=5, **long_range_settings(SHIPPED / "target"))
     ids = np.asarray([p["ids"] for p in prompts], np.int32)
     reference = np.asarray([p["reference"] for p in prompts], np.int32)
     ar = rj.generate(target, ids, reference.shape[1])

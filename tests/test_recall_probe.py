@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from experiments import recall_probe
-from ready_jax import data
+from ready_jax.long_range_task import LongRangeTask
 
 
 def test_probe_windows_hold_answerable_queries_over_pool_filler():
-    task = data.LongRangeTask(recall_probe.OPEN_ID, recall_probe.CLOSE_ID, np.arange(3, 40, dtype=np.int32), 3)
+    task = LongRangeTask(recall_probe.OPEN_ID, recall_probe.CLOSE_ID, np.arange(3, 40, dtype=np.int32), 3)
     windows = recall_probe.probe_windows(task, np.random.default_rng(0), 6, 48, 2)
     assert windows.shape == (6, 49) and set(np.unique(windows)) <= set(range(1, 40))
     mask = task.answer_mask(windows)

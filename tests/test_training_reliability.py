@@ -24,8 +24,9 @@ from test_training import _target_trainer
 
 import ready_jax as rj
 from experiments import train_drafter, train_target
-from ready_jax import data, training
 from ready_jax import drafter_training as dt
+from ready_jax import training
+from ready_jax.long_range_task import LONG_RANGE_TASK_FILE, long_range_settings
 
 pytestmark = pytest.mark.slow
 
@@ -136,8 +137,8 @@ def test_target_init_from_starts_at_the_saved_weights_and_refuses_another_shape(
     for x, y in zip(weights(first), weights(second), strict=True):
         np.testing.assert_array_equal(x, y)
     # The recall task's settings travel with the target trained on it, and only with it.
-    assert data.long_range_settings(second) == {"value_tokens": 1, "pool_size": 8}
-    assert not (first / data.LONG_RANGE_TASK_FILE).exists()
+    assert long_range_settings(second) == {"value_tokens": 1, "pool_size": 8}
+    assert not (first / LONG_RANGE_TASK_FILE).exists()
     fresh = tmp_path / "fresh"
     train_target.main(_target_argv(corpus, tmp_path / "w3") + ["--seed", "7", "--save-dir", str(fresh),
                                                                "--export-dtype", "float32"])
