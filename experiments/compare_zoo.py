@@ -21,7 +21,6 @@ which on a tiny target is not small; tau is the hardware-independent figure.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -30,37 +29,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, data
+from ready_jax import cli
 
 from .common import write_json
-
-DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))
-
-
-def held_out_prompts(target_dir: Path, count: int, prompt_tokens: int, seed: int,
-                     kinds=(data.CODE, data.PROSE)) -> list[dict]:
-    """Prompts from the test split in the target's corpus manifest, read from this interpreter's stdlib."""
-    manifest = json.loads((target_dir / "corpus_manifest.json").read_text())
-    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    docs = data.manifest_documents(manifest, "test")
-    if not docs:
-        raise SystemExit(f"none of the test documents of {target_dir}'s corpus exist in this interpreter's stdlib")
-    return data.draw_prompts(tokenizer, docs, count, prompt_tokens, seed, kinds)
-
-
-def summarize(out: rj.GenerateOutput, kinds: np.ndarray) -> dict:
-    accepted = out.accept_lengths                                          # [rounds, B]; 0 once done
-    per_kind = {k: float(accepted[:, kinds == k][accepted[:, kinds == k] > 0].mean()) for k in np.unique(kinds)}
-    survive = out.full_accept_rate if out.block_size else None  # AR has no drafts
-    return {"tau": out.tau, "tau_by_kind": per_kind, "all_drafts_survive": survive,
-            "rounds": out.rounds, "tokens_per_second": out.tokens_per_second, "run_seconds": out.run_seconds}
-
-
-def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.GenerateOutput, float]:
-    """(the fastest of ``repeats`` compiled runs, compile seconds of the first call)."""
-    first = rj.generate(target, prompts, new_tokens, drafter=drafter)
-    runs = [rj.generate(target, prompts, new_tokens, drafter=drafter) for _ in range(repeats)]
-    return min(runs, key=lambda o: o.run_seconds), first.compile_seconds
+from .timing import timed
+from .zoo_runs import DRAFTERS, held_out_prompts, summarize
 
 
 def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, drafters: dict) -> dict:

@@ -15,7 +15,7 @@ Three parts, in one run:
   the committed cache, plus the read at every draft position) jitted, warmed up, median of repeats,
   for both reader kinds on caches of ``t`` committed tokens (random contents; the KV buffer holds
   exactly ``t`` slots, since the baseline's prepare projects every slot).
-* **reader share of a round**: ``experiments.bench_generate.round_breakdown`` at the loop's shapes
+* **reader share of a round**: ``experiments.timing.round_breakdown`` at the loop's shapes
   (draft + verify + commit + context append + reader prepare, replay rollback), with each kind's
   reader round as a fraction of it.
 * **query designs** (``--queries``): for the state reader's basis query and each full-key-space query
@@ -45,9 +45,9 @@ import ready_jax as rj
 from ready_jax import cli
 from ready_jax.drafter_config import KV, STATE
 
-from .bench_generate import median_seconds, reader_round_fn, round_breakdown
 from .common import pyplot, save_figure, write_json
 from .presets import PRESETS
+from .timing import median_seconds, reader_round_fn, round_breakdown
 
 KINDS = (STATE, KV)
 STATE_BYTES = 4  # recurrent states are float32 in the cache whatever the activation dtype

@@ -64,7 +64,7 @@ from ready_jax.drafter import SharedWeights
 from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_range_settings
 
 from .common import pyplot, save_figure, write_json
-from .reproduce_table import Arm, run_name, ship_dirs, spread, train
+from .zoo_runs import Arm, run_name, ship_dirs, spread, train
 
 ZOO_DRAFTERS = ("control", "ready")  # zoo/long_range/<folder>; the target sits beside them in "target"
 

@@ -36,9 +36,9 @@ from ready_jax import cli
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 
-from .bench_generate import interleaved_medians, run_generate
 from .common import write_json
 from .presets import PRESETS
+from .timing import interleaved_medians, run_generate
 
 BANDWIDTH_BYTES = 1 << 30  # the bandwidth probe's array: far beyond any last-level cache
 
@@ -265,7 +265,7 @@ def preset_section(args) -> dict:
 
 def zoo_section(args) -> dict:
     """The zoo's drafters at batch 1 on held-out prompts: components, tau, predicted and measured speedup."""
-    from .compare_zoo import DRAFTERS, held_out_prompts
+    from .zoo_runs import DRAFTERS, held_out_prompts
 
     zoo = Path(args.zoo)
     target = rj.Target.load(zoo / "target", dtype=jnp.float32)

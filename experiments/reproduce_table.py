@@ -31,13 +31,7 @@ context attention sees only the last ``--window`` target features.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -48,23 +42,8 @@ import ready_jax as rj
 from ready_jax import cli, data
 
 from .common import pyplot, save_figure, write_json
-from .compare_zoo import held_out_prompts, summarize, timed
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    """One drafter recipe: a train_drafter variant, the arm it starts from, and extra flags."""
-
-    name: str
-    variant: str
-    base: str | None = None
-    flags: tuple[str, ...] = ()
-    all_seeds: bool = False
-    label: str = ""
-    steps: str | None = None  # "base", "extra" or "total" (both); None: base from scratch, extra when continued
-
-
-DRAFT_LAYERS = 2  # the zoo's drafter depth
+from .timing import timed
+from .zoo_runs import DRAFT_LAYERS, Arm, held_out_prompts, run_name, ship_dirs, spread, summarize, train
 
 
 def arms(target: rj.TargetConfig, window: int) -> tuple[Arm, ...]:
@@ -88,76 +67,6 @@ def arms(target: rj.TargetConfig, window: int) -> tuple[Arm, ...]:
     )
 
 
-def run_name(arm: str, seed: int) -> str:
-    return f"{arm}_s{seed}"
-
-
-# ---- train -------------------------------------------------------------------------------------------------
-def train_command(arm: Arm, seed: int, args) -> list[str]:
-    """The train_drafter command of (arm, seed); ``args.common_flags`` (if any) go to every run."""
-    runs = Path(args.runs)
-    first = arm.base is None
-    steps = {"base": args.dspark_steps, "extra": args.extra_steps,
-             "total": args.dspark_steps + args.extra_steps}[arm.steps or ("base" if first else "extra")]
-    cmd = [sys.executable, "-m", f"{__package__}.train_drafter", "--variant", arm.variant, "--target", str(args.target),
-           "--corpus", str(args.corpus), "--seed", str(seed), "--distill-cache", str(runs / "distill.npz"),
-           "--sequences", str(args.sequences), "--steps", str(steps),
-           "--lr", "2e-3" if first else "1e-3", "--warmup", "20" if first else "10",
-           "--eval-every", "100000", "--checkpoint-every", "50", "--log-every", "50",
-           "--workdir", str(runs / "work" / run_name(arm.name, seed)),
-           "--save-dir", str(runs / run_name(arm.name, seed))]
-    if first:
-        cmd += ["--num-layers", str(DRAFT_LAYERS)]
-    else:
-        cmd += ["--init-from", str(runs / run_name(arm.base, seed))]
-    return cmd + list(getattr(args, "common_flags", ())) + list(arm.flags)
-
-
-def train(args, table: tuple[Arm, ...]) -> None:
-    """Run every missing (arm, seed), ``args.jobs`` at a time, each after the drafter it starts from."""
-    runs = Path(args.runs)
-    (runs / "logs").mkdir(parents=True, exist_ok=True)
-    todo = [(a, s) for a in table for s in (args.seeds if a.all_seeds else args.seeds[:1])
-            if not (runs / run_name(a.name, s) / "model.safetensors").exists()]
-    if not (runs / "distill.npz").exists() and todo:
-        # The first run distils the shared data; the others wait for it rather than distil it again.
-        first = next(i for i, (a, _) in enumerate(todo) if a.base is None)
-        todo.insert(0, todo.pop(first))
-    running: dict[str, subprocess.Popen] = {}
-    failed = []
-    progress = cli.Progress("table: training", len(todo), "runs finished", every_s=60)
-    while todo or running:
-        finished = 0
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                del running[name]
-                finished += 1
-                print(f"{'done' if proc.returncode == 0 else 'FAILED'}: {name}", flush=True)
-                if proc.returncode:
-                    failed.append(name)
-        distilled = (runs / "distill.npz").exists()
-        for arm, seed in list(todo):
-            if len(running) >= args.jobs or (not distilled and running):
-                break
-            base_ready = arm.base is None or (runs / run_name(arm.base, seed) / "model.safetensors").exists()
-            base_failed = arm.base is not None and run_name(arm.base, seed) in failed
-            if base_failed:
-                todo.remove((arm, seed))
-                failed.append(run_name(arm.name, seed))
-                finished += 1
-            elif base_ready:
-                todo.remove((arm, seed))
-                name = run_name(arm.name, seed)
-                log = open(runs / "logs" / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
-                print(f"start: {name}", flush=True)
-                running[name] = subprocess.Popen(train_command(arm, seed, args), stdout=log, stderr=subprocess.STDOUT)
-        progress.update(finished, detail=f"running {', '.join(running)}" if running else "")
-        time.sleep(5)
-    progress.close()
-    if failed:
-        raise SystemExit(f"training failed for {failed}; see {runs / 'logs'}")
-
-
 # ---- ship ---------------------------------------------------------------------------------------------------
 ZOO_DRAFTERS = (("dspark", "dspark"), ("dspark_ft", "dspark_ft"), ("ready", "ready"))
 
@@ -170,51 +79,7 @@ def ship(args) -> None:
     ship_dirs(sources, Path(args.zoo))
 
 
-def ship_dirs(sources: dict[str, Path], zoo: Path) -> None:
-    """Copy each source directory to ``zoo/<folder>`` (replacing it) and record its files in ``zoo/MANIFEST.json``.
-
-    Every file must be the one recorded in the ``MANIFEST.json`` beside its source directory (training writes
-    it: sha256 and the command that made it); the zoo's entries for other folders are kept.
-    """
-    manifest_path = zoo / "MANIFEST.json"
-    old = json.loads(manifest_path.read_text())["files"] if manifest_path.exists() else {}
-    files = {rel: entry for rel, entry in old.items() if not any(rel.startswith(f"{folder}/") for folder in sources)}
-    for folder, src in sources.items():
-        record = json.loads((src.parent / "MANIFEST.json").read_text())
-        for path in sorted(p for p in src.iterdir() if p.is_file()):
-            entry = record["files"].get(f"{src.name}/{path.name}")
-            if entry is None or entry["sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
-                raise SystemExit(f"{path} is not the file its manifest records; retrain or re-export it")
-            files[f"{folder}/{path.name}"] = {**repo_relative(entry), "copied_from": relative(path)}
-    for folder, src in sources.items():
-        shutil.rmtree(zoo / folder, ignore_errors=True)
-        shutil.copytree(src, zoo / folder)
-    manifest_path.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
-    shipped = [e["bytes"] for rel, e in files.items() if any(rel.startswith(f"{f}/") for f in sources)]
-    print(f"wrote {len(shipped)} files ({sum(shipped) / 1e6:.1f} MB) to {zoo}; the zoo holds "
-          f"{sum(e['bytes'] for e in files.values()) / 1e6:.1f} MB in all")
-
-
-def relative(path) -> str:
-    """``path`` relative to the repository root, as the manifest records it."""
-    return os.path.relpath(os.path.abspath(path), cli.repo_root())
-
-
-def repo_relative(record):
-    """A manifest record with absolute paths under the repository root (as in recorded commands) made relative."""
-    root = str(cli.repo_root()) + os.sep
-    if isinstance(record, dict):
-        return {k: repo_relative(v) for k, v in record.items()}
-    return record.replace(root, "") if isinstance(record, str) else record
-
-
 # ---- evaluate ----------------------------------------------------------------------------------------------
-def spread(values: list[float]) -> dict:
-    v = np.asarray(values, np.float64)
-    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0, "n": len(v),
-            "values": v.tolist()}
-
-
 def evaluate(args, target: rj.Target, table: tuple[Arm, ...]) -> dict:
     runs = Path(args.runs)
     prompts = held_out_prompts(Path(args.target), args.prompts, args.prompt_tokens, args.prompt_seed,

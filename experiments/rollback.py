@@ -7,7 +7,7 @@ recomputes the kept tokens' updates. For each number of drafts gamma (verify blo
 tokens), on a random target of a preset (``experiments.presets``) after a random prompt:
 
 * median time of verify and of commit (keeping half the block), and their sum, the target's part of a
-  round (``experiments.bench_generate.verify_commit_timings``);
+  round (``experiments.timing.verify_commit_timings``);
 * XLA's compiled memory of verify followed by commit (temporaries, outputs, arguments);
 * the size of the Gated DeltaNet part of the verify candidate, at the preset and at the Qwen3.5-27B
   geometry (from abstract shapes: nothing of the 27B model is allocated).
@@ -36,9 +36,9 @@ from ready_jax import cli
 from ready_jax import target as target_lib
 from ready_jax.modes import ROLLBACKS
 
-from .bench_generate import verify_commit_timings
 from .common import pyplot, save_figure, write_json
 from .presets import PRESETS
+from .timing import verify_commit_timings
 
 
 def candidate_state_bytes(graphdef, params, cache: rj.TargetCache, block_bt, ids, rollback: str) -> int:

@@ -22,7 +22,7 @@ from test_training_reliability import _drafter_argv, _stand_ins
 
 import ready_jax as rj
 from convert import deepspec, hf_target, upgrade
-from experiments import reproduce_table, train_drafter
+from experiments import reproduce_table, train_drafter, zoo_runs
 from ready_jax import checkpoint, cli, data
 from ready_jax import drafter_training as dt
 from ready_jax.hf_format import read_hf_config
@@ -249,9 +249,9 @@ def test_reproduce_table_loops_report_progress(tmp_path, monkeypatch, capsys):
         def poll(self):
             return 0
 
-    monkeypatch.setattr(reproduce_table.subprocess, "Popen", Finished)
-    monkeypatch.setattr(reproduce_table.time, "sleep", lambda seconds: None)
-    reproduce_table.train(args, table)
+    monkeypatch.setattr(zoo_runs.subprocess, "Popen", Finished)
+    monkeypatch.setattr(zoo_runs.time, "sleep", lambda seconds: None)
+    zoo_runs.train(args, table)
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"table: training: {runs}/{runs} runs finished")
 
     shutil.rmtree(args.runs)                                            # evaluate: every drafter missing

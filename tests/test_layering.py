@@ -120,3 +120,17 @@ def test_importing_the_library_loads_no_converter_torch_or_model_above_what_is_a
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def _defines_main(path: Path) -> bool:
+    return any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in ast.parse(path.read_text()).body)
+
+
+def test_experiment_scripts_import_no_other_script():
+    """A script (a module of experiments/ with a top-level ``main``) imports the library and the shared helper
+    modules (no ``main``), never another script: what two scripts share lives in a helper."""
+    known = _modules()
+    scripts = {module for module, path in known.items() if module.startswith("experiments.") and _defines_main(path)}
+    crossed = [f"{script} imports {other}" for script in sorted(scripts)
+               for other in sorted(_imports(script, known[script], known) & scripts)]
+    assert scripts and not crossed, "experiment scripts that import another script:\n  " + "\n  ".join(crossed)

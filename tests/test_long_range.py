@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 import ready_jax as rj
 from experiments import long_range as lr
-from experiments import reproduce_table as rt
+from experiments import zoo_runs
 from ready_jax import cli, data, training
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
@@ -216,12 +216,12 @@ def test_arms_distances_and_commands():
         runs, target, corpus, sequences, dspark_steps, extra_steps = "r", "t", "c", 8, 30, 20
         common_flags = ("--long-range-max-distance", "600")
 
-    full = rt.train_command(table["dspark_full"], 0, Args)
+    full = zoo_runs.train_command(table["dspark_full"], 0, Args)
     assert full[full.index("--steps") + 1] == "50" and "--context-window" not in full  # both phases' budget
-    control = rt.train_command(table["control"], 1, Args)
+    control = zoo_runs.train_command(table["control"], 1, Args)
     assert control[control.index("--init-from") + 1] == "r/dspark_window_s1"
     assert control[control.index("--steps") + 1] == "20" and control[-2:] == ["--long-range-max-distance", "600"]
-    base = rt.train_command(table["dspark_window"], 0, Args)
+    base = zoo_runs.train_command(table["dspark_window"], 0, Args)
     assert base[-2:] == ["--context-window", "16"]
 
 
@@ -325,14 +325,14 @@ def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
     zoo = tmp_path / "zoo"
     zoo.mkdir()
     (zoo / "MANIFEST.json").write_text(json.dumps({"files": {"dspark/a": {"sha256": "x", "bytes": 1}}}))
-    rt.ship_dirs({"long_range/target": runs / "target", "long_range/control": runs / "control_s0"}, zoo)
+    zoo_runs.ship_dirs({"long_range/target": runs / "target", "long_range/control": runs / "control_s0"}, zoo)
     files = json.loads((zoo / "MANIFEST.json").read_text())["files"]
     assert set(files) == {"dspark/a", "long_range/target/model.safetensors", "long_range/control/model.safetensors"}
     assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
     assert (zoo / "long_range" / "control" / "model.safetensors").read_bytes() == b"control_s0"
     (runs / "target" / "model.safetensors").write_bytes(b"changed")
     with pytest.raises(SystemExit, match="not the file its manifest records"):
-        rt.ship_dirs({"long_range/target": runs / "target"}, zoo)
+        zoo_runs.ship_dirs({"long_range/target": runs / "target"}, zoo)
 
 
 def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_path, tiny_target):

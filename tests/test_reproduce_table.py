@@ -4,6 +4,7 @@ import pytest
 from conftest import tiny_config
 
 from experiments import reproduce_table as rt
+from experiments import zoo_runs
 
 
 def test_arms_follow_the_target_layer_pattern():
@@ -19,7 +20,7 @@ def test_train_command_starts_continued_arms_from_the_same_seed():
         runs, target, corpus, sequences, dspark_steps, extra_steps = "r", "zoo/target", "c", 8, 30, 20
 
     arm = {a.name: a for a in rt.arms(tiny_config(), 16)}["ready_rank128"]
-    cmd = rt.train_command(arm, 2, Args)
+    cmd = zoo_runs.train_command(arm, 2, Args)
     assert cmd[cmd.index("--init-from") + 1] == "r/dspark_s2"
     assert cmd[cmd.index("--save-dir") + 1] == "r/ready_rank128_s2"
     assert cmd[cmd.index("--steps") + 1] == "20" and cmd[-2:] == ["--rank", "128"]

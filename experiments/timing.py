@@ -1,0 +1,144 @@
+"""How the experiments time what they measure: medians after a warm-up, interleaved so that a shared machine's
+drift hits every variant alike; whole generation programs (compile time apart); and the pieces of one
+speculative round (draft, verify, commit, context append, reader work), each jitted alone at the loop's shapes."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import ready_jax as rj
+from ready_jax import cache as cache_lib
+from ready_jax import drafter as drafter_lib
+from ready_jax import target as target_lib
+from ready_jax.modes import ROLLBACKS
+
+
+def median_seconds(fn, repeats: int) -> float:
+    return interleaved_medians({"fn": fn}, repeats)["fn"]
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each zero-argument function after a warm-up (and compile) of each, running them in
+    turn once per repeat so that drift in a shared machine's load hits all of them alike."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: str, **kwargs) -> dict:
+    """Compile once, then the median of ``repeats`` runs of the whole program; prints a progress line."""
+    first = rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs)
+    runs = [rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs) for _ in range(repeats)]
+    out = runs[len(runs) // 2]
+    run_s = float(np.median([r.run_seconds for r in runs]))
+    print(f"  {name}: {out.num_generated.sum() / run_s:.1f} tok/s, tau {out.tau:.2f}, compile "
+          f"{first.compile_seconds:.1f} s", flush=True)
+    return {"tokens_per_s": float(out.num_generated.sum() / run_s), "run_s": run_s,
+            "compile_s": first.compile_seconds, "tau": out.tau, "rounds": out.rounds,
+            "full_accept_rate": out.full_accept_rate if out.block_size else None,
+            "acceptance_histogram": out.acceptance_histogram.tolist(), "tokens": out.tokens}
+
+
+def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.GenerateOutput, float]:
+    """(the fastest of ``repeats`` compiled runs, compile seconds of the first call)."""
+    first = rj.generate(target, prompts, new_tokens, drafter=drafter)
+    runs = [rj.generate(target, prompts, new_tokens, drafter=drafter) for _ in range(repeats)]
+    return min(runs, key=lambda o: o.run_seconds), first.compile_seconds
+
+def round_breakdown(target, drafter, prompts, repeats: int, rollbacks=ROLLBACKS) -> dict:
+    """Median time of each piece of one speculative round, each jitted alone at the loop's shapes and timed
+    in turn with the others.
+
+    ``reader_prepare_s`` gathers and compresses from the verify candidate; ``reader_round_s`` is all of a
+    round's reader work (prepare from the committed cache plus the read at every draft position).
+    """
+    batch, length = prompts.shape
+    gamma = drafter.config.block_size
+    ids = drafter.config.target_layer_ids
+    capacity = length + 2 * (gamma + 1)
+    shared = drafter_lib.SharedWeights.from_target(target)
+    pre = target.prefill(target.init_cache(batch, capacity), jnp.asarray(prompts), hidden_layers=ids)
+    context = drafter.append_context(drafter.init_context(batch, capacity), pre.hidden)
+    anchor = jnp.argmax(pre.logits[:, -1], axis=-1)
+    reader = drafter.prepare_reader(pre.cache) if drafter.config.reader else None
+
+    draft = drafter.draft(context, anchor, shared, reader_states=reader)
+    block = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
+    n = jnp.full((batch,), (gamma + 1) // 2, jnp.int32)
+    ver = target.verify(copy_tree(pre.cache), block, hidden_layers=ids)
+    fns = {"draft": lambda: drafter.draft(context, anchor, shared, reader_states=reader),
+           **verify_commit_fns(target, pre.cache, block, ids, n, rollbacks),
+           "context_append": lambda: drafter.append_context(copy_tree(context), ver.hidden, n)}
+    if drafter.config.reader:
+        fns["reader_prepare"] = lambda: drafter.prepare_reader(ver.cache, n)
+        fns["reader_round"] = reader_round_fn(drafter, rj.Target.commit(copy_tree(ver.cache), n))
+    result = {f"{name}_s": t for name, t in interleaved_medians(fns, repeats).items()}
+    for rollback in rollbacks:
+        result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, pre.cache, block, ids, rollback)
+    return result
+
+
+def copy_tree(tree):
+    """A copy of a cache pytree (the jitted steps donate their cache)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+def verify_commit_fns(target, cache, block, ids, n, rollbacks=ROLLBACKS) -> dict:
+    """Zero-argument functions ``verify_<rollback>`` of ``block`` [B, T] on a copy of ``cache`` and
+    ``commit_<rollback>`` keeping ``n`` [B] block tokens, for each rollback strategy."""
+    fns = {}
+    for rollback in rollbacks:
+        ver = target.verify(copy_tree(cache), block, hidden_layers=ids, rollback=rollback)
+        fns[f"verify_{rollback}"] = lambda rollback=rollback: target.verify(copy_tree(cache), block, hidden_layers=ids,
+                                                                            rollback=rollback)
+        fns[f"commit_{rollback}"] = lambda ver=ver: rj.Target.commit(copy_tree(ver.cache), n)
+    return fns
+
+
+def verify_commit_timings(target, cache, block, ids, n, repeats: int, rollbacks=ROLLBACKS) -> dict:
+    """Per rollback strategy: median verify and commit times (all timed in turn) and
+    :func:`verify_commit_memory`."""
+    medians = interleaved_medians(verify_commit_fns(target, cache, block, ids, n, rollbacks), repeats)
+    return {rollback: {"verify_s": medians[f"verify_{rollback}"], "commit_s": medians[f"commit_{rollback}"],
+                       "memory": verify_commit_memory(target, cache, block, ids, rollback)} for rollback in rollbacks}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reader_round(graphdef, params, cache, h_bgd):
+    """One round of reader work: prepare from the committed cache, then read at every draft position."""
+    prepared = drafter_lib.prepare_reader(graphdef, params, cache)
+    model = nnx.merge(graphdef, params)
+    inject = model.config.reader.inject_layers
+    return [model.layers[i].reader(h_bgd, p) for i, p in zip(inject, prepared, strict=True)]
+
+
+def reader_round_fn(drafter, cache):
+    """A zero-argument function running :func:`_reader_round` for ``drafter`` on a committed target ``cache``."""
+    shape = (cache.batch_size, drafter.config.block_size, drafter.config.hidden_size)
+    h_bgd = jax.random.normal(jax.random.key(0), shape, drafter.dtype)
+    return lambda: _reader_round(drafter.graphdef, drafter.params, cache, h_bgd)
+
+
+def verify_commit_memory(target, cache, block, ids, rollback) -> dict:
+    """XLA's compiled memory figures (bytes) of verify followed by commit, for one rollback strategy."""
+
+    def step(params, cache, block, n):
+        out = target_lib.verify(target.graphdef, params, cache, block, hidden_layers=ids, rollback=rollback)
+        return out.logits, cache_lib.commit(out.cache, n)
+
+    n = jnp.ones((block.shape[0],), jnp.int32)
+    stats = jax.jit(step).lower(target.params, cache, block, n).compile().memory_analysis()
+    return {"temp_bytes": int(stats.temp_size_in_bytes), "output_bytes": int(stats.output_size_in_bytes),
+            "argument_bytes": int(stats.argument_size_in_bytes)}
