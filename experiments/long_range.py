@@ -57,11 +57,11 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from pallas_kernels.gated_delta import normalized_query_key
 from ready_jax import cli, data
-from ready_jax import drafter_training as dt
 from ready_jax import reader as reader_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter import SharedWeights
 from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_range_settings
+from ready_jax.training import drafter_variants
 
 from .common import pyplot, save_figure, write_json
 from .zoo_runs import Arm, run_name, ship_dirs, spread, train
@@ -408,7 +408,8 @@ def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,),
     weights): windowed ReaDy at each of ``ranks`` and with each full-key-space query of ``queries`` at rank 8,
     the windowed KV-read baseline and full-context DSpark."""
     def make(reader: rj.ReaderConfig | None = None, context_window: int | None = window) -> rj.Drafter:
-        config = dt.default_config(target.config, data.MASK_ID, context_window=context_window, reader=reader)
+        config = drafter_variants.default_config(target.config, data.MASK_ID, context_window=context_window,
+                                                 reader=reader)
         return rj.Drafter.init(target.config, config, seed=0)
 
     readers = {run_name("ready" if r == 8 else f"ready_rank{r}", 0): make(rj.ReaderConfig(rank=r)) for r in ranks}

@@ -4,10 +4,10 @@ Windows of random ids hold record/query pairs (``long_range_task.LongRangeTask.o
 and, further on, ``OPEN key``; keys, values and the filler around them come from the same ids). A small target
 of Gated DeltaNet layers only (no attention, so only its states can carry a record to its query) learns them
 from scratch, once per initialisation: the layers' own (``layers.GatedDeltaNet``) and the mimetic one
-(``training.mimetic_recall_init``), on the same batches. Every ``--eval-every`` steps it scores the answers of
-held-out windows (values and CLOSE): a model that knows the format but not the lookup gets CLOSE only, 1/(n+1)
-of them. This is the long-range testbed's question, how long the plateau before recall lasts, asked where a
-run takes minutes instead of hours.
+(``training.target_init.mimetic_recall_init``), on the same batches. Every ``--eval-every`` steps it scores the
+answers of held-out windows (values and CLOSE): a model that knows the format but not the lookup gets CLOSE only,
+1/(n+1) of them. This is the long-range testbed's question, how long the plateau before recall lasts, asked where
+a run takes minutes instead of hours.
 
     python -m experiments.recall_probe --out results/recall_probe_cpu.json
 """
@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, training
+from ready_jax import cli
 from ready_jax.config import LINEAR_ATTENTION, TargetConfig
 from ready_jax.long_range_task import LONG_RANGE_VALUE_TOKENS, LongRangeTask
+from ready_jax.training import optimiser, target_init, target_recipe, train_state
 
 from .common import write_json
 
@@ -32,7 +33,7 @@ INITS = ("default", "mimetic")
 
 def probe_config(pool: int, hidden: int, layers: int, head_dim: int) -> TargetConfig:
     """A target of ``layers`` Gated DeltaNet layers over ``pool`` + 3 ids (one key and two value heads of
-    ``head_dim``, as ``training.small_target_config``'s)."""
+    ``head_dim``, as ``training.target_recipe.small_target_config``'s)."""
     return TargetConfig(
         vocab_size=pool + 3, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, layer_types=(LINEAR_ATTENTION,) * layers,
@@ -50,17 +51,17 @@ def probe_windows(task: LongRangeTask, rng: np.random.Generator, count: int, len
 def run(init: str, config: TargetConfig, task: LongRangeTask, args) -> list[dict]:
     """Train one initialisation; its answer scores every ``args.eval_every`` steps."""
     target = rj.Target.init(config, seed=args.seed)
-    params = training.mimetic_recall_init(target.params, config) if init == "mimetic" else target.params
-    optimizer = training.make_optimizer(training.OptimConfig(lr=args.lr, warmup_steps=args.warmup,
-                                                             total_steps=args.steps))
-    step_fn = training.make_train_step(
-        lambda p, tokens, key: training.target_loss(target.graphdef, config, p, tokens), optimizer)
+    params = target_init.mimetic_recall_init(target.params, config) if init == "mimetic" else target.params
+    optimizer = optimiser.make_optimizer(optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup,
+                                                               total_steps=args.steps))
+    step_fn = train_state.make_train_step(
+        lambda p, tokens, key: target_recipe.target_loss(target.graphdef, config, p, tokens), optimizer)
     held_out = probe_windows(task, np.random.default_rng([args.seed, 1]), args.eval_windows, args.seq_len,
                              args.records)
-    answers = training.make_masked_eval(target.graphdef, config, held_out, task.answer_mask(held_out),
-                                        args.batch_size, "answer")
+    answers = target_recipe.make_masked_eval(target.graphdef, config, held_out, task.answer_mask(held_out),
+                                             args.batch_size, "answer")
     batches = np.random.default_rng([args.seed, 0])  # the same batches for every initialisation
-    state = training.TrainState.create(params, optimizer, args.seed)
+    state = train_state.TrainState.create(params, optimizer, args.seed)
     curve, start = [], time.perf_counter()
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:

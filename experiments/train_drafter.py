@@ -12,7 +12,7 @@ Training data is self-distilled: the target continues corpus prompts (``ready_ja
 encoded with the tokenizer the target ships (``tokenizer.json``, for the documents of its
 ``corpus_manifest.json``) whatever this Python's stdlib; the
 target's features, logits and GDN states are recomputed at every step (see
-``ready_jax.drafter_training``). Rerunning the same command resumes from the workdir's checkpoints.
+``ready_jax.training.drafter_loss``). Rerunning the same command resumes from the workdir's checkpoints.
 A workdir is never wiped: rerunning into one that holds a run with other settings (e.g. another
 ``--num-layers``) exits with an error naming them and deletes nothing; rerun with the saved settings or
 give another ``--workdir``. A checkpoint whose hash record (``<workdir>/checkpoint_hashes/<step>.json``)
@@ -40,10 +40,19 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, data, files, modes, provenance, training
-from ready_jax import drafter_training as dt
+from ready_jax import checkpoint, cli, data, files, modes, provenance
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
+from ready_jax.training import (
+    artifacts,
+    checkpoints,
+    distillation,
+    drafter_loss,
+    drafter_trainer,
+    drafter_variants,
+    optimiser,
+)
+from ready_jax.training.loop import LoopConfig
 
 
 def build_drafter(args, target: rj.Target) -> rj.Drafter:
@@ -51,7 +60,7 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
     if args.variant == "dspark":
         overrides = dict(block_size=args.block_size, num_layers=args.num_layers, markov_rank=args.markov_rank,
                          context_window=args.context_window, target_layer_ids=args.target_layers)
-        config = dt.default_config(target.config, data.MASK_ID, **overrides)
+        config = drafter_variants.default_config(target.config, data.MASK_ID, **overrides)
         return rj.Drafter.init(target.config, config, seed=args.seed)
     if args.init_from is None:
         raise SystemExit(f"--variant {args.variant} needs --init-from (a DSpark drafter directory)")
@@ -63,7 +72,7 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
     reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers,
                              kind=args.reader_kind, query=args.reader_query, query_rank=args.query_rank,
                              output_rank=args.output_rank)
-    return dt.with_reader(base, target.config, reader, seed=args.seed, target=target)
+    return drafter_variants.with_reader(base, target.config, reader, seed=args.seed, target=target)
 
 
 def long_range_task(args) -> dict:
@@ -77,7 +86,8 @@ def long_range_task(args) -> dict:
 @cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.train_drafter", __doc__)
-    parser.add_argument("--variant", required=True, choices=dt.VARIANTS, help="which drafter (see above)")
+    parser.add_argument("--variant", required=True, choices=drafter_variants.VARIANTS,
+                        help="which drafter (see above)")
     parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory,
                         help="trained target (project format)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
@@ -161,7 +171,7 @@ def main(argv=None) -> None:
             checkpoint.check_destination(args.save_dir, DRAFTER_FORMAT)
     except OSError as e:
         parser.error(e.strerror or str(e))
-    produced_by = training.run_provenance(workdir, "experiments.train_drafter", argv)
+    produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
 
     target = rj.Target.load(args.target, dtype=jnp.float32)  # the shipped (bf16) weights, computed in fp32
     try:
@@ -172,41 +182,43 @@ def main(argv=None) -> None:
         drafter = build_drafter(args, target)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    distill_config = dt.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
-                                      temperature=args.distill_temperature, seed=args.data_seed,
-                                      long_range_max_distance=args.long_range_max_distance,
-                                      **long_range_task(args))
+    distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
+                                                num_sequences=args.sequences, temperature=args.distill_temperature,
+                                                seed=args.data_seed,
+                                                long_range_max_distance=args.long_range_max_distance,
+                                                **long_range_task(args))
     start = time.perf_counter()
-    train_seqs, val_seqs = dt.distilled_data(target, corpus, distill_config, distill_cache)
+    train_seqs, val_seqs = distillation.distilled_data(target, corpus, distill_config, distill_cache)
     print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
           f"({time.perf_counter() - start:.0f} s)")
 
-    layout = dt.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
+    layout = drafter_loss.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(drafter.params))
     print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.num_anchors} anchors per sequence, "
           f"reader {drafter.config.reader}")
-    optim = training.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
-    loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
-                               checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
+    optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
+    loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
     meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
             "optim": dataclasses.asdict(optim), "distill": dataclasses.asdict(distill_config),
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from}
     start = time.perf_counter()
     try:
-        trained = dt.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
-                                   batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
-    except training.ResumeError as e:
+        trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
+                                                batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
+    except checkpoints.ResumeError as e:
         raise SystemExit(f"error: {e}") from None
-    final = dt.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size, args.impl)(trained.params)
+    final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size,
+                                              args.impl)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
     files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
     if args.save_dir:
-        rj.Drafter(nnx.merge(trained.graphdef, training.cast(trained.params, jnp.dtype(args.export_dtype)))).save(
+        rj.Drafter(nnx.merge(trained.graphdef, artifacts.cast(trained.params, jnp.dtype(args.export_dtype)))).save(
             args.save_dir)
         export_command = provenance.command_line("experiments.train_drafter", argv)
-        training.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
+        artifacts.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
         print(f"wrote {args.save_dir}")
 
 

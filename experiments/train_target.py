@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, data, files, modes, provenance, training
+from ready_jax import checkpoint, cli, data, files, modes, provenance
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
     LONG_RANGE_POOL,
@@ -38,6 +38,8 @@ from ready_jax.long_range_task import (
     long_range_windows,
     save_long_range_settings,
 )
+from ready_jax.training import artifacts, checkpoints, optimiser, target_init, target_recipe, train_state
+from ready_jax.training.loop import LoopConfig, train_loop
 
 # The seed of the long-range validation windows' records: far from any --seed a run uses, so they are records no
 # training batch holds (and their text is the validation split's).
@@ -109,8 +111,8 @@ def main(argv=None) -> None:
                         "learn); trained freely, language modelling makes them forget again")
     parser.add_argument("--mimetic-init", action="store_true",
                         help="start every Gated DeltaNet layer set up for associative recall (keys = queries, keys "
-                        "from the previous token: training.mimetic_recall_init), so recall through the states "
-                        "forms in hundreds of steps instead of after a plateau of thousands; fresh targets only")
+                        "from the previous token: training.target_init.mimetic_recall_init), so recall through the "
+                        "states forms in hundreds of steps instead of after a plateau of thousands; fresh targets only")
     parser.add_argument("--init-from", default=None, type=cli.existing_directory,
                         help="start from this trained target's weights (project format; its config must be the one "
                         "the flags describe) instead of a random initialisation: a curriculum's next stage, or a "
@@ -142,15 +144,15 @@ def main(argv=None) -> None:
     except OSError as e:
         parser.error(e.strerror or str(e))
     corpus = data.prepare_corpus(args.corpus, args.vocab)
-    config = training.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
-                                          num_layers=args.layers, intermediate_size=args.intermediate,
-                                          eos_token_id=data.EOS_ID)
+    config = target_recipe.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
+                                               num_layers=args.layers, intermediate_size=args.intermediate,
+                                               eos_token_id=data.EOS_ID)
     config = dataclasses.replace(config, linear_key_head_dim=args.linear_head_dim,
                                  linear_value_head_dim=args.linear_head_dim)
     if args.linear_memory is not None and args.linear_memory_heads > config.linear_num_value_heads:
         raise SystemExit(f"error: --linear-memory-heads {args.linear_memory_heads} exceeds the "
                          f"{config.linear_num_value_heads} value heads of each Gated DeltaNet layer")
-    produced_by = training.run_provenance(args.workdir, "experiments.train_target", argv)
+    produced_by = artifacts.run_provenance(args.workdir, "experiments.train_target", argv)
     # Stacked groups: the layer scan keeps the training step's compile time flat in depth, and run checkpoints
     # keep the layout they have always had, so earlier runs resume.
     target = rj.Target.init(config, seed=args.seed, group_layout="stacked")
@@ -163,45 +165,45 @@ def main(argv=None) -> None:
                              f"(its, the flags'): {differs}")
         target = rj.Target(nnx.merge(target.graphdef, start_from.stacked_params()), group_layout="stacked")
     if args.mimetic_init:
-        target = rj.Target(nnx.merge(target.graphdef, training.mimetic_recall_init(target.params, config)),
+        target = rj.Target(nnx.merge(target.graphdef, target_init.mimetic_recall_init(target.params, config)),
                            group_layout="stacked")
     if args.linear_memory is not None:
-        params = training.lengthen_linear_memory(target.params, args.linear_memory, args.linear_memory_heads)
+        params = target_init.lengthen_linear_memory(target.params, args.linear_memory, args.linear_memory_heads)
         target = rj.Target(nnx.merge(target.graphdef, params), group_layout="stacked")
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
     print(f"target: {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, corpus "
           f"{corpus.manifest['train_tokens']} train tokens")
 
-    optim = training.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
-                                 weight_decay=args.weight_decay, clip_norm=args.clip)
-    optimizer = training.make_optimizer(optim)
+    optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
+                                  weight_decay=args.weight_decay, clip_norm=args.clip)
+    optimizer = optimiser.make_optimizer(optim)
 
     def loss_fn(params, tokens, key):
         if args.hold_linear_memory:
-            params = training.hold_linear_memory(params, args.linear_memory_heads)
-        rows = None if args.attention_window is None else training.attention_windows(
+            params = target_init.hold_linear_memory(params, args.linear_memory_heads)
+        rows = None if args.attention_window is None else target_recipe.attention_windows(
             key, tokens.shape[0], tokens.shape[1] - 1, args.attention_window_fraction, args.attention_window)
-        return training.target_loss(target.graphdef, config, params, tokens, args.impl, rows)
+        return target_recipe.target_loss(target.graphdef, config, params, tokens, args.impl, rows)
 
-    step_fn = training.make_train_step(loss_fn, optimizer)
+    step_fn = train_state.make_train_step(loss_fn, optimizer)
     train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
     val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
-    eval_fn = training.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
+    eval_fn = target_recipe.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
     long_range = None
     if args.long_range_fraction > 0:
         long_range = LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
         # Recall on held-out text: validation windows, every one with records.
         recall_windows = long_range_windows(long_range, val_windows, RECALL_SEED, 0, 1.0,
                                             args.long_range_max_distance, args.long_range_records)
-        recall_eval = training.make_masked_eval(target.graphdef, config, recall_windows,
-                                                long_range.answer_mask(recall_windows), args.batch_size,
-                                                "val_recall", args.impl)
+        recall_eval = target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
+                                                     long_range.answer_mask(recall_windows), args.batch_size,
+                                                     "val_recall", args.impl)
         evals = [eval_fn, recall_eval]
         if args.attention_window is not None:
             # Recall through the Gated DeltaNet states alone: every row's attention restricted.
-            evals.append(training.make_masked_eval(target.graphdef, config, recall_windows,
-                                                   long_range.answer_mask(recall_windows), args.batch_size,
-                                                   "val_state_recall", args.impl, args.attention_window))
+            evals.append(target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
+                                                        long_range.answer_mask(recall_windows), args.batch_size,
+                                                        "val_state_recall", args.impl, args.attention_window))
         eval_fn = lambda params: {k: v for f in evals for k, v in f(params).items()}  # noqa: E731
 
     def batch_fn(step):
@@ -234,14 +236,14 @@ def main(argv=None) -> None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
                               "max_distance": args.long_range_max_distance, "values": args.long_range_values,
                               "pool": args.long_range_pool}
-    loop = training.LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
-                               checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
-                               resume_unverified=args.resume_unverified)
+    loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
+                      resume_unverified=args.resume_unverified)
     start = time.perf_counter()
     try:
-        state = training.train_loop(training.TrainState.create(target.params, optimizer, args.seed), step_fn,
-                                    batch_fn, loop, args.workdir, eval_fn=eval_fn, meta=meta)
-    except training.ResumeError as e:
+        state = train_loop(train_state.TrainState.create(target.params, optimizer, args.seed), step_fn,
+                           batch_fn, loop, args.workdir, eval_fn=eval_fn, meta=meta)
+    except checkpoints.ResumeError as e:
         raise SystemExit(f"error: {e}") from None
     final = eval_fn(state.params)
     summary = {"steps": int(state.step), "params": num_params, "wall_seconds_this_run": time.perf_counter() - start,
@@ -249,7 +251,7 @@ def main(argv=None) -> None:
     print(json.dumps(summary))
     files.write_text(Path(args.workdir, "summary.json"), json.dumps(summary, indent=1))
     if args.save_dir:
-        rj.Target(nnx.merge(target.graphdef, training.cast(state.params, jnp.dtype(args.export_dtype)))).save(
+        rj.Target(nnx.merge(target.graphdef, artifacts.cast(state.params, jnp.dtype(args.export_dtype)))).save(
             args.save_dir)
         # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
         shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
@@ -257,7 +259,7 @@ def main(argv=None) -> None:
         if long_range is not None:
             save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
         export_command = provenance.command_line("experiments.train_target", argv)
-        training.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
+        artifacts.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
         print(f"wrote {args.save_dir}")
 
 

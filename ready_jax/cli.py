@@ -123,7 +123,7 @@ def message(error: BaseException) -> str:
 
 def reported(error: BaseException) -> bool:
     """Whether :func:`main` reports ``error`` in one line: one of :data:`REPORTED_ERRORS`, or of a type the
-    project defines (``training.ResumeError``, ...)."""
+    project defines (``training.checkpoints.ResumeError``, ...)."""
     return isinstance(error, REPORTED_ERRORS) or any(
         kind.__module__.split(".")[0] in _OWN_PACKAGES for kind in type(error).__mro__)
 

@@ -151,7 +151,7 @@ class GatedAttention(nnx.Module):
         this layer's [B, S, H_kv, D]. Returns the output and the buffers with the block's K/V written at
         those slots: only T slots are written, so a donated cache is updated in place, not copied.
         ``window`` [B]: row b's queries see only the last ``window[b]`` positions, their own included (a
-        training-time restriction, see ``training.attention_windows``; None: every earlier position)."""
+        training-time restriction, see ``training.target_recipe.attention_windows``; None: every earlier position)."""
         if group is None:
             out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window)
             return out, jax.tree.map(lambda a: a[0], stacked)

@@ -28,7 +28,7 @@ results beyond floating-point summation order: XLA partitions any placement corr
 the weights (``Target.load(path, layout=...)`` / ``Drafter.load`` read a checkpoint straight into place,
 never holding it whole on one device); a sharded target's ``init_cache`` and step functions keep the
 cache placed, and ``rj.generate`` runs the whole program on the mesh when given a sharded target.
-``training.make_train_step(..., layout=...)`` is the data-parallel (optionally also tensor-parallel)
+``training.train_state.make_train_step(..., layout=...)`` is the data-parallel (optionally also tensor-parallel)
 training step. This module holds only the axis rules and placement.
 Multi-host: call :func:`initialize_distributed` first in every process; ``make_mesh`` then spans
 every process's devices, and placement builds global arrays from each process's copy of the host
@@ -320,7 +320,7 @@ def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype, layo
 
 # ---- data-parallel training ----------------------------------------------------------------------------
 def train_state_shardings(state, layout: Layout | Mesh, config: TargetConfig | DrafterConfig | None = None):
-    """Shardings for a ``training.TrainState``: parameters and optimiser moments replicated (pure data
+    """Shardings for a ``training.train_state.TrainState``: parameters and optimiser moments replicated (pure data
     parallelism), or with ``config`` laid out by the parameter rules (tensor parallelism as well);
     scalars (step, PRNG key, optimiser counts) replicated."""
     layout = as_layout(layout)

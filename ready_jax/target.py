@@ -262,7 +262,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
     prompt token's, and [B, T, V] float32 logits of long prompts outweigh the cache.
     ``attention_window`` [B] int: row b's full-attention layers see only its last ``attention_window[b]``
-    positions; a training-time restriction (``training.attention_windows``) that makes the Gated DeltaNet
+    positions; a training-time restriction (``training.target_recipe.attention_windows``) that makes the Gated DeltaNet
     states carry what lies further back. None: full attention, the architecture as it is.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
     """

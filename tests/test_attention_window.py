@@ -1,8 +1,8 @@
 """Training a target to carry content in its Gated DeltaNet states: restricted attention
-(``extend(attention_window=...)``, ``training.attention_windows``), rows whose full-attention layers see only their
-last W positions, so the states must carry the rest; long-memory heads (``training.lengthen_linear_memory``),
+(``extend(attention_window=...)``, ``target_recipe.attention_windows``), rows whose full-attention layers see only their
+last W positions, so the states must carry the rest; long-memory heads (``target_init.lengthen_linear_memory``),
 so a state keeps content long enough for that to be learned; and the mimetic initialisation
-(``training.mimetic_recall_init``), under which a fresh state already recalls by association."""
+(``target_init.mimetic_recall_init``), under which a fresh state already recalls by association."""
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,8 @@ from flax import nnx
 
 from ready_jax import cache as cache_lib
 from ready_jax import target as target_lib
-from ready_jax import training
 from ready_jax.layers import GatedAttention, GatedDeltaNet
+from ready_jax.training import target_init, target_recipe
 
 
 def _empty_kv(config, batch: int, capacity: int) -> cache_lib.AttentionCache:
@@ -60,16 +60,16 @@ def test_a_window_as_long_as_the_sequence_is_full_attention_and_a_short_one_is_n
 
 def test_attention_windows_draws_the_restricted_rows_from_the_key():
     key = jax.random.key(5)
-    np.testing.assert_array_equal(training.attention_windows(key, 6, 128, 0.0, 16), [128] * 6)
-    np.testing.assert_array_equal(training.attention_windows(key, 6, 128, 1.0, 16), [16] * 6)
-    half = np.asarray(training.attention_windows(key, 4096, 128, 0.5, 16))
+    np.testing.assert_array_equal(target_recipe.attention_windows(key, 6, 128, 0.0, 16), [128] * 6)
+    np.testing.assert_array_equal(target_recipe.attention_windows(key, 6, 128, 1.0, 16), [16] * 6)
+    half = np.asarray(target_recipe.attention_windows(key, 4096, 128, 0.5, 16))
     assert set(np.unique(half)) == {16, 128} and abs((half == 16).mean() - 0.5) < 0.05
-    np.testing.assert_array_equal(training.attention_windows(key, 4096, 128, 0.5, 16), half)   # a pure function
-    assert not np.array_equal(training.attention_windows(jax.random.key(6), 4096, 128, 0.5, 16), half)
+    np.testing.assert_array_equal(target_recipe.attention_windows(key, 4096, 128, 0.5, 16), half)   # a pure function
+    assert not np.array_equal(target_recipe.attention_windows(jax.random.key(6), 4096, 128, 0.5, 16), half)
     with pytest.raises(ValueError, match="fraction 1.5 must be between 0 and 1"):
-        training.attention_windows(key, 4, 128, 1.5, 16)
+        target_recipe.attention_windows(key, 4, 128, 1.5, 16)
     with pytest.raises(ValueError, match="attention window 0 must be at least 1"):
-        training.attention_windows(key, 4, 128, 0.5, 0)
+        target_recipe.attention_windows(key, 4, 128, 0.5, 0)
 
 
 def test_masked_eval_with_a_window_scores_the_windowed_model(tiny_target):
@@ -77,14 +77,14 @@ def test_masked_eval_with_a_window_scores_the_windowed_model(tiny_target):
     windows = np.random.default_rng(2).integers(3, config.vocab_size, (2, 21)).astype(np.int32)
     mask = np.zeros((2, 20), bool)
     mask[:, 15:] = True
-    scores = jax.jit(lambda params, tokens: training.next_token_scores(
+    scores = jax.jit(lambda params, tokens: target_recipe.next_token_scores(
         tiny_target.graphdef, config, params, tokens, attention_window=jnp.asarray([3, 3], jnp.int32)))
     ce, correct = (np.asarray(x) for x in scores(tiny_target.params, jnp.asarray(windows)))
-    got = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state",
-                                    attention_window=3)(tiny_target.params)
+    got = target_recipe.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state",
+                                         attention_window=3)(tiny_target.params)
     assert got["state_loss"] == pytest.approx(ce[mask].mean(), rel=1e-5)
     assert got["state_accuracy"] == pytest.approx(correct[mask].mean())
-    full = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state")(tiny_target.params)
+    full = target_recipe.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "state")(tiny_target.params)
     assert full["state_loss"] != pytest.approx(got["state_loss"], rel=1e-4)
 
 
@@ -94,7 +94,7 @@ def test_lengthened_linear_memory_decays_at_its_half_life_whatever_the_input(app
     the other heads their own input-dependent gate as before; nothing but the three reset slices changes."""
     config = tiny_config()
     target = target_lib.Target.init(config, seed=0, group_layout=group_layout)
-    params = training.lengthen_linear_memory(target.params, 64.0, 1)
+    params = target_init.lengthen_linear_memory(target.params, 64.0, 1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 12)), jnp.int32)
 
     def gates(p):                                             # per GDN layer: [B, T, H_v]
@@ -118,25 +118,25 @@ def test_lengthened_linear_memory_decays_at_its_half_life_whatever_the_input(app
 
 def test_lengthen_linear_memory_refuses_what_it_cannot_do(tiny_target):
     with pytest.raises(ValueError, match="half_life"):
-        training.lengthen_linear_memory(tiny_target.params, 0.0, 1)
+        target_init.lengthen_linear_memory(tiny_target.params, 0.0, 1)
     with pytest.raises(ValueError, match="value heads"):
-        training.lengthen_linear_memory(tiny_target.params, 64.0, tiny_config().linear_num_value_heads + 1)
+        target_init.lengthen_linear_memory(tiny_target.params, 64.0, tiny_config().linear_num_value_heads + 1)
     with pytest.raises(ValueError, match="no Gated DeltaNet"):
-        training.lengthen_linear_memory({"embed": jnp.zeros((4, 2))}, 64.0, 1)
+        target_init.lengthen_linear_memory({"embed": jnp.zeros((4, 2))}, 64.0, 1)
     with pytest.raises(ValueError, match="heads 0"):                     # would hold every head
-        training.hold_linear_memory(tiny_target.params, 0)
+        target_init.hold_linear_memory(tiny_target.params, 0)
 
 
 def test_held_linear_memory_gets_no_gradient_and_everything_else_does(tiny_target):
     """A loss through ``hold_linear_memory`` leaves the held heads' decay weights a zero gradient, and the rest
     of every leaf (the other heads' slices, and every other weight) the gradient it had without holding."""
     config = tiny_config()
-    params = training.lengthen_linear_memory(tiny_target.params, 64.0, 1)
+    params = target_init.lengthen_linear_memory(tiny_target.params, 64.0, 1)
     tokens = jnp.asarray(np.random.default_rng(2).integers(3, config.vocab_size, (2, 13)), jnp.int32)
 
     def loss(p, held):
-        p = training.hold_linear_memory(p, 1) if held else p
-        return training.target_loss(tiny_target.graphdef, config, p, tokens)[0]
+        p = target_init.hold_linear_memory(p, 1) if held else p
+        return target_recipe.target_loss(tiny_target.graphdef, config, p, tokens)[0]
 
     free, held = (jax.grad(loss)(params, h) for h in (False, True))
     decay_leaves = 0
@@ -158,7 +158,7 @@ def _recall_cosines(config, seed: int, mimetic: bool) -> list[float]:
     layer = GatedDeltaNet(config, rngs=nnx.Rngs(seed), dtype=jnp.float32)
     if mimetic:
         graphdef, state = nnx.split(layer)
-        layer = nnx.merge(graphdef, training.mimetic_recall_init({"linear_attn": state}, config)["linear_attn"])
+        layer = nnx.merge(graphdef, target_init.mimetic_recall_init({"linear_attn": state}, config)["linear_attn"])
     heads, d_k, d_v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     x = jax.random.normal(jax.random.key(seed), (1, 4, config.hidden_size))           # a, b, c, d
     cache = cache_lib.DeltaNetCache(state=jnp.zeros((1, heads, d_k, d_v)),
@@ -187,7 +187,7 @@ def test_mimetic_init_makes_a_fresh_state_recall_what_followed_a_token():
 def test_mimetic_init_ties_keys_to_queries_and_touches_nothing_else(group_layout):
     config = tiny_config()
     target = target_lib.Target.init(config, seed=0, group_layout=group_layout)
-    params = training.mimetic_recall_init(target.params, config)
+    params = target_init.mimetic_recall_init(target.params, config)
     key_dim, taps = config.linear_key_dim, config.linear_conv_kernel_dim
     changed = []
     for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(target.params), jax.tree.leaves(params),
@@ -209,4 +209,4 @@ def test_mimetic_init_ties_keys_to_queries_and_touches_nothing_else(group_layout
     assert len(changed) == 2 * config.layer_types.count("linear_attention") // (
         1 if group_layout == "split" else config.num_groups)
     with pytest.raises(ValueError, match="no Gated DeltaNet"):
-        training.mimetic_recall_init({"embed": jnp.zeros((4, 2))}, config)
+        target_init.mimetic_recall_init({"embed": jnp.zeros((4, 2))}, config)

@@ -24,8 +24,8 @@ import ready_jax as rj
 from convert import deepspec, hf_target, upgrade
 from experiments import reproduce_table, train_drafter, zoo_runs
 from ready_jax import checkpoint, cli, data
-from ready_jax import drafter_training as dt
 from ready_jax.hf_format import read_hf_config
+from ready_jax.training import distillation
 
 pytestmark = pytest.mark.slow
 
@@ -189,7 +189,7 @@ def test_train_drafter_encodes_the_corpus_with_the_targets_tokenizer(saved, smal
     _, listed = small_stdlib
     target = _target_dir(tmp_path / "target", saved["target"], "elsewhere", listed)
     _stand_ins(monkeypatch)
-    monkeypatch.setattr(dt, "generate", lambda target, prompts, new_tokens, **kwargs: SimpleNamespace(
+    monkeypatch.setattr(distillation, "generate", lambda target, prompts, new_tokens, **kwargs: SimpleNamespace(
         tokens=np.full((len(prompts), new_tokens), 5, np.int32)))
     workdir = tmp_path / "work" / "run"
     train_drafter.main(_drafter_argv(tmp_path / "corpus", target, workdir, num_layers=1))

@@ -13,7 +13,9 @@ from flax import nnx
 
 import ready_jax as rj
 from experiments import compare_zoo, spec_bench, train_drafter, train_target
-from ready_jax import files, training
+from ready_jax import files
+from ready_jax.training import optimiser
+from ready_jax.training.loop import LoopConfig
 
 # A directory, not a model: loading it would be the first piece of work, so a check after it comes too late.
 MISSING = str(Path(__file__).resolve().parent)
@@ -79,12 +81,12 @@ def test_free_space_is_checked_when_the_size_is_known(tmp_path):
 @pytest.mark.parametrize("fields", [{"lr": math.nan}, {"lr": 0.0}, {"total_steps": 0}, {"warmup_steps": -1}])
 def test_optimiser_settings_are_checked(fields):
     with pytest.raises(ValueError):
-        training.OptimConfig(**fields)
+        optimiser.OptimConfig(**fields)
 
 
 def test_loop_needs_a_step():
     with pytest.raises(ValueError, match="total_steps -5"):
-        training.LoopConfig(total_steps=-5)
+        LoopConfig(total_steps=-5)
 
 
 def test_a_diverged_model_is_not_saved(tmp_path):

@@ -20,7 +20,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader"),
     ("ready_jax.speculative", "ready_jax.generation_loop"),
     ("ready_jax.generation",),
-    ("ready_jax.training", "ready_jax.drafter_training"),
+    ("ready_jax.training.optimiser", "ready_jax.training.train_state", "ready_jax.training.checkpoints",
+     "ready_jax.training.loop", "ready_jax.training.artifacts"),
+    ("ready_jax.training.target_recipe", "ready_jax.training.target_init", "ready_jax.training.distillation",
+     "ready_jax.training.drafter_loss", "ready_jax.training.drafter_variants", "ready_jax.training.drafter_trainer"),
     ("convert.*", "experiments.*"),
 )
 

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from experiments import long_range as lr
 from experiments import zoo_runs
-from ready_jax import cli, data, training
+from ready_jax import cli, data
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
     LONG_RANGE_POOL,
@@ -25,6 +25,7 @@ from ready_jax.long_range_task import (
     long_range_windows,
     save_long_range_settings,
 )
+from ready_jax.training import target_init, target_recipe
 
 
 @pytest.fixture(scope="module")
@@ -159,19 +160,18 @@ def test_answer_mask_marks_exactly_the_queries_values_and_close(tokenizer):
 
 
 def test_masked_eval_scores_only_the_marked_positions(tiny_target):
-    from ready_jax import training
     config = tiny_target.config
     windows = np.random.default_rng(0).integers(3, config.vocab_size, (4, 17)).astype(np.int32)
     mask = np.zeros((4, 16), bool)
     mask[:, 5] = mask[1, 9] = True
-    ce, correct = (np.asarray(x) for x in training.next_token_scores(
+    ce, correct = (np.asarray(x) for x in target_recipe.next_token_scores(
         tiny_target.graphdef, config, tiny_target.params, jnp.asarray(windows)))
-    got = training.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "recall")(tiny_target.params)
+    got = target_recipe.make_masked_eval(tiny_target.graphdef, config, windows, mask, 2, "recall")(tiny_target.params)
     assert got["recall_loss"] == pytest.approx(ce[mask].mean(), rel=1e-5)
     assert got["recall_accuracy"] == pytest.approx(correct[mask].mean())
     assert got["recall_loss"] != pytest.approx(ce.mean(), rel=1e-3)
     with pytest.raises(ValueError, match="the recall mask marks no position"):
-        training.make_masked_eval(tiny_target.graphdef, config, windows, np.zeros_like(mask), 2, "recall")
+        target_recipe.make_masked_eval(tiny_target.graphdef, config, windows, np.zeros_like(mask), 2, "recall")
 
 
 def test_task_settings_come_from_the_target_unless_flags_say_otherwise(tmp_path):
@@ -424,7 +424,7 @@ def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(ap
     heads of known half-life: 2^-(D-1)/H over the D - 1 tokens that follow the record's first value."""
     config = tiny_config()
     base = rj.Target.init(config, seed=0, group_layout=group_layout)
-    target = rj.Target(nnx.merge(base.graphdef, training.lengthen_linear_memory(base.params, 8.0, 1)),
+    target = rj.Target(nnx.merge(base.graphdef, target_init.lengthen_linear_memory(base.params, 8.0, 1)),
                        group_layout=group_layout)
     ids = np.random.default_rng(4).integers(3, config.vocab_size, (3, 20)).astype(np.int32)
     distance = 12

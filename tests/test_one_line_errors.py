@@ -14,7 +14,8 @@ from test_convert_errors import _hf_tensors, _write_hf_dir
 
 from convert import deepspec, hf_target
 from experiments import compare_zoo, spec_bench, train_drafter, train_target
-from ready_jax import cli, training
+from ready_jax import cli
+from ready_jax.training import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def _script(argv=None):
     if kind == "full":
         raise OSError(errno.ENOSPC, "cannot write the output x: it needs 2.0 MiB and / has 0.1 MiB free")
     if kind == "resume":
-        raise training.ResumeError("the workdir holds a run with other settings")
+        raise checkpoints.ResumeError("the workdir holds a run with other settings")
     if kind == "bug":
         raise KeyError("a bug")
     return 7
@@ -152,14 +153,14 @@ def test_a_full_disk_stops_training_with_one_line_and_the_rerun_resumes_exactly(
 def test_a_write_that_fails_inside_orbax_is_an_oserror_and_the_rerun_resumes(tmp_path, monkeypatch):
     from test_training_reliability import _run
 
-    save = training.ocp.CheckpointManager.save
+    save = checkpoints.ocp.CheckpointManager.save
 
     def full_at_step_4(self, step, *args, **kwargs):
         if step == 4:  # what tensorstore raises when the disk fills during the write
             raise ValueError("RESOURCE_EXHAUSTED: Failed to write 1273 bytes: No space left on device")
         return save(self, step, *args, **kwargs)
 
-    monkeypatch.setattr(training.ocp.CheckpointManager, "save", full_at_step_4)
+    monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "save", full_at_step_4)
     with pytest.raises(OSError, match=r"cannot save checkpoint .*/4: RESOURCE_EXHAUSTED.*No space left on device\. "
                                       "The checkpoints before it are kept"):
         _run(tmp_path)

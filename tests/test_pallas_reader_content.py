@@ -23,8 +23,8 @@ from pallas_kernels import state_reader as dispatch
 from pallas_kernels.state_reader import reference
 from pallas_kernels.state_reader import triton as triton_kernels
 from pallas_kernels.triton_common import lower_for_gpu, triton_dots
-from ready_jax import drafter_training as dt
 from ready_jax.drafter_config import ReaderConfig
+from ready_jax.training import drafter_variants
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -330,7 +330,8 @@ def test_kernels_lower_at_tiny_model_shapes():
 def _with_reader(target, query, seed=0):
     """A ReaDy drafter with a ``query`` reader whose W_o is non-zero, so the read changes the drafts."""
     base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=1, markov_rank=8), seed=seed)
-    drafter = dt.with_reader(base, target.config, ReaderConfig(rank=4, query=query), seed=seed, target=target)
+    drafter = drafter_variants.with_reader(base, target.config, ReaderConfig(rank=4, query=query), seed=seed,
+                                           target=target)
     flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
     key = next(k for k in flat if k.endswith("reader.o_proj.kernel"))
     flat[key] = 0.5 * np.random.default_rng(seed).normal(size=flat[key].shape).astype(flat[key].dtype)
@@ -360,7 +361,7 @@ def test_a_factorised_output_runs_the_content_kernel(family, query, tiny_target,
     config = tiny_target.config
     base = rj.Drafter.init(config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=0)
     reader_config = ReaderConfig(rank=config.linear_value_head_dim, query=query, output_rank=16)
-    drafter = dt.with_reader(base, config, reader_config, seed=0, target=tiny_target)
+    drafter = drafter_variants.with_reader(base, config, reader_config, seed=0, target=tiny_target)
     reader = nnx.merge(drafter.graphdef, drafter.params).layers[drafter.config.reader.inject_layers[0]].reader
     reader.o_up.kernel[...] = jnp.asarray(np.random.default_rng(1).normal(size=reader.o_up.kernel.shape), F32)
     ids = jnp.asarray(np.random.default_rng(2).integers(3, config.vocab_size, size=(2, 9)), jnp.int32)

@@ -13,12 +13,11 @@ from flax import nnx
 
 import ready_jax as rj
 from pallas_kernels.state_reader.reference import gather_prepare, read_by_content
-from ready_jax import drafter_training as dt
 from ready_jax import target as target_lib
-from ready_jax import training
 from ready_jax.checkpoint import flat_state
 from ready_jax.drafter import SharedWeights
 from ready_jax.drafter_config import ReaderConfig, parameter_matched_query_rank
+from ready_jax.training import drafter_variants, optimiser
 
 EPS = 1e-6
 
@@ -85,7 +84,8 @@ def test_a_tied_adapter_wider_than_the_hidden_size_is_named():
 def _with_reader(target, query, seed=0, scale=0.3):
     """A ReaDy drafter with a ``query`` reader whose W_o is non-zero (so it changes the drafts)."""
     base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=seed)
-    drafter = dt.with_reader(base, target.config, ReaderConfig(rank=4, query=query), seed=seed, target=target)
+    drafter = drafter_variants.with_reader(base, target.config, ReaderConfig(rank=4, query=query), seed=seed,
+                                           target=target)
     flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
     key = next(k for k in flat if k.endswith("reader.o_proj.kernel"))
     flat[key] = scale * np.random.default_rng(seed).normal(size=flat[key].shape).astype(flat[key].dtype)
@@ -123,7 +123,7 @@ def test_training_leaves_the_tied_querys_frozen_copy_alone(tiny_target):
     grads = jax.grad(lambda p: jnp.sum(nnx.merge(reader_def, p).queries(h) ** 2))(reader_params)
     assert all(float(jnp.abs(v).max()) == 0.0 for k, v in flat_state(grads).items() if k.startswith("frozen_"))
     # An AdamW step with those gradients (ones elsewhere) moves every trained weight and no frozen one.
-    optimizer = training.make_optimizer(training.OptimConfig(lr=1e-2, total_steps=10, warmup_steps=1))
+    optimizer = optimiser.make_optimizer(optimiser.OptimConfig(lr=1e-2, total_steps=10, warmup_steps=1))
     step_grads = jax.tree_util.tree_map_with_path(
         lambda path, p: jnp.zeros_like(p) if any(str(getattr(k, "key", "")).startswith("frozen_") for k in path)
         else jnp.ones_like(p), params)
@@ -179,7 +179,7 @@ def _with_factorised_output(target, query, seed=0, scale=0.3):
     base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=seed)
     whole = target.config.linear_value_head_dim
     reader = ReaderConfig(rank=whole, query=query, output_rank=6)
-    drafter = dt.with_reader(base, target.config, reader, seed=seed, target=target)
+    drafter = drafter_variants.with_reader(base, target.config, reader, seed=seed, target=target)
     flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
     assert not any(k.endswith("reader.value_basis") or k.endswith("reader.o_proj.kernel") for k in flat)
     key = next(k for k in flat if k.endswith("reader.o_up.kernel"))

@@ -225,27 +225,26 @@ def _train_checks(sh, rj, target, drafter):
     import jax.numpy as jnp
     import optax
 
-    from ready_jax import drafter_training as dt
-    from ready_jax import training
+    from ready_jax.training import drafter_loss, drafter_trainer, train_state
 
     # Plain SGD: Adam's first steps move every parameter by about lr * sign(gradient), which turns the
     # summation-order noise of near-zero gradients into lr-sized differences; SGD keeps them at noise level.
     optimizer = optax.sgd(0.1)
     layout = sh.Layout(sh.make_mesh(2, 4))
-    anchors = dt.AnchorLayout(prompt_len=4, seq_len=16, stride=4, block_size=drafter.config.block_size)
-    loss_fn = dt.make_loss_fn(drafter, target, anchors)
+    anchors = drafter_loss.AnchorLayout(prompt_len=4, seq_len=16, stride=4, block_size=drafter.config.block_size)
+    loss_fn = drafter_trainer.make_loss_fn(drafter, target, anchors)
     batch = {"tokens": jnp.asarray(np.random.default_rng(2).integers(3, 128, (8, 16)), jnp.int32),
              "target": target.params, "shared": rj.SharedWeights.from_target(target)}
     batch_shardings = {"tokens": layout.batch(batch["tokens"].shape),
                        "target": sh.param_shardings(target.params, layout, target.config),
                        "shared": jax.tree.map(lambda _: layout.replicated, batch["shared"])}
 
-    state = training.TrainState.create(drafter.params, optimizer, 0)
+    state = train_state.TrainState.create(drafter.params, optimizer, 0)
     state_shardings = sh.train_state_shardings(state, layout, drafter.config)
-    placed = sh.place(training.TrainState.create(drafter.params, optimizer, 0), state_shardings)
+    placed = sh.place(train_state.TrainState.create(drafter.params, optimizer, 0), state_shardings)
     placed_batch = sh.place(batch, batch_shardings)
-    single_step = training.make_train_step(loss_fn, optimizer)
-    sharded_step = training.make_train_step(loss_fn, optimizer, layout, state_shardings, batch_shardings)
+    single_step = train_state.make_train_step(loss_fn, optimizer)
+    sharded_step = train_state.make_train_step(loss_fn, optimizer, layout, state_shardings, batch_shardings)
     for _ in range(2):
         state, metrics_single = single_step(state, batch)
         placed, metrics = sharded_step(placed, placed_batch)

@@ -14,15 +14,24 @@ from conftest import tiny_config
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import data, training
-from ready_jax import drafter_training as dt
+from ready_jax import data
 from ready_jax.layers import DT_INIT_RANGE
 from ready_jax.reader import committed_states
+from ready_jax.training import (
+    checkpoints,
+    drafter_loss,
+    drafter_trainer,
+    drafter_variants,
+    optimiser,
+    target_recipe,
+    train_state,
+)
+from ready_jax.training.loop import LoopConfig, train_loop
 
 pytestmark = pytest.mark.slow
 
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
-LAYOUT = dt.AnchorLayout(prompt_len=6, seq_len=24, stride=4, block_size=3)
+LAYOUT = drafter_loss.AnchorLayout(prompt_len=6, seq_len=24, stride=4, block_size=3)
 
 
 # ---- corpus and tokenizer -----------------------------------------------------------------------------------
@@ -78,9 +87,9 @@ def _target_trainer(steps: int):
     """Graphdef, host copy of the initial parameters, optimizer and jitted step (compiled once per session)."""
     config = tiny_config()
     target = rj.Target.init(config, seed=0, group_layout="stacked")  # as experiments.train_target trains
-    optimizer = training.make_optimizer(training.OptimConfig(lr=1e-2, warmup_steps=2, total_steps=steps))
-    step_fn = training.make_train_step(
-        lambda params, tokens, key: training.target_loss(target.graphdef, config, params, tokens), optimizer)
+    optimizer = optimiser.make_optimizer(optimiser.OptimConfig(lr=1e-2, warmup_steps=2, total_steps=steps))
+    step_fn = train_state.make_train_step(
+        lambda params, tokens, key: target_recipe.target_loss(target.graphdef, config, params, tokens), optimizer)
     return config, jax.tree.map(np.asarray, target.params), optimizer, step_fn
 
 
@@ -90,10 +99,10 @@ def _target_run(workdir, steps=4, stop_after=None, seed=0):
     params = jax.tree.map(jnp.asarray, host_params)  # new device arrays: nothing carries over in memory
     stream = np.tile(np.arange(40, dtype=np.int32) % 11, 40)  # a learnable periodic sequence
     windows = data.Windows(stream, 16)
-    loop = training.LoopConfig(total_steps=steps, log_every=1, checkpoint_every=2, stop_after=stop_after)
-    state = training.train_loop(training.TrainState.create(params, optimizer, seed), step_fn,
-                                lambda s: jnp.asarray(windows.batch(seed, s * 4, 4)), loop, workdir,
-                                meta={"target": config.to_dict()}, log=lambda _: None)
+    loop = LoopConfig(total_steps=steps, log_every=1, checkpoint_every=2, stop_after=stop_after)
+    state = train_loop(train_state.TrainState.create(params, optimizer, seed), step_fn,
+                       lambda s: jnp.asarray(windows.batch(seed, s * 4, 4)), loop, workdir,
+                       meta={"target": config.to_dict()}, log=lambda _: None)
     return state, [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -115,17 +124,17 @@ def test_resume_after_interruption_is_exact(tmp_path):
 
 def test_corrupt_checkpoint_is_named_and_skipped(tmp_path):
     state, _ = _target_run(tmp_path)
-    checkpointer = training.Checkpointer(tmp_path)
+    checkpointer = checkpoints.Checkpointer(tmp_path)
     assert checkpointer.steps() == [2, 4]
     files = sorted((p for p in checkpointer.step_dir(4).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     truncated, deleted = files[-1], files[-2]
     intact = truncated.read_bytes()
     truncated.write_bytes(intact[: len(intact) // 2])
-    with pytest.raises(training.CheckpointError, match=f"{truncated} has {len(intact) // 2} bytes"):
+    with pytest.raises(checkpoints.CheckpointError, match=f"{truncated} has {len(intact) // 2} bytes"):
         checkpointer.restore(4, state)
     truncated.write_bytes(intact)
     deleted.unlink()
-    with pytest.raises(training.CheckpointError, match=f"{deleted} is missing"):
+    with pytest.raises(checkpoints.CheckpointError, match=f"{deleted} is missing"):
         checkpointer.restore(4, state)
     messages = []
     restored, meta = checkpointer.restore_latest(state, messages.append)
@@ -133,7 +142,7 @@ def test_corrupt_checkpoint_is_named_and_skipped(tmp_path):
     assert "step 4" in messages[0] and str(deleted) in messages[0]
     # Training picks up from step 2 and finishes the run, saving step 4 anew.
     resumed, _ = _target_run(tmp_path)
-    assert int(resumed.step) == 4 and training.Checkpointer(tmp_path).steps() == [2, 4]
+    assert int(resumed.step) == 4 and checkpoints.Checkpointer(tmp_path).steps() == [2, 4]
 
 
 # ---- drafter trainer ----------------------------------------------------------------------------------------
@@ -143,18 +152,18 @@ def drafter_setup():
     config = tiny_config()
     target = rj.Target.init(config, seed=0)
     seqs = np.random.default_rng(0).integers(3, config.vocab_size, size=(8, LAYOUT.seq_len)).astype(np.int32)
-    dspark = rj.Drafter.init(config, dt.default_config(config, mask_token_id=1, block_size=3, num_layers=1,
-                                                       markov_rank=8), seed=1)
+    dspark = rj.Drafter.init(config, drafter_variants.default_config(config, mask_token_id=1, block_size=3,
+                                                                     num_layers=1, markov_rank=8), seed=1)
     return target, seqs, dspark
 
 
 def test_anchor_states_equal_what_generate_reads(drafter_setup):
     """The states fed at anchor a_j are those of a cache that committed exactly a_j tokens."""
     target, seqs, dspark = drafter_setup
-    ready = dt.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), seed=2)
+    ready = drafter_variants.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), seed=2)
     source = ready.config.reader.source_layers
     tokens = jnp.asarray(seqs[:2])
-    teacher = jax.jit(dt.teacher_pass, static_argnums=(0, 2, 4, 5, 6))(
+    teacher = jax.jit(drafter_loss.teacher_pass, static_argnums=(0, 2, 4, 5, 6))(
         target.graphdef, target.params, target.config, tokens, LAYOUT, ready.config.target_layer_ids, source)
     full = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens, hidden_layers=ready.config.target_layer_ids)
     np.testing.assert_allclose(teacher.logits, full.logits, atol=2e-4)
@@ -180,7 +189,8 @@ def test_teacher_forced_block_matches_draft_block(drafter_setup):
     shared = rj.SharedWeights.from_target(target)
     draft = dspark.draft(context, tokens[:, anchor], shared)
     prev = jnp.concatenate([tokens[:, anchor:anchor + 1], draft.tokens[:, :-1]], axis=1)
-    logits, confidence = dt.block_logits(nnx.merge(dspark.graphdef, dspark.params), shared, context, prev, None)
+    logits, confidence = drafter_loss.block_logits(nnx.merge(dspark.graphdef, dspark.params), shared, context, prev,
+                                                   None)
     np.testing.assert_allclose(logits, draft.logits, atol=1e-4)
     np.testing.assert_allclose(confidence, draft.confidence, atol=1e-5)
 
@@ -195,22 +205,22 @@ def test_trainer_blocks_equal_generate_blocks(drafter_setup, variant):
     """
     target, seqs, _ = drafter_setup
     kind, window = ("kv", None) if variant == "kv_reader" else ("state", 5)
-    config = dt.default_config(target.config, mask_token_id=1, block_size=3, num_layers=1, markov_rank=8,
-                               context_window=window)
+    config = drafter_variants.default_config(target.config, mask_token_id=1, block_size=3, num_layers=1,
+                                             markov_rank=8, context_window=window)
     base = rj.Drafter.init(target.config, config, seed=3)
-    drafter = dt.with_reader(base, target.config, rj.ReaderConfig(rank=4, kind=kind), seed=4)
+    drafter = drafter_variants.with_reader(base, target.config, rj.ReaderConfig(rank=4, kind=kind), seed=4)
     flat = dict(drafter.flat_params())
     w_o = "layers.0.reader.o_proj.kernel"
     flat[w_o] = jax.random.normal(jax.random.key(0), flat[w_o].shape)
     drafter = rj.Drafter.from_state(drafter.config, flat)
     rc, ids = drafter.config.reader, drafter.config.target_layer_ids
     tokens = jnp.asarray(seqs[:2])
-    teacher = dt.teacher_pass(target.graphdef, target.params, target.config, tokens, LAYOUT, ids, rc.source_layers,
-                              rc.kind)
+    teacher = drafter_loss.teacher_pass(target.graphdef, target.params, target.config, tokens, LAYOUT, ids,
+                                        rc.source_layers, rc.kind)
     model = nnx.merge(drafter.graphdef, drafter.params)
     anchors = jnp.asarray(LAYOUT.anchors)
-    context = dt.anchor_context(model, teacher.hidden, anchors)
-    reader_states = dt.anchor_reader_states(model, teacher, anchors)
+    context = drafter_loss.anchor_context(model, teacher.hidden, anchors)
+    reader_states = drafter_loss.anchor_reader_states(model, teacher, anchors)
     shared = rj.SharedWeights.from_target(target)
     k = LAYOUT.num_anchors
     prev = np.zeros((2 * k, LAYOUT.block_size), np.int32)
@@ -223,7 +233,7 @@ def test_trainer_blocks_equal_generate_blocks(drafter_setup, variant):
         for b in range(2):
             prev[b * k + j] = np.concatenate([[int(tokens[b, a])], np.asarray(draft.tokens[b, :-1])])
             expected[b * k + j] = np.asarray(draft.logits[b])
-    logits, _ = dt.block_logits(model, shared, context, jnp.asarray(prev), reader_states)
+    logits, _ = drafter_loss.block_logits(model, shared, context, jnp.asarray(prev), reader_states)
     for row, want in expected.items():
         np.testing.assert_allclose(logits[row], want, atol=2e-4, err_msg=f"row {row}")
 
@@ -231,7 +241,7 @@ def test_trainer_blocks_equal_generate_blocks(drafter_setup, variant):
 def test_ready_starts_as_its_dspark(drafter_setup):
     """The reader's W_o starts at zero, so a fresh ReaDy drafts exactly what its DSpark drafts."""
     target, seqs, dspark = drafter_setup
-    ready = dt.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), seed=2)
+    ready = drafter_variants.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), seed=2)
     assert not np.any(np.asarray(ready.flat_params()["layers.0.reader.o_proj.kernel"]))
     tokens = jnp.asarray(seqs[:2, :10])
     out = target.prefill(target.init_cache(2, 10), tokens, hidden_layers=dspark.config.target_layer_ids)
@@ -246,11 +256,12 @@ def test_ready_starts_as_its_dspark(drafter_setup):
 @pytest.mark.parametrize("variant", ["dspark", "ready"])
 def test_drafter_training_reduces_loss(drafter_setup, tmp_path, variant):
     target, seqs, dspark = drafter_setup
-    drafter = dspark if variant == "dspark" else dt.with_reader(dspark, target.config, rj.ReaderConfig(rank=4), 2)
-    optim = training.OptimConfig(lr=1e-2, warmup_steps=1, total_steps=6)
-    loop = training.LoopConfig(total_steps=6, log_every=1, checkpoint_every=3)
-    trained = dt.train_drafter(drafter, target, seqs[:6], seqs[6:], LAYOUT, optim, loop, tmp_path, batch_size=2,
-                               seed=0, log=lambda _: None)
+    drafter = dspark if variant == "dspark" else drafter_variants.with_reader(dspark, target.config,
+                                                                              rj.ReaderConfig(rank=4), 2)
+    optim = optimiser.OptimConfig(lr=1e-2, warmup_steps=1, total_steps=6)
+    loop = LoopConfig(total_steps=6, log_every=1, checkpoint_every=3)
+    trained = drafter_trainer.train_drafter(drafter, target, seqs[:6], seqs[6:], LAYOUT, optim, loop, tmp_path,
+                                            batch_size=2, seed=0, log=lambda _: None)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < losses[0], losses
@@ -281,7 +292,7 @@ def test_weight_decay_shrinks_matrices_only_in_either_group_layout(group_layout)
     """With zero gradients an AdamW step is its weight decay alone: every matrix shrinks, and no vector (norm
     weights, A_log, dt_bias) moves, although stacked groups give each vector a leading group axis."""
     target = rj.Target.init(tiny_config(), seed=0, group_layout=group_layout)
-    optimizer = training.make_optimizer(training.OptimConfig(lr=0.1, warmup_steps=0, total_steps=10))
+    optimizer = optimiser.make_optimizer(optimiser.OptimConfig(lr=0.1, warmup_steps=0, total_steps=10))
     params = target.params
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = optimizer.update(zeros, optimizer.init(params), params)

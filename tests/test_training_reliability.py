@@ -24,9 +24,9 @@ from test_training import _target_trainer
 
 import ready_jax as rj
 from experiments import train_drafter, train_target
-from ready_jax import drafter_training as dt
-from ready_jax import training
 from ready_jax.long_range_task import LONG_RANGE_TASK_FILE, long_range_settings
+from ready_jax.training import checkpoints, distillation, drafter_trainer, target_recipe, train_state
+from ready_jax.training.loop import SETTINGS_FILE, LoopConfig, train_loop
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +40,19 @@ def _metrics(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _advance(state: training.TrainState, batch) -> tuple[training.TrainState, dict]:
+def _advance(state: train_state.TrainState, batch) -> tuple[train_state.TrainState, dict]:
     """The stand-in train step: the next step count, the parameters as they are."""
     return dataclasses.replace(state, step=state.step + 1), {"loss": 1.0, "grad_norm": 0.0}
 
 
 def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainers' steps and evaluations replaced by :func:`_advance` and a constant."""
-    monkeypatch.setattr(training, "make_train_step", lambda *args, **kwargs: _advance)
-    monkeypatch.setattr(training, "make_target_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
-    monkeypatch.setattr(training, "make_masked_eval", lambda *args, **kwargs: lambda params: {"val_recall_loss": 1.0})
-    monkeypatch.setattr(dt, "make_drafter_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
+    monkeypatch.setattr(train_state, "make_train_step", lambda *args, **kwargs: _advance)
+    monkeypatch.setattr(drafter_trainer, "make_train_step", lambda *args, **kwargs: _advance)
+    monkeypatch.setattr(target_recipe, "make_target_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
+    monkeypatch.setattr(target_recipe, "make_masked_eval",
+                        lambda *args, **kwargs: lambda params: {"val_recall_loss": 1.0})
+    monkeypatch.setattr(drafter_trainer, "make_drafter_eval", lambda *args, **kwargs: lambda params: {"val_loss": 1.0})
 
 
 @pytest.fixture
@@ -72,10 +74,10 @@ def _run(workdir, *, steps=4, stop_after=None, killed_at=None, resume_unverified
             raise Killed
         return None
 
-    loop = training.LoopConfig(total_steps=steps, log_every=1, checkpoint_every=2, stop_after=stop_after,
-                               resume_unverified=resume_unverified)
-    state = training.TrainState.create(jax.tree.map(jnp.asarray, host_params), optimizer, 0)
-    return training.train_loop(state, _advance, batch_fn, loop, workdir, meta={"target": config.to_dict()}, log=log)
+    loop = LoopConfig(total_steps=steps, log_every=1, checkpoint_every=2, stop_after=stop_after,
+                      resume_unverified=resume_unverified)
+    state = train_state.TrainState.create(jax.tree.map(jnp.asarray, host_params), optimizer, 0)
+    return train_loop(state, _advance, batch_fn, loop, workdir, meta={"target": config.to_dict()}, log=log)
 
 
 # ---- the trainers' command lines ---------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def fake_distill(monkeypatch):
         calls.append(len(prompts))
         return np.concatenate([prompts, np.full((len(prompts), new_tokens), 5, np.int32)], axis=1)
 
-    monkeypatch.setattr(dt, "distill", distill)
+    monkeypatch.setattr(distillation, "distill", distill)
     return calls
 
 
@@ -189,9 +191,9 @@ def test_checkpoint_of_other_shapes_is_refused_before_orbax_reads_it(tmp_path, c
     wider = jax.tree_util.tree_map_with_path(  # the MLP 64 wide instead of 48
         lambda path, x: jnp.zeros((*x.shape[:-1], 64)) if "up_proj" in jax.tree_util.keystr(path) else x, host_params)
     refusal = r"from a run with other shapes \(\['params'\].*now \(2, 32, 64\).*it was kept"
-    with pytest.raises(training.ResumeError, match=refusal):
-        training.train_loop(training.TrainState.create(wider, optimizer, 0), _advance, lambda step: None,
-                             training.LoopConfig(total_steps=4), tmp_path, meta={"target": config.to_dict()})
+    with pytest.raises(checkpoints.ResumeError, match=refusal):
+        train_loop(train_state.TrainState.create(wider, optimizer, 0), _advance, lambda step: None,
+                   LoopConfig(total_steps=4), tmp_path, meta={"target": config.to_dict()})
     assert _files(tmp_path / "checkpoints") == before
     assert "Event loop is closed" not in capfd.readouterr().err
 
@@ -200,7 +202,7 @@ def test_checkpoint_without_hash_record_is_kept_until_resumed_unverified(tmp_pat
     _run(tmp_path, stop_after=2)
     shutil.rmtree(tmp_path / "checkpoint_hashes")
     before = _files(tmp_path / "checkpoints")
-    with pytest.raises(training.ResumeError, match="has no readable hash record"):
+    with pytest.raises(checkpoints.ResumeError, match="has no readable hash record"):
         _run(tmp_path)
     assert _files(tmp_path / "checkpoints") == before
     messages = []
@@ -240,7 +242,7 @@ def test_resumed_run_records_each_step_once(tmp_path):
 
 # ---- the distillation cache ----------------------------------------------------------------------------------
 CORPUS = SimpleNamespace(tokens=lambda split: (np.arange(300) % 20 + 3).astype(np.int32))
-DISTILL = dt.DistillConfig(prompt_len=6, seq_len=12, num_sequences=4, val_sequences=2)
+DISTILL = distillation.DistillConfig(prompt_len=6, seq_len=12, num_sequences=4, val_sequences=2)
 
 
 @pytest.fixture
@@ -253,8 +255,8 @@ def stand_in_target():
 
 def test_distill_cache_is_kept_at_exactly_its_path(stand_in_target, fake_distill, tmp_path):
     cache = tmp_path / "distilled"  # no .npz suffix
-    made = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
-    again = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    made = distillation.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    again = distillation.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
     assert fake_distill == [4, 2]  # generated once: train and validation
     assert os.listdir(tmp_path) == ["distilled"]
     for a, b in zip(made, again, strict=True):
@@ -263,19 +265,19 @@ def test_distill_cache_is_kept_at_exactly_its_path(stand_in_target, fake_distill
 
 def test_unreadable_distill_cache_is_regenerated(stand_in_target, fake_distill, tmp_path, capsys):
     cache = tmp_path / "distill.npz"
-    made = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    made = distillation.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
-    again = dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    again = distillation.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
     assert f"distillation cache {cache} cannot be read" in capsys.readouterr().out
     assert fake_distill == [4, 2, 4, 2]
     for a, b in zip(made, again, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache) is not None and len(fake_distill) == 4
+    assert distillation.distilled_data(stand_in_target, CORPUS, DISTILL, cache) is not None and len(fake_distill) == 4
 
 
 def test_failed_distill_cache_write_leaves_the_old_cache(stand_in_target, fake_distill, tmp_path, monkeypatch):
     cache = tmp_path / "distill.npz"
-    dt.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
+    distillation.distilled_data(stand_in_target, CORPUS, DISTILL, cache)
     before = cache.read_bytes()
 
     def dies_half_way(file, **arrays):
@@ -287,7 +289,8 @@ def test_failed_distill_cache_write_leaves_the_old_cache(stand_in_target, fake_d
 
     monkeypatch.setattr(np, "savez", dies_half_way)
     with pytest.raises(OSError, match="disk full"):
-        dt.distilled_data(stand_in_target, CORPUS, dataclasses.replace(DISTILL, seed=1), cache)  # other data: rewritten
+        distillation.distilled_data(stand_in_target, CORPUS, dataclasses.replace(DISTILL, seed=1),
+                                    cache)  # other data: rewritten
     assert cache.read_bytes() == before and os.listdir(tmp_path) == ["distill.npz"]
 
 
@@ -296,7 +299,7 @@ def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, t
     flags = ["--long-range-fraction", "1.0", "--long-range-records", "1", "--long-range-max-distance", "12",
              "--long-range-values", "1", "--long-range-pool", "8", "--attention-window", "4"]
     train_target.main(_target_argv(corpus, tmp_path / "w") + flags)
-    settings = json.loads((tmp_path / "w" / training.SETTINGS_FILE).read_text())
+    settings = json.loads((tmp_path / "w" / SETTINGS_FILE).read_text())
     assert settings["attention_window"] == {"window": 4, "fraction": 0.5}
     for bad in (["--attention-window", "0"], ["--attention-window", "4", "--attention-window-fraction", "0"]):
         with pytest.raises(SystemExit):
@@ -308,7 +311,7 @@ def test_target_attention_window_is_a_recorded_setting_and_checked(target_run, t
 def test_target_linear_memory_is_a_recorded_setting_and_checked(target_run, tmp_path, no_compiling, capsys):
     corpus, _ = target_run
     train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "32", "--hold-linear-memory"])
-    settings = json.loads((tmp_path / "w" / training.SETTINGS_FILE).read_text())
+    settings = json.loads((tmp_path / "w" / SETTINGS_FILE).read_text())
     assert settings["linear_memory"] == {"half_life": 32.0, "heads": 1, "held": True}
     with pytest.raises(SystemExit, match="linear_memory"):                       # not the run in that workdir
         train_target.main(_target_argv(corpus, tmp_path / "w") + ["--linear-memory", "64"])

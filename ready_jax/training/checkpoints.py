@@ -1,0 +1,235 @@
+"""Run checkpoints: orbax ``CheckpointManager`` (synchronous, so a returned save is on disk) under
+``<workdir>/checkpoints``, plus a sidecar ``<workdir>/checkpoint_hashes/<step>.json`` with the size and sha256 of
+every file of the step, written after orbax finalised the step.
+
+Restoring checks the sidecar first, so a truncated, deleted or altered file is a :class:`CheckpointError` naming
+it rather than garbage parameters; :meth:`Checkpointer.restore_latest` deletes such steps (and those whose save was
+cut short), saying why, and falls back to an older one. Nothing else is ever deleted: another run's checkpoint, or
+one whose sidecar is missing, is a :class:`ResumeError` saying what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from .. import files
+from .train_state import TrainState
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint step proven incomplete or altered on disk (so it may be deleted): a file its hash record
+    lists is missing, truncated or altered, or its save was cut short before the record was written."""
+
+
+class ResumeError(RuntimeError):
+    """The workdir holds checkpoints this run must not resume from: another run's (other settings or array
+    shapes), or one that cannot be verified. Nothing was deleted; the message says what to do."""
+
+
+def _file_hashes(directory: Path) -> dict[str, dict]:
+    out = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        out[path.relative_to(directory).as_posix()] = {"bytes": path.stat().st_size,
+                                                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return out
+
+
+def _saved_tree(state: TrainState) -> dict:
+    """What a checkpoint holds of ``state``: parameter and optimiser leaves as lists, step and PRNG key data."""
+    return {"params": jax.tree.leaves(state.params), "opt_state": jax.tree.leaves(state.opt_state),
+            "step": state.step, "rng": state.rng}
+
+
+class Checkpointer:
+    """orbax checkpoints of a :class:`TrainState` plus JSON metadata, verified by sha256 sidecars.
+
+    A save leaves ``checkpoint_hashes/<step>.pending`` until the step's hash record ``<step>.json`` is
+    written, so a step with a marker and no record was cut short mid-save (incomplete), while a step with
+    neither has lost its record: it cannot be verified, but nothing shows it is damaged. orbax removes its
+    own unfinished temporary step directories when the checkpointer opens (in the background, done before
+    the first save). Close the checkpointer (or use it as a context manager) to shut down orbax's
+    background machinery.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, max_to_keep: int = 3):
+        self.directory = Path(workdir).absolute() / "checkpoints"
+        self.hashes = Path(workdir).absolute() / "checkpoint_hashes"
+        self.hashes.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
+                                               create=True, cleanup_tmp_directories=True)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def _record_path(self, step: int) -> Path:
+        """The hash record of ``step``."""
+        return self.hashes / f"{step}.json"
+
+    def _pending_path(self, step: int) -> Path:
+        return self.hashes / f"{step}.pending"
+
+    def save(self, state: TrainState, meta: dict) -> None:
+        step = int(state.step)
+        # A full disk is refused here, before orbax writes anything: its writer threads report a failed write in
+        # dozens of log lines and tracebacks of their own.
+        files.check_output(self.directory, size=self._room_needed(state), what=f"checkpoint of step {step} in")
+        self._pending_path(step).touch()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
+                                                            meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+            self.manager.wait_until_finished()
+        except (OSError, ValueError) as e:  # tensorstore reports a full disk as a ValueError (RESOURCE_EXHAUSTED)
+            raise OSError(f"cannot save checkpoint {self.step_dir(step)}: {e}. The checkpoints before it are "
+                          "kept: once the disk has room, the same command resumes from the last one") from e
+        self._write_record(step)
+        self._pending_path(step).unlink()
+        kept = set(self.manager.all_steps())
+        for stale in [*self.hashes.glob("*.json"), *self.hashes.glob("*.pending")]:
+            if int(stale.stem) not in kept:  # orbax pruned old steps: drop their records too
+                stale.unlink()
+
+    def _room_needed(self, state: TrainState) -> int:
+        """The bytes a save of ``state`` takes: what the newest saved step holds on disk, else (the first save)
+        the arrays' own size."""
+        steps = self.steps()
+        if steps:
+            return sum(p.stat().st_size for p in self.step_dir(steps[-1]).rglob("*") if p.is_file())
+        return sum(x.nbytes for x in jax.tree.leaves(_saved_tree(state)))
+
+    def _write_record(self, step: int) -> None:
+        record = json.dumps(_file_hashes(self.step_dir(step)), indent=1)
+        # Written whole or not at all: a process killed here leaves no truncated record.
+        files.write_text(self._record_path(step), record)
+
+    def saved_meta(self, step: int) -> dict:
+        """The metadata saved with ``step`` (read without verifying the step)."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def verify(self, step: int) -> bool:
+        """Whether ``step`` is verified: True if every file its hash record lists is intact, False if it has no
+        readable hash record to check against.
+
+        Raise :class:`CheckpointError` if the step is proven incomplete or altered: its save was cut short
+        before the record was written, or a file the record lists is missing, truncated or altered (named).
+        """
+        directory, sidecar = self.step_dir(step), self._record_path(step)
+        if not sidecar.exists():
+            if self._pending_path(step).exists():
+                raise CheckpointError(f"checkpoint {directory} is incomplete: its save was interrupted before its "
+                                      f"hash record {sidecar} was written")
+            return False
+        try:
+            record = json.loads(sidecar.read_text())
+        except ValueError:
+            return False
+        for rel, want in record.items():
+            path = directory / rel
+            if not path.exists():
+                raise CheckpointError(f"checkpoint {directory} is corrupt: file {path} is missing")
+            size = path.stat().st_size
+            if size != want["bytes"]:
+                raise CheckpointError(f"checkpoint {directory} is corrupt: file {path} has {size} bytes, "
+                                      f"{want['bytes']} were written")
+            if hashlib.sha256(path.read_bytes()).hexdigest() != want["sha256"]:
+                raise CheckpointError(f"checkpoint {directory} is corrupt: file {path} does not match its sha256")
+        return True
+
+    def check_layout(self, step: int, template: TrainState) -> None:
+        """Raise :class:`ResumeError` if the arrays saved at ``step`` differ in number, shape or dtype from
+        ``template``'s: the step belongs to another run (and orbax is never asked to restore it)."""
+        try:
+            saved = jax.tree.leaves(self.manager.metadata(step).item_metadata["state"])
+        except Exception as e:  # orbax raises many types for unreadable metadata
+            raise ResumeError(f"checkpoint {self.step_dir(step)} cannot be read (it was kept): {e}") from e
+        named = jax.tree_util.tree_flatten_with_path({"params": template.params, "opt_state": template.opt_state,
+                                                      "step": template.step, "rng": template.rng})[0]
+        if len(saved) != len(named):
+            problems = [f"it holds {len(saved)} arrays, this run's state {len(named)}"]
+        else:
+            problems = [f"{jax.tree_util.keystr(path)}: saved {tuple(s.shape)} {np.dtype(s.dtype)}, now "
+                        f"{tuple(x.shape)} {x.dtype}" for (path, x), s in zip(named, saved, strict=True)
+                        if (tuple(s.shape), np.dtype(s.dtype)) != (tuple(x.shape), x.dtype)]
+            problems.sort(key=lambda problem: not problem.startswith("['params']"))  # the clearest first
+        if problems:
+            shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            raise ResumeError(f"checkpoint {self.step_dir(step)} is from a run with other shapes ({shown}); it was "
+                              "kept. Rerun with that run's settings to resume it, or train in another workdir")
+
+    def restore(self, step: int, template: TrainState, *,
+                trust_unverified: bool = False) -> tuple[TrainState, dict]:
+        """The state saved at ``step`` (shaped like ``template``) and its metadata.
+
+        Raise :class:`CheckpointError` if the step is proven damaged (:meth:`verify`), :class:`ResumeError` if
+        it is another run's (:meth:`check_layout`), has no readable hash record (unless ``trust_unverified``:
+        then it is restored if orbax can read it, and its record is written anew) or cannot be restored.
+        """
+        return self._restore(step, template, self.verify(step), trust_unverified)
+
+    def _restore(self, step: int, template: TrainState, verified: bool,
+                 trust_unverified: bool) -> tuple[TrainState, dict]:
+        self.check_layout(step, template)
+        if not verified and not trust_unverified:
+            raise ResumeError(
+                f"checkpoint {self.step_dir(step)} has no readable hash record ({self._record_path(step)}), so it "
+                "cannot be verified; it was kept. To resume from it anyway, pass resume_unverified=True in the "
+                "LoopConfig (the trainers' --resume-unverified: its record is then written anew); to start over, "
+                "train in another workdir")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saved_tree(template))
+        try:
+            got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                     meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax / tensorstore raise many types for unreadable data
+            raise ResumeError(f"checkpoint {self.step_dir(step)} cannot be restored (it was kept): {e}") from e
+        if not verified:
+            self._write_record(step)
+        tree = got["state"]
+        state = TrainState(params=jax.tree.unflatten(jax.tree.structure(template.params), tree["params"]),
+                           opt_state=jax.tree.unflatten(jax.tree.structure(template.opt_state), tree["opt_state"]),
+                           step=tree["step"], rng=tree["rng"])
+        return state, dict(got["meta"])
+
+    def restore_latest(self, template: TrainState, log: Callable[[str], None] = print, *,
+                       trust_unverified: bool = False) -> tuple[TrainState, dict] | None:
+        """The newest checkpoint's state and metadata (:meth:`restore`), or None if there is none.
+
+        Steps proven incomplete or altered are reported and deleted, newest first, so that training from an
+        older step saves them again. Any other reason not to restore the newest remaining step is raised
+        (:class:`ResumeError`) and deletes nothing.
+        """
+        for step in reversed(self.steps()):
+            try:
+                verified = self.verify(step)
+            except CheckpointError as e:
+                log(f"deleting checkpoint step {step}: {e}")
+                self.manager.delete(step)
+                self._record_path(step).unlink(missing_ok=True)
+                self._pending_path(step).unlink(missing_ok=True)
+                continue
+            restored = self._restore(step, template, verified, trust_unverified)
+            if not verified:
+                log(f"restored checkpoint step {step} without verifying it (it had no readable hash record); "
+                    f"its record {self._record_path(step)} was written anew")
+            return restored
+        return None
