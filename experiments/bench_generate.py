@@ -21,6 +21,7 @@ only accelerator times are absolute.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 
@@ -40,64 +41,14 @@ from .timing import round_breakdown, run_generate
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 
 
-def roofline_tokens_per_s(config: rj.TargetConfig, dtype, batch: int, mean_length: float, bandwidth: float) -> float:
-    """Upper bound on AR decode tokens/s: every step reads all parameters once, reads and writes every
-    GDN state and conv state, and reads the KV cache up to the current length."""
-    c = config
-    itemsize = jnp.dtype(dtype).itemsize
-    gdn_layers, attn_layers = len(c.linear_layers), len(c.attention_layers)
-    state = gdn_layers * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 * 2
-    kv = attn_layers * 2 * mean_length * c.num_key_value_heads * c.head_dim * itemsize
-    return batch * bandwidth / (_parameter_bytes(c, itemsize) + batch * (state + kv))
-
-
-def _parameter_bytes(c: rj.TargetConfig, itemsize: int) -> float:
-    model = nnx.eval_shape(lambda: rj.TargetModel(c, rngs=nnx.Rngs(0)))
-    return float(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))) * itemsize
-
-
-@cli.main
-def main(argv=None) -> None:
-    parser = cli.parser("experiments.bench_generate", __doc__)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry and run sizes")
-    parser.add_argument("--batch", type=int, help="sequences per batch (None: the preset's)")
-    parser.add_argument("--prompt", type=int, help="prompt length (None: the preset's)")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (None: the preset's)")
-    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma)")
-    parser.add_argument("--error-rates", default="0.0,0.25,0.5",
-                        help="scripted drafters: fraction of wrong drafts")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and scripted errors")
-    parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
-                        help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
-                             "(for a GPU or TPU: on a CPU they run interpreted, very slowly)")
-    parser.add_argument("--out", help="write the figures as JSON here")
-    args = parser.parse_args(argv)
-    preset = PRESETS[args.preset]
-    batch = args.batch or preset.batch
-    prompt_len = args.prompt or preset.prompt
-    new_tokens = args.max_new_tokens or preset.max_new_tokens
-    dtype = jnp.dtype(preset.dtype)
-
-    config = preset.target
-    start = time.perf_counter()
-    target = rj.Target.init(config, seed=args.seed, dtype=dtype)
-    jax.block_until_ready(target.params)
-    init_s = time.perf_counter() - start
-    device = jax.devices()[0]
-    print(f"target: {args.preset}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{_parameter_bytes(config, dtype.itemsize) / dtype.itemsize / 1e6:.0f} M parameters ({dtype.name}); "
-          f"device {device.device_kind}; batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
-          f"block size {args.block_size}")
-    prompts = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(batch, prompt_len))
-
-    dspark = rj.Drafter.init(config, preset.drafter(args.block_size), seed=1, dtype=dtype)
-    ready = rj.Drafter.init(config, preset.drafter(args.block_size, rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
-
+def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens: int, variants: dict) -> dict:
+    """AR, each drafter of ``variants`` and the scripted drafters (each checked against AR, as a ratio to it); the
+    middle scripted drafter again with the checkpoint rollback, and with ``--impls xla,pallas`` AR and it with the
+    Pallas kernels."""
     results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats, name="ar")}
     reference = results["ar"].pop("tokens")
-    variants = {"dspark_random": dspark, "ready_random": ready}
     rates = [float(r) for r in args.error_rates.split(",")]
+    variants = dict(variants)
     for rate in rates:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
                                                                    seed=args.seed)
@@ -119,8 +70,11 @@ def main(argv=None) -> None:
                                          name=name)
             results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
             results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
-    breakdown = round_breakdown(target, ready, prompts, args.repeats)
+    return results
 
+
+def print_report(results: dict, breakdown: dict) -> None:
+    """The variants' table, the round's pieces and the rollbacks' memory."""
     print(f"{'variant':28s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")
     for name, r in results.items():
         print(f"{name:28s} {r['tokens_per_s']:10.1f} {r.get('speedup_vs_ar', 1.0):7.2f} {r['tau']:6.2f} "
@@ -131,6 +85,70 @@ def main(argv=None) -> None:
         mem = breakdown[f"verify_commit_{rollback}_memory"]
         print(f"verify+commit with {rollback} rollback: temp {mem['temp_bytes'] / 2**20:.1f} MiB, "
               f"output {mem['output_bytes'] / 2**20:.1f} MiB")
+
+
+def roofline_tokens_per_s(config: rj.TargetConfig, dtype, batch: int, mean_length: float, bandwidth: float) -> float:
+    """Upper bound on AR decode tokens/s: every step reads all parameters once, reads and writes every
+    GDN state and conv state, and reads the KV cache up to the current length."""
+    c = config
+    itemsize = jnp.dtype(dtype).itemsize
+    gdn_layers, attn_layers = len(c.linear_layers), len(c.attention_layers)
+    state = gdn_layers * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 * 2
+    kv = attn_layers * 2 * mean_length * c.num_key_value_heads * c.head_dim * itemsize
+    return batch * bandwidth / (_parameter_bytes(c, itemsize) + batch * (state + kv))
+
+
+def _parameter_bytes(c: rj.TargetConfig, itemsize: int) -> float:
+    model = nnx.eval_shape(lambda: rj.TargetModel(c, rngs=nnx.Rngs(0)))
+    return float(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))) * itemsize
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.parser("experiments.bench_generate", __doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry and run sizes")
+    parser.add_argument("--batch", type=int, help="sequences per batch (None: the preset's)")
+    parser.add_argument("--prompt", type=int, help="prompt length (None: the preset's)")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (None: the preset's)")
+    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma)")
+    parser.add_argument("--error-rates", default="0.0,0.25,0.5",
+                        help="scripted drafters: fraction of wrong drafts")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and scripted errors")
+    parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
+                        help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
+                             "(for a GPU or TPU: on a CPU they run interpreted, very slowly)")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    return parser
+
+
+@cli.main
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    preset = PRESETS[args.preset]
+    batch = args.batch or preset.batch
+    prompt_len = args.prompt or preset.prompt
+    new_tokens = args.max_new_tokens or preset.max_new_tokens
+    dtype = jnp.dtype(preset.dtype)
+
+    config = preset.target
+    start = time.perf_counter()
+    target = rj.Target.init(config, seed=args.seed, dtype=dtype)
+    jax.block_until_ready(target.params)
+    init_s = time.perf_counter() - start
+    device = jax.devices()[0]
+    print(f"target: {args.preset}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"{_parameter_bytes(config, dtype.itemsize) / dtype.itemsize / 1e6:.0f} M parameters ({dtype.name}); "
+          f"device {device.device_kind}; batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
+          f"block size {args.block_size}")
+    prompts = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(batch, prompt_len))
+
+    dspark = rj.Drafter.init(config, preset.drafter(args.block_size), seed=1, dtype=dtype)
+    ready = rj.Drafter.init(config, preset.drafter(args.block_size, rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
+
+    results = generation_results(args, target, prompts, new_tokens, {"dspark_random": dspark, "ready_random": ready})
+    breakdown = round_breakdown(target, ready, prompts, args.repeats)
+
+    print_report(results, breakdown)
 
     summary = {"preset": args.preset, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
                "block": args.block_size, "dtype": dtype.name, "init_s": init_s,

@@ -476,8 +476,34 @@ def _print_record(r: dict) -> None:
             print(f"{'':>33s}sweep {s['median_us']:9.2f} us  {s['config']}")
 
 
-@cli.main
-def main(argv: Sequence[str] | None = None) -> dict:
+def run_cases(cases: list, args, on_gpu: bool, deadline: float) -> list[dict]:
+    """Every case's record, base cases first and then (``--sweep``) their alternative configs; nothing new starts
+    after ``deadline``."""
+    records, pending = [], []
+    for case in cases:
+        if time.perf_counter() > deadline:
+            records.append({"kernel": case.kernel, "label": case.label, "skipped": "budget reached"})
+            continue
+        record, inputs = run_case(case, args, on_gpu, args.hbm_peak_gbps)
+        records.append(record)
+        _print_record(record)
+        if args.sweep and case.configs:
+            pending.append((case, record))
+        del inputs
+        gc.collect()
+    for case, record in pending:  # sweeps after every base case, while the budget lasts
+        if time.perf_counter() > deadline:
+            record["sweep_note"] = "budget reached: not swept"
+            continue
+        inputs = case.make_inputs()
+        sweep_case(case, record, inputs, args, on_gpu, deadline)
+        _print_record(record)
+        del inputs
+        gc.collect()
+    return records
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("experiments.bench_kernels", __doc__)
     p.add_argument("--kernels", default=",".join(REGISTRY), help=f"comma list of {sorted(REGISTRY)}")
     p.add_argument("--batches", type=_ints, default=None, help="batch sizes (GPU / TPU default 1,4; CPU 1)")
@@ -495,6 +521,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="HBM peak for the fraction (H200: 4800; TPU v5e: 819, v6e: 1640, v5p: 2765)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start nothing new after this many seconds")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p
+
+
+@cli.main
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = build_parser()
     args = p.parse_args(argv)
     start = time.perf_counter()
     deadline = start + args.budget_s
@@ -520,27 +552,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     floor = launch_floor(args.iterations, on_gpu)
     print("launch floor: " + ", ".join(f"{k} {v['median_us']:.2f} us ({v['timer']})" for k, v in floor.items()))
     cases = [c for name in args.kernels.split(",") if name for c in REGISTRY[name](args, on_accelerator)]
-    records, pending = [], []
-    for case in cases:
-        if time.perf_counter() > deadline:
-            records.append({"kernel": case.kernel, "label": case.label, "skipped": "budget reached"})
-            continue
-        record, inputs = run_case(case, args, on_gpu, args.hbm_peak_gbps)
-        records.append(record)
-        _print_record(record)
-        if args.sweep and case.configs:
-            pending.append((case, record))
-        del inputs
-        gc.collect()
-    for case, record in pending:  # sweeps after every base case, while the budget lasts
-        if time.perf_counter() > deadline:
-            record["sweep_note"] = "budget reached: not swept"
-            continue
-        inputs = case.make_inputs()
-        sweep_case(case, record, inputs, args, on_gpu, deadline)
-        _print_record(record)
-        del inputs
-        gc.collect()
+    records = run_cases(cases, args, on_gpu, deadline)
 
     result = {"platform": platform, "kernel_family": family, "device": device, "timings_meaningful": on_accelerator,
               "hbm_peak_gbps": args.hbm_peak_gbps, "iterations": args.iterations, "gamma": args.block_size,

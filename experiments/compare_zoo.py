@@ -21,6 +21,7 @@ which on a tiny target is not small; tau is the hardware-independent figure.
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -56,8 +57,7 @@ def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, 
             **results}
 
 
-@cli.main
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.compare_zoo", __doc__)
     parser.add_argument("--zoo", default=cli.repo_path("zoo"), type=cli.existing_directory,
                         help="the target and drafters directory")
@@ -69,7 +69,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (the fastest is kept)")
     parser.add_argument("--seed", type=int, default=0, help="which held-out prompts")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@cli.main
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     zoo = Path(args.zoo)
 
     start = time.perf_counter()

@@ -35,6 +35,7 @@ The plot needs matplotlib (``pip install -e .[plots]``); without it the plot is 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import jax
@@ -131,8 +132,49 @@ def plot(path: str | None, paper: dict, local: dict, measured: dict, preset: str
     save_figure(fig, path)
 
 
-@cli.main
-def main(argv=None) -> None:
+def print_crossovers(analyses: dict[str, dict]) -> None:
+    """Each geometry's readers and crossovers, from :func:`analytic`."""
+    for name, a in analyses.items():
+        c, s, k = a["crossover_tokens"], a["state_reader"], a["kv_reader"]
+        print(f"{name}: state reader {s['pairs']} pairs of {s['state'][0]}x{s['state'][1]} states (layers "
+              f"{s['source_layers']}); KV reader {k['pairs']} pairs of head dim {k['head_dim']} (layers "
+              f"{k['source_layers']})\n  crossover: {c['per_pair_vs_same_heads_kv']:.0f} tokens per head pair "
+              f"(vs the KV cache of the same heads), {c['numbers']:.0f} tokens in numbers and "
+              f"{c['bytes']:.0f} in bytes (this reader vs the KV-read baseline; "
+              f"{c['bytes_with_parameters']:.0f} counting each reader's parameters)")
+
+
+def measure_reader_rounds(drafters: dict, config: rj.TargetConfig, prefixes: list[int], args, dtype) -> dict:
+    """Median seconds of one reader round of each kind on random committed caches of each prefix length."""
+    measured = {"prefixes": prefixes, **{f"{kind}_s": [] for kind in KINDS}}
+    print(f"reader round (prepare + {args.block_size} reads), {args.preset} preset, median ms:")
+    for t in prefixes:
+        cache = random_cache(config, args.batch, t, dtype, args.seed)
+        for kind in KINDS:  # not interleaved: the KV read of a long prefix would evict the state read's data
+            measured[f"{kind}_s"].append(median_seconds(reader_round_fn(drafters[kind], cache), args.repeats))
+        print(f"  t={t:6d}: state {measured['state_s'][-1] * 1e3:8.3f}   kv {measured['kv_s'][-1] * 1e3:8.3f}")
+        del cache
+    measured["kv_over_state"] = [k / s for k, s in zip(measured["kv_s"], measured["state_s"], strict=True)]
+    return measured
+
+
+def reader_shares(target: rj.Target, drafters: dict, rng: np.random.Generator, args) -> dict:
+    """Each reader kind's round as a share of a whole round (replay rollback) at each ``--round-prompts`` length."""
+    shares = {}
+    for length in (int(t) for t in args.round_prompts.split(",")):
+        prompts = rng.integers(0, target.config.vocab_size, size=(args.batch, length))
+        for kind in KINDS:
+            b = round_breakdown(target, drafters[kind], prompts, args.repeats, rollbacks=("replay",))
+            round_s = b["draft_s"] + b["verify_replay_s"] + b["commit_replay_s"] + b["context_append_s"] \
+                + b["reader_prepare_s"]
+            shares[f"{kind}_prompt_{length}"] = {"round_s": round_s, "reader_round_s": b["reader_round_s"],
+                                                 "reader_fraction": b["reader_round_s"] / round_s, "breakdown": b}
+            print(f"prompt {length:5d}, {kind} reader: {b['reader_round_s'] * 1e3:.3f} ms of a {round_s * 1e3:.1f} ms "
+                  f"round ({b['reader_round_s'] / round_s:.2%})")
+    return shares
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.cost_model", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
     parser.add_argument("--prefixes", default="128,256,512,1024,2048,4096,8192,16384",
@@ -147,7 +189,12 @@ def main(argv=None) -> None:
                         help="full-key-space reader queries costed beside the basis reader")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@cli.main
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     preset = PRESETS[args.preset]
     dtype = jnp.dtype(preset.dtype)
     prefixes = [int(t) for t in args.prefixes.split(",")]
@@ -157,41 +204,16 @@ def main(argv=None) -> None:
     grid = sorted({2**k for k in range(4, max(prefixes).bit_length())} | set(prefixes))
     paper = analytic(paper_preset.target, args.rank, paper_preset.drafter_layers, paper_preset.dtype, grid)
     local = analytic(config, args.rank, preset.drafter_layers, dtype, grid)
-    for name, a in (("Qwen3.5-27B", paper), (f"{args.preset} preset", local)):
-        c, s, k = a["crossover_tokens"], a["state_reader"], a["kv_reader"]
-        print(f"{name}: state reader {s['pairs']} pairs of {s['state'][0]}x{s['state'][1]} states (layers "
-              f"{s['source_layers']}); KV reader {k['pairs']} pairs of head dim {k['head_dim']} (layers "
-              f"{k['source_layers']})\n  crossover: {c['per_pair_vs_same_heads_kv']:.0f} tokens per head pair "
-              f"(vs the KV cache of the same heads), {c['numbers']:.0f} tokens in numbers and "
-              f"{c['bytes']:.0f} in bytes (this reader vs the KV-read baseline; "
-              f"{c['bytes_with_parameters']:.0f} counting each reader's parameters)")
+    print_crossovers({"Qwen3.5-27B": paper, f"{args.preset} preset": local})
 
     readers = {kind: rj.ReaderConfig(rank=args.rank, kind=kind) for kind in KINDS}
     drafters = {kind: rj.Drafter.init(config, preset.drafter(args.block_size, reader), seed=1, dtype=dtype)
                 for kind, reader in readers.items()}
-    measured = {"prefixes": prefixes, **{f"{kind}_s": [] for kind in KINDS}}
-    print(f"reader round (prepare + {args.block_size} reads), {args.preset} preset, median ms:")
-    for t in prefixes:
-        cache = random_cache(config, args.batch, t, dtype, args.seed)
-        for kind in KINDS:  # not interleaved: the KV read of a long prefix would evict the state read's data
-            measured[f"{kind}_s"].append(median_seconds(reader_round_fn(drafters[kind], cache), args.repeats))
-        print(f"  t={t:6d}: state {measured['state_s'][-1] * 1e3:8.3f}   kv {measured['kv_s'][-1] * 1e3:8.3f}")
-        del cache
-    measured["kv_over_state"] = [k / s for k, s in zip(measured["kv_s"], measured["state_s"], strict=True)]
+    measured = measure_reader_rounds(drafters, config, prefixes, args, dtype)
 
     target = rj.Target.init(config, seed=args.seed, dtype=dtype)
     rng = np.random.default_rng(args.seed)
-    shares = {}
-    for length in (int(t) for t in args.round_prompts.split(",")):
-        prompts = rng.integers(0, config.vocab_size, size=(args.batch, length))
-        for kind in KINDS:
-            b = round_breakdown(target, drafters[kind], prompts, args.repeats, rollbacks=("replay",))
-            round_s = b["draft_s"] + b["verify_replay_s"] + b["commit_replay_s"] + b["context_append_s"] \
-                + b["reader_prepare_s"]
-            shares[f"{kind}_prompt_{length}"] = {"round_s": round_s, "reader_round_s": b["reader_round_s"],
-                                                 "reader_fraction": b["reader_round_s"] / round_s, "breakdown": b}
-            print(f"prompt {length:5d}, {kind} reader: {b['reader_round_s'] * 1e3:.3f} ms of a {round_s * 1e3:.1f} ms "
-                  f"round ({b['reader_round_s'] / round_s:.2%})")
+    shares = reader_shares(target, drafters, rng, args)
 
     designs = query_designs(target, preset, args, dtype, rng, drafters[STATE])
 

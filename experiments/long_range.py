@@ -45,6 +45,7 @@ sequence.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -547,8 +548,7 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
     return found
 
 
-@cli.main
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.long_range", __doc__)
     parser.add_argument("step", choices=("train", "ship", "evaluate", "cost"), help="what to do (see above)")
     parser.add_argument("--target", default=cli.repo_path("runs", "long_range", "target"),
@@ -590,36 +590,41 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="evaluate: timed rounds per prefix (median)")
     parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
     parser.add_argument("--plot", default=None, help="write the figure here as PNG (needs matplotlib)")
-    args = parser.parse_args(argv)
-    runs = Path(args.runs) if args.runs else None
-    if args.step == "ship":
-        if runs is None:
-            raise SystemExit("ship needs --runs (the trained drafters)")
-        shipped = {"target": Path(args.target), "control": runs / run_name("control", args.seeds[0]),
-                   "ready": runs / run_name(args.ship_ready, args.seeds[0])}
-        ship_dirs({f"{Path(args.zoo).name}/{folder}": path for folder, path in shipped.items()}, Path(args.zoo).parent)
-        return
-    target_dir = Path(args.target) if args.step == "train" or not (Path(args.zoo) / "target").exists() \
-        else Path(args.zoo) / "target"
-    target = rj.Target.load(target_dir, dtype=jnp.float32)
-    state_dim = target.config.linear_key_head_dim
-    if args.step == "cost":
-        curve = cost_curve(cost_drafters(target, args.window, tuple(args.ranks), tuple(args.queries)), target,
-                           args.prefixes, args.repeats)
-        write_json(args.out, {"settings": vars(args), "window": args.window, "round_cost": curve})
-        if args.plot:
-            plot_cost(curve, args.plot)
-        return
-    if args.step == "train":
-        table = only_arms(arms(args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks),
-                               tuple(args.queries), tuple(args.query_ranks)), args.arms)
-        if runs is None:
-            raise SystemExit("train needs --runs (where the drafters go)")
-        args.target, args.runs = target_dir, runs
-        args.common_flags = ("--prompt-len", str(args.prompt_len), "--seq-len", str(args.prompt_len + 14),
-                             "--stride", "1", "--long-range-max-distance", str(args.max_distance))
-        train(args, table)
-        return
+    return parser
+
+
+def ship(args, runs: Path | None) -> None:
+    """Copy the target, the first seed's control and the ``--ship-ready`` arm into the zoo's testbed."""
+    if runs is None:
+        raise SystemExit("ship needs --runs (the trained drafters)")
+    shipped = {"target": Path(args.target), "control": runs / run_name("control", args.seeds[0]),
+               "ready": runs / run_name(args.ship_ready, args.seeds[0])}
+    ship_dirs({f"{Path(args.zoo).name}/{folder}": path for folder, path in shipped.items()}, Path(args.zoo).parent)
+
+
+def cost(args, target: rj.Target) -> None:
+    """The testbed's drafter shapes, freshly initialised: a round's time and memory against prefix length."""
+    curve = cost_curve(cost_drafters(target, args.window, tuple(args.ranks), tuple(args.queries)), target,
+                       args.prefixes, args.repeats)
+    write_json(args.out, {"settings": vars(args), "window": args.window, "round_cost": curve})
+    if args.plot:
+        plot_cost(curve, args.plot)
+
+
+def train_testbed(args, target_dir: Path, runs: Path | None, state_dim: int) -> None:
+    """Train every (selected) arm on the self-distilled long-range data, ``--jobs`` at a time."""
+    table = only_arms(arms(args.window, state_dim, tuple(args.ranks), tuple(args.seed_ranks),
+                           tuple(args.queries), tuple(args.query_ranks)), args.arms)
+    if runs is None:
+        raise SystemExit("train needs --runs (where the drafters go)")
+    args.target, args.runs = target_dir, runs
+    args.common_flags = ("--prompt-len", str(args.prompt_len), "--seq-len", str(args.prompt_len + 14),
+                         "--stride", "1", "--long-range-max-distance", str(args.max_distance))
+    train(args, table)
+
+
+def evaluate_testbed(args, target: rj.Target, target_dir: Path, runs: Path | None, state_dim: int) -> None:
+    """Evaluate the trained runs (or the zoo's drafters) per distance, time their rounds, report, write and plot."""
     start = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
     task = long_range_settings(target_dir)  # the records the target was trained on
@@ -644,6 +649,23 @@ def main(argv=None) -> None:
     if args.plot:
         plot(result, window, args.plot)
 
+
+@cli.main
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    runs = Path(args.runs) if args.runs else None
+    if args.step == "ship":
+        ship(args, runs)
+        return
+    target_dir = Path(args.target) if args.step == "train" or not (Path(args.zoo) / "target").exists() \
+        else Path(args.zoo) / "target"
+    target = rj.Target.load(target_dir, dtype=jnp.float32)
+    if args.step == "cost":
+        cost(args, target)
+    elif args.step == "train":
+        train_testbed(args, target_dir, runs, target.config.linear_key_head_dim)
+    else:
+        evaluate_testbed(args, target, target_dir, runs, target.config.linear_key_head_dim)
 
 if __name__ == "__main__":
     main()

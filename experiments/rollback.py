@@ -23,6 +23,7 @@ The plot needs matplotlib (``pip install -e .[plots]``); without it the plot is 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import jax
@@ -82,8 +83,7 @@ def plot(path: str | None, results: dict, preset: str) -> None:
     save_figure(fig, path)
 
 
-@cli.main
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.rollback", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
     parser.add_argument("--block-sizes", default="1,2,4,8,16", help="drafts per round (gamma) to measure")
@@ -93,7 +93,12 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights, prompt and blocks")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@cli.main
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     preset = PRESETS[args.preset]
     dtype = jnp.dtype(preset.dtype)
     gammas = [int(g) for g in args.block_sizes.split(",")]

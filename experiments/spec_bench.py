@@ -55,6 +55,7 @@ share one compiled program; compile time is excluded from ``wall_time`` and repo
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import json
@@ -409,8 +410,51 @@ def print_summary(summary: dict, with_baseline: bool) -> None:
         print(line)
 
 
-@cli.main
-def main(argv=None) -> None:
+def load_models(args, dtype) -> tuple[rj.Target, rj.Drafter | None, Path]:
+    """(the target, the drafter or None, the tokenizer's path): ``--target`` and ``--drafter`` in either format,
+    computed in ``dtype``."""
+    target_dir = Path(args.target)
+    try:
+        target = load_target_dir(target_dir, dtype)
+        drafter = load_drafter_dir(Path(args.drafter), dtype) if args.drafter else None
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    tokenizer_path = Path(args.tokenizer or target_dir / "tokenizer.json")
+    if not tokenizer_path.is_file():
+        raise SystemExit(f"no tokenizer at {tokenizer_path} (pass --tokenizer)")
+    return target, drafter, tokenizer_path
+
+
+def answer_all(target: rj.Target, tokenizer: Tokenizer, template: ChatTemplate, questions: list[dict],
+               methods: list[Method], args, stops) -> tuple[list[list[dict]], list, list[str]]:
+    """(each method's answers, the skipped question ids, the prompt notes), after ``--warmup`` untimed runs of the
+    first question; one progress line per question."""
+    for _ in range(args.warmup):
+        answer_question(target, tokenizer, template, questions[0], methods, args, stops)
+    answers, skipped, notes = [[] for _ in methods], [], []
+    progress = cli.Progress("spec-bench", len(questions), "questions")
+    for number, question in enumerate(questions, 1):
+        result, messages = answer_question(target, tokenizer, template, question, methods, args, stops)
+        progress.update()
+        notes += messages
+        for message in messages:
+            print(message)
+        if result is None:
+            skipped.append(question["question_id"])
+            continue
+        for method_answers, answer in zip(answers, result, strict=True):
+            method_answers.append(answer)
+        choice = result[0]["choices"][0]
+        print(f"[{number}/{len(questions)}] question {question['question_id']} ({question['category']}): "
+              f"{sum(choice['new_tokens'])} tokens in {sum(choice['wall_time']):.2f} s, tau "
+              f"{np.mean(choice['accept_lengths']) if choice['accept_lengths'] else float('nan'):.2f}")
+    progress.close()
+    if not answers[0]:
+        raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
+    return answers, skipped, notes
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.spec_bench", __doc__)
     parser.add_argument("--target", required=True, type=cli.existing_directory,
                         help="HF or project-format target directory")
@@ -443,6 +487,12 @@ def main(argv=None) -> None:
     parser.add_argument("--answer-file", help="write the answers to this file (None: <out-dir>/<model id>.jsonl)")
     parser.add_argument("--out-dir", default=cli.repo_path("runs", "spec_bench"),
                         help="answers (the AR baseline's too) and summary go here")
+    return parser
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """The arguments, checked against each other."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.with_ar and args.baseline:
         parser.error("--with-ar and --baseline both give the baseline: pass one")
@@ -450,6 +500,12 @@ def main(argv=None) -> None:
         parser.error("--with-ar compares a drafter with AR: pass --drafter")
     if args.enable_thinking and args.chat_template != "hf":
         parser.error("--enable-thinking is passed to the checkpoint's chat template: use --chat-template hf")
+    return args
+
+
+@cli.main
+def main(argv=None) -> None:
+    args = parse_args(argv)
     out_dir = Path(args.out_dir)
 
     questions = read_questions(args.questions, args.categories.split(",") if args.categories else None, args.limit,
@@ -459,14 +515,7 @@ def main(argv=None) -> None:
     baseline = read_answers(args.baseline) if args.baseline else None
     dtype = jnp.dtype(args.dtype)
     target_dir = Path(args.target)
-    try:
-        target = load_target_dir(target_dir, dtype)
-        drafter = load_drafter_dir(Path(args.drafter), dtype) if args.drafter else None
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    tokenizer_path = Path(args.tokenizer or target_dir / "tokenizer.json")
-    if not tokenizer_path.is_file():
-        raise SystemExit(f"no tokenizer at {tokenizer_path} (pass --tokenizer)")
+    target, drafter, tokenizer_path = load_models(args, dtype)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     template = ChatTemplate(args.chat_template, tokenizer, tokenizer_path.parent, args.enable_thinking)
     stops = stop_ids(target, tokenizer, target_dir, args.chat_template)
@@ -480,28 +529,7 @@ def main(argv=None) -> None:
     print(f"{len(questions)} questions, {', '.join(m.model_id for m in methods)}; stop ids {list(stops)}; "
           f"{args.max_new_tokens} new tokens a turn, temperature {args.temperature:g}")
 
-    for _ in range(args.warmup):
-        answer_question(target, tokenizer, template, questions[0], methods, args, stops)
-    answers, skipped, notes = [[] for _ in methods], [], []
-    progress = cli.Progress("spec-bench", len(questions), "questions")
-    for number, question in enumerate(questions, 1):
-        result, messages = answer_question(target, tokenizer, template, question, methods, args, stops)
-        progress.update()
-        notes += messages
-        for message in messages:
-            print(message)
-        if result is None:
-            skipped.append(question["question_id"])
-            continue
-        for method_answers, answer in zip(answers, result, strict=True):
-            method_answers.append(answer)
-        choice = result[0]["choices"][0]
-        print(f"[{number}/{len(questions)}] question {question['question_id']} ({question['category']}): "
-              f"{sum(choice['new_tokens'])} tokens in {sum(choice['wall_time']):.2f} s, tau "
-              f"{np.mean(choice['accept_lengths']) if choice['accept_lengths'] else float('nan'):.2f}")
-    progress.close()
-    if not answers[0]:
-        raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
+    answers, skipped, notes = answer_all(target, tokenizer, template, questions, methods, args, stops)
 
     paths = [out_dir / f"{method.model_id}.jsonl" for method in methods]
     if args.answer_file:

@@ -26,6 +26,7 @@ cut short mid-save are deleted.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import errno
 import json
@@ -83,8 +84,7 @@ def long_range_task(args) -> dict:
             "long_range_pool": settings["pool_size"] if args.long_range_pool is None else args.long_range_pool}
 
 
-@cli.main
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.train_drafter", __doc__)
     parser.add_argument("--variant", required=True, choices=drafter_variants.VARIANTS,
                         help="which drafter (see above)")
@@ -158,7 +158,12 @@ def main(argv=None) -> None:
                         "(None: runs/distill_<data-seed>.npz; variants sharing it train on the same data; "
                         "regenerated when the settings or the target's weights differ or it cannot be read; "
                         "written at exactly this path, whatever its suffix)")
-    argv = sys.argv[1:] if argv is None else list(argv)
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
+    """(the arguments, the workdir, the distill cache), the paths checked before any work."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
     distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
@@ -171,9 +176,12 @@ def main(argv=None) -> None:
             checkpoint.check_destination(args.save_dir, DRAFTER_FORMAT)
     except OSError as e:
         parser.error(e.strerror or str(e))
-    produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
+    return args, workdir, distill_cache
 
-    target = rj.Target.load(args.target, dtype=jnp.float32)  # the shipped (bf16) weights, computed in fp32
+
+def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter]:
+    """The target (its shipped weights computed in fp32), its corpus and the variant's starting drafter."""
+    target = rj.Target.load(args.target, dtype=jnp.float32)
     try:
         corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
     except ValueError as e:
@@ -182,6 +190,15 @@ def main(argv=None) -> None:
         drafter = build_drafter(args, target)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    return target, corpus, drafter
+
+
+@cli.main
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, workdir, distill_cache = parse_args(argv)
+    produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
+    target, corpus, drafter = load_inputs(args)
     distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
                                                 num_sequences=args.sequences, temperature=args.distill_temperature,
                                                 seed=args.data_seed,

@@ -16,6 +16,7 @@ nothing; rerun with the saved settings or give another ``--workdir``. A checkpoi
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
@@ -46,8 +47,7 @@ from ready_jax.training.loop import LoopConfig, train_loop
 RECALL_SEED = 0x5EED_0E7A
 
 
-@cli.main
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.train_target", __doc__)
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
                         help="corpus directory (built on first use)")
@@ -120,7 +120,12 @@ def main(argv=None) -> None:
     parser.add_argument("--save-dir", default=None, help="write the trained target here (project format)")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="parameter dtype of the saved target")
-    argv = sys.argv[1:] if argv is None else list(argv)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments, checked against each other and against the paths the run will write."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.attention_window is not None and (args.attention_window < 1 or not 0 < args.attention_window_fraction <= 1):
         parser.error(f"--attention-window {args.attention_window} must be >= 1 and --attention-window-fraction "
@@ -143,7 +148,11 @@ def main(argv=None) -> None:
             checkpoint.check_destination(args.save_dir, target_lib.FORMAT)
     except OSError as e:
         parser.error(e.strerror or str(e))
-    corpus = data.prepare_corpus(args.corpus, args.vocab)
+    return args
+
+
+def target_config(args, corpus: data.Corpus) -> rj.TargetConfig:
+    """The small target the flags describe, over the corpus's vocabulary."""
     config = target_recipe.small_target_config(corpus.tokenizer.get_vocab_size(), hidden_size=args.hidden,
                                                num_layers=args.layers, intermediate_size=args.intermediate,
                                                eos_token_id=data.EOS_ID)
@@ -152,7 +161,12 @@ def main(argv=None) -> None:
     if args.linear_memory is not None and args.linear_memory_heads > config.linear_num_value_heads:
         raise SystemExit(f"error: --linear-memory-heads {args.linear_memory_heads} exceeds the "
                          f"{config.linear_num_value_heads} value heads of each Gated DeltaNet layer")
-    produced_by = artifacts.run_provenance(args.workdir, "experiments.train_target", argv)
+    return config
+
+
+def initial_target(args, config: rj.TargetConfig) -> rj.Target:
+    """The target training starts from: a random initialisation or ``--init-from``'s weights, then
+    ``--mimetic-init`` and ``--linear-memory`` applied."""
     # Stacked groups: the layer scan keeps the training step's compile time flat in depth, and run checkpoints
     # keep the layout they have always had, so earlier runs resume.
     target = rj.Target.init(config, seed=args.seed, group_layout="stacked")
@@ -170,14 +184,12 @@ def main(argv=None) -> None:
     if args.linear_memory is not None:
         params = target_init.lengthen_linear_memory(target.params, args.linear_memory, args.linear_memory_heads)
         target = rj.Target(nnx.merge(target.graphdef, params), group_layout="stacked")
-    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
-    print(f"target: {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, corpus "
-          f"{corpus.manifest['train_tokens']} train tokens")
+    return target
 
-    optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
-                                  weight_decay=args.weight_decay, clip_norm=args.clip)
-    optimizer = optimiser.make_optimizer(optim)
 
+def make_loss_fn(args, target: rj.Target, config: rj.TargetConfig):
+    """The training loss of params on a batch of windows, with the held decays and attention windows the flags
+    ask for."""
     def loss_fn(params, tokens, key):
         if args.hold_linear_memory:
             params = target_init.hold_linear_memory(params, args.linear_memory_heads)
@@ -185,27 +197,33 @@ def main(argv=None) -> None:
             key, tokens.shape[0], tokens.shape[1] - 1, args.attention_window_fraction, args.attention_window)
         return target_recipe.target_loss(target.graphdef, config, params, tokens, args.impl, rows)
 
-    step_fn = train_state.make_train_step(loss_fn, optimizer)
-    train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
-    val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
-    eval_fn = target_recipe.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
-    long_range = None
-    if args.long_range_fraction > 0:
-        long_range = LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
-        # Recall on held-out text: validation windows, every one with records.
-        recall_windows = long_range_windows(long_range, val_windows, RECALL_SEED, 0, 1.0,
-                                            args.long_range_max_distance, args.long_range_records)
-        recall_eval = target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
-                                                     long_range.answer_mask(recall_windows), args.batch_size,
-                                                     "val_recall", args.impl)
-        evals = [eval_fn, recall_eval]
-        if args.attention_window is not None:
-            # Recall through the Gated DeltaNet states alone: every row's attention restricted.
-            evals.append(target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
-                                                        long_range.answer_mask(recall_windows), args.batch_size,
-                                                        "val_state_recall", args.impl, args.attention_window))
-        eval_fn = lambda params: {k: v for f in evals for k, v in f(params).items()}  # noqa: E731
+    return loss_fn
 
+
+def make_eval_fn(args, target: rj.Target, config: rj.TargetConfig, val_windows: np.ndarray,
+                 long_range: LongRangeTask | None):
+    """Validation loss and perplexity; with the long-range task, recall on held-out windows too (and through
+    the Gated DeltaNet states alone with ``--attention-window``)."""
+    eval_fn = target_recipe.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
+    if long_range is None:
+        return eval_fn
+    # Recall on held-out text: validation windows, every one with records.
+    recall_windows = long_range_windows(long_range, val_windows, RECALL_SEED, 0, 1.0,
+                                        args.long_range_max_distance, args.long_range_records)
+    recall_eval = target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
+                                                 long_range.answer_mask(recall_windows), args.batch_size,
+                                                 "val_recall", args.impl)
+    evals = [eval_fn, recall_eval]
+    if args.attention_window is not None:
+        # Recall through the Gated DeltaNet states alone: every row's attention restricted.
+        evals.append(target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
+                                                    long_range.answer_mask(recall_windows), args.batch_size,
+                                                    "val_state_recall", args.impl, args.attention_window))
+    return lambda params: {k: v for f in evals for k, v in f(params).items()}
+
+
+def make_batch_fn(args, train_windows: data.Windows, long_range: LongRangeTask | None):
+    """The training windows of a step, with long-range records written over them as the flags ask."""
     def batch_fn(step):
         position = step * args.batch_size
         windows = train_windows.batch(args.seed, position, args.batch_size)
@@ -217,6 +235,11 @@ def main(argv=None) -> None:
                                          pool_filler=1.0 if warmup else args.pool_filler_fraction)
         return jnp.asarray(windows)
 
+    return batch_fn
+
+
+def run_meta(args, config: rj.TargetConfig, optim: optimiser.OptimConfig, long_range: LongRangeTask | None) -> dict:
+    """The settings a run's checkpoints record: resuming with other ones is refused."""
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
     if args.init_from:
@@ -236,13 +259,52 @@ def main(argv=None) -> None:
         meta["long_range"] = {"fraction": args.long_range_fraction, "records": args.long_range_records,
                               "max_distance": args.long_range_max_distance, "values": args.long_range_values,
                               "pool": args.long_range_pool}
+    return meta
+
+
+def save_target(args, target: rj.Target, params, long_range: LongRangeTask | None, record: dict) -> None:
+    """Write the trained target to ``--save-dir`` with its tokenizer, corpus manifest, long-range settings and
+    the artifact ``record`` (provenance and summary)."""
+    rj.Target(nnx.merge(target.graphdef, artifacts.cast(params, jnp.dtype(args.export_dtype)))).save(args.save_dir)
+    # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
+    shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
+    shutil.copy(Path(args.corpus) / "manifest.json", Path(args.save_dir) / "corpus_manifest.json")
+    if long_range is not None:
+        save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
+    artifacts.record_artifacts(args.save_dir, record)
+    print(f"wrote {args.save_dir}")
+
+
+@cli.main
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    corpus = data.prepare_corpus(args.corpus, args.vocab)
+    config = target_config(args, corpus)
+    produced_by = artifacts.run_provenance(args.workdir, "experiments.train_target", argv)
+    target = initial_target(args, config)
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
+    print(f"target: {num_params / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, corpus "
+          f"{corpus.manifest['train_tokens']} train tokens")
+
+    optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
+                                  weight_decay=args.weight_decay, clip_norm=args.clip)
+    optimizer = optimiser.make_optimizer(optim)
+    step_fn = train_state.make_train_step(make_loss_fn(args, target, config), optimizer)
+    train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
+    val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
+    long_range = None
+    if args.long_range_fraction > 0:
+        long_range = LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
+    eval_fn = make_eval_fn(args, target, config, val_windows, long_range)
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
                       resume_unverified=args.resume_unverified)
     start = time.perf_counter()
     try:
         state = train_loop(train_state.TrainState.create(target.params, optimizer, args.seed), step_fn,
-                           batch_fn, loop, args.workdir, eval_fn=eval_fn, meta=meta)
+                           make_batch_fn(args, train_windows, long_range), loop, args.workdir,
+                           eval_fn=eval_fn, meta=run_meta(args, config, optim, long_range))
     except checkpoints.ResumeError as e:
         raise SystemExit(f"error: {e}") from None
     final = eval_fn(state.params)
@@ -251,16 +313,9 @@ def main(argv=None) -> None:
     print(json.dumps(summary))
     files.write_text(Path(args.workdir, "summary.json"), json.dumps(summary, indent=1))
     if args.save_dir:
-        rj.Target(nnx.merge(target.graphdef, artifacts.cast(state.params, jnp.dtype(args.export_dtype)))).save(
-            args.save_dir)
-        # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
-        shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
-        shutil.copy(Path(args.corpus) / "manifest.json", Path(args.save_dir) / "corpus_manifest.json")
-        if long_range is not None:
-            save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
         export_command = provenance.command_line("experiments.train_target", argv)
-        artifacts.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
-        print(f"wrote {args.save_dir}")
+        save_target(args, target, state.params, long_range, dict(produced_by, export_command=export_command,
+                                                                 summary=summary))
 
 
 if __name__ == "__main__":
