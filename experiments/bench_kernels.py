@@ -19,7 +19,7 @@ every registered kernel case (``REGISTRY``) and both implementations it records,
 
 plus the launch floor: the device time of a trivial Pallas kernel and of a trivial XLA op, and the wall
 time of a synchronous trivial call (host dispatch + sync). Base cases run first, sweeps after, and nothing new
-starts after ``--budget-s`` seconds, so a run fits its slot (defaults: about 3-5 minutes on an H200).
+starts after ``--budget-s`` seconds, so a run fits its slot (how long the defaults take: docs/measurements.md).
 
 On a CPU it runs tiny shapes with the kernels interpreted (``--pallas-interpret gpu``: the Triton kernels,
 ``tpu``: the TPU ones): that checks that the script and every kernel entry work; the timings mean nothing.

@@ -316,11 +316,10 @@ def transposes_tied_head(target: Target) -> bool:
     """Whether generation's program transposes the target's tied LM head once, before its loop.
 
     A tied head multiplies by the embedding [V, D] transposed. XLA's CPU backend runs that layout far below
-    the plain one: for the zoo target (V = 4096, D = 256) 4.0 against 0.5 ms at a 7-row draft and 2.1 against
-    0.7 ms at an 8-row verify, with a one-row decode fused into a loop instead of a matrix-vector product
-    (2-core CPU; docs/results.md, "The speculative loop on a CPU"). With bfloat16 weights the [D, V] copy also
-    makes a verify's logits bit-identical to decode's; multiplying by the [V, D] embedding did not on 3 of 6
-    prompts. On the CPU the program therefore pays one copy of the embedding per call. GPU and TPU matmuls take either
+    the plain one, with a one-row decode fused into a loop instead of a matrix-vector product (figures in
+    docs/results.md, "The speculative loop on a CPU"). With bfloat16 weights the [D, V] copy also makes a
+    verify's logits bit-identical to decode's; multiplying by the [V, D] embedding did not on some prompts.
+    On the CPU the program therefore pays one copy of the embedding per call. GPU and TPU matmuls take either
     layout, where the copy would only cost memory.
     """
     if not target.config.tie_word_embeddings:

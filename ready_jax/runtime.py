@@ -26,11 +26,10 @@ from pallas_kernels import backend
 from pallas_kernels.backend import InterpretFamily
 
 # XLA's CPU backend hands small-M matmuls fused with their neighbours to YNNPACK by default. On this
-# project's verify steps (M = gamma + 1 rows) that measured slower than XLA's own Eigen dots: verify of 8
-# tokens 36.8 -> 24.2 ms on the cpu preset, decode 11.6 -> 10.7 ms (2-core AMD EPYC; measured by
-# `python -m experiments.loop_efficiency`). The flags only act on the CPU platform; elsewhere they are
-# parsed and ignored. Every flag here must be known to every supported jaxlib: XLA aborts the process on
-# an unknown flag in XLA_FLAGS.
+# project's verify steps (M = gamma + 1 rows) that measured slower than XLA's own Eigen dots (docs/results.md,
+# "The speculative loop on a CPU"; measured by `python -m experiments.loop_efficiency`). The flags only act on
+# the CPU platform; elsewhere they are parsed and ignored. Every flag here must be known to every supported
+# jaxlib: XLA aborts the process on an unknown flag in XLA_FLAGS.
 CPU_XLA_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
 
 CACHE_ENV = "READY_JAX_COMPILE_CACHE"   # "0" (or false / no / off) turns the persistent cache off

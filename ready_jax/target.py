@@ -315,7 +315,7 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
 
 
-INIT_PROGRAM_BYTES = 2 << 30  # parameters one init program returns at most; its random temporaries are ~8x that
+INIT_PROGRAM_BYTES = 2 << 30  # parameters one init program returns at most (its random temporaries: docs/hardening.md)
 
 
 def init_pieces(leaves, max_bytes: int = INIT_PROGRAM_BYTES) -> list[tuple[int, ...]]:

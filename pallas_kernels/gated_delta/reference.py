@@ -178,10 +178,10 @@ def _unit_lower_inverse(a: jax.Array) -> jax.Array:
     """``(I + A)^-1`` for strictly lower-triangular A [..., C, C], by forward substitution over rows.
 
     Row i of the inverse only needs rows < i, so a loop of C small matrix-vector products builds it.
-    XLA's batched ``triangular_solve`` computes the same thing but is about 100x slower on CPU for
-    these 64 x 64 blocks (an unblocked expander). The gradient is the inverse's own (two matmuls, see
+    XLA's batched ``triangular_solve`` computes the same thing but is far slower on CPU for these blocks
+    (an unblocked expander; docs/kernels.md). The gradient is the inverse's own (two matmuls, see
     :func:`_unit_lower_inverse_bwd`), not the loop's: differentiating through the loop kept the whole
-    matrix for each of its C steps, and a training step of the 8-layer zoo target took 1.47x as long.
+    matrix for each of its C steps and slowed a training step down.
     """
     return _forward_substitution(a)
 
