@@ -6,7 +6,8 @@ tokens later, its query ``OPEN key``; the target's next tokens are the record's 
 exactly D tokens back. A drafter whose context window W is shorter than D cannot see them; the target's
 committed Gated DeltaNet states might hold them, and a ReaDy reader reads those states.
 
-Steps (each resumable; the target is trained first with ``experiments.train_target``, see docs/long_range.md):
+Steps (each resumable; the target is trained first with ``experiments.train_target``, see docs/long_range.md;
+without ``--target``, ``train`` uses the shipped testbed's target, ``zoo/long_range/target``):
 
     python -m experiments.long_range train --target runs/long_range/target --runs runs/long_range/drafters
     python -m experiments.long_range ship --target runs/long_range/target --runs runs/long_range/drafters
@@ -551,8 +552,9 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.long_range", __doc__)
     parser.add_argument("step", choices=("train", "ship", "evaluate", "cost"), help="what to do (see above)")
-    parser.add_argument("--target", default=cli.repo_path("runs", "long_range", "target"),
-                        help="train / ship: the trained long-range target (project format, with tokenizer)")
+    parser.add_argument("--target", default=cli.repo_path("zoo", "long_range", "target"),
+                        help="train / ship: the trained long-range target (project format, with tokenizer; default: "
+                        "the shipped testbed's, which ship cannot replace by itself)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
     parser.add_argument("--runs", default=None, help="the drafters' runs (train, ship; evaluate: every run there "
                         "instead of the zoo's two)")
@@ -597,6 +599,9 @@ def ship(args, runs: Path | None) -> None:
     """Copy the target, the first seed's control and the ``--ship-ready`` arm into the zoo's testbed."""
     if runs is None:
         raise SystemExit("ship needs --runs (the trained drafters)")
+    if Path(args.target).resolve() == (Path(args.zoo) / "target").resolve():
+        raise SystemExit(f"ship copies --target into {args.zoo}: name the target trained for it, not the zoo's own "
+                         f"{args.target}")
     shipped = {"target": Path(args.target), "control": runs / run_name("control", args.seeds[0]),
                "ready": runs / run_name(args.ship_ready, args.seeds[0])}
     ship_dirs({f"{Path(args.zoo).name}/{folder}": path for folder, path in shipped.items()}, Path(args.zoo).parent)

@@ -335,6 +335,13 @@ def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
         zoo_runs.ship_dirs({"long_range/target": runs / "target"}, zoo)
 
 
+def test_target_defaults_to_the_shipped_one_which_ship_does_not_copy_onto_itself(tmp_path):
+    assert lr.build_parser().parse_args(["train"]).target == cli.repo_path("zoo", "long_range", "target")
+    zoo = tmp_path / "zoo" / "long_range"
+    with pytest.raises(SystemExit, match="name the target trained for it"):
+        lr.main(["ship", "--runs", str(tmp_path / "runs"), "--target", str(zoo / "target"), "--zoo", str(zoo)])
+
+
 def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_path, tiny_target):
     runs = tmp_path / "runs"
     sources = {"target": "target", "control_s0": "control", "ready_s0": "ready", "ready_rank64_s0": "ready"}
