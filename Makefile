@@ -22,6 +22,7 @@ $(VENV)/.installed-%: pyproject.toml
 
 demo: $(call stamp,$(DEMO_EXTRAS))
 	$(PY) -m experiments.compare_zoo
+	$(PY) -m experiments.long_range demo --prompts 12
 
 # Test files are spread over TEST_WORKERS processes whole (--dist loadfile), so a file's module fixtures are built once.
 # PYTEST_ARGS selects or adds to the run (CI's second Python: -m "not slow").

@@ -14,6 +14,7 @@ without ``--target``, ``train`` uses the shipped testbed's target, ``zoo/long_ra
     python -m experiments.long_range evaluate --zoo zoo/long_range --runs runs/long_range/drafters \\
         --out results/long_range_cpu.json --plot results/long_range_cpu.png
     python -m experiments.long_range evaluate --zoo zoo/long_range        # the shipped testbed, in minutes
+    python -m experiments.long_range demo --prompts 12                     # its tau table alone (make demo)
 
 ``train`` trains every arm of :func:`arms` on the same self-distilled long-range data (prompts of
 ``--prompt-len`` tokens, distances up to ``--max-distance``; ``experiments.train_drafter`` with
@@ -551,7 +552,7 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.long_range", __doc__)
-    parser.add_argument("step", choices=("train", "ship", "evaluate", "cost"), help="what to do (see above)")
+    parser.add_argument("step", choices=("train", "ship", "evaluate", "cost", "demo"), help="what to do (see above)")
     parser.add_argument("--target", default=cli.repo_path("zoo", "long_range", "target"),
                         help="train / ship: the trained long-range target (project format, with tokenizer; default: "
                         "the shipped testbed's, which ship cannot replace by itself)")
@@ -628,6 +629,33 @@ def train_testbed(args, target_dir: Path, runs: Path | None, state_dim: int) -> 
     train(args, table)
 
 
+def demo(args, target: rj.Target, target_dir: Path) -> None:
+    """The shipped testbed's tau table alone: the zoo's control and ReaDy on ``--prompts`` held-out prompts at
+    D = 2W and 8W (``--distances``), every output checked against AR; no timing, lookups or JSON."""
+    tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
+    task = long_range_settings(target_dir)
+    drafters = {name: rj.Drafter.load(Path(args.zoo) / name, dtype=jnp.float32) for name in ZOO_DRAFTERS}
+    window = drafters["control"].config.context_window or args.window
+    chosen = args.distances or [2 * window, 8 * window]
+    prompts = {d: long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task) for d in chosen}
+    width = max(len(p["ids"]) for batch in prompts.values() for p in batch)   # one program per drafter
+    ready_rank = drafters["ready"].config.reader.rank
+    print(f"\nlong-range testbed: the answer sits D tokens back, beyond the drafters' {window}-token window; "
+          f"{args.prompts} held-out prompts per D")
+    print(f"{'D':>6s} {'control tau':>12s} {f'ReaDy r{ready_rank} tau':>14s} {'ReaDy / control':>16s}  same as AR")
+    for distance, batch in prompts.items():
+        ids = np.asarray([p["ids"] for p in batch], np.int32)
+        new_tokens = len(batch[0]["reference"])
+        ar = rj.generate(target, ids, new_tokens, prompt_bucket=width)
+        outs = {name: rj.generate(target, ids, new_tokens, drafter=d, prompt_bucket=width)
+                for name, d in drafters.items()}
+        same = all(np.array_equal(out.tokens, ar.tokens) for out in outs.values())
+        print(f"{distance:6d} {outs['control'].tau:12.2f} {outs['ready'].tau:14.2f} "
+              f"{outs['ready'].tau / outs['control'].tau:15.2f}x  {'yes' if same else 'NO'}")
+        if not same:
+            raise SystemExit(f"D={distance}: speculative output differs from autoregressive decoding")
+
+
 def evaluate_testbed(args, target: rj.Target, target_dir: Path, runs: Path | None, state_dim: int) -> None:
     """Evaluate the trained runs (or the zoo's drafters) per distance, time their rounds, report, write and plot."""
     start = time.perf_counter()
@@ -669,6 +697,8 @@ def main(argv=None) -> None:
         cost(args, target)
     elif args.step == "train":
         train_testbed(args, target_dir, runs, target.config.linear_key_head_dim)
+    elif args.step == "demo":
+        demo(args, target, target_dir)
     else:
         evaluate_testbed(args, target, target_dir, runs, target.config.linear_key_head_dim)
 
