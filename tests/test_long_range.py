@@ -467,3 +467,14 @@ def test_shipped_testbed_recalls_through_the_states_and_its_drafters_are_lossles
     assert drafters["ready"].config.reader is not None and drafters["control"].config.reader is None
     for drafter in drafters.values():
         np.testing.assert_array_equal(rj.generate(target, ids, reference.shape[1], drafter=drafter).tokens, ar.tokens)
+
+
+@pytest.mark.slow
+def test_demo_prints_the_shipped_testbeds_table(capsys):
+    """``long_range demo`` (the second half of ``make demo``) runs the zoo's control and ReaDy, checks them against
+    AR and prints one row per distance."""
+    lr.main(["demo", "--prompts", "2", "--distances", "32"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("32 ")]
+    assert len(rows) == 1 and rows[0][-1] == "yes"
+    control, ready, ratio = float(rows[0][1]), float(rows[0][2]), float(rows[0][3].rstrip("x"))
+    assert control >= 1 and ready >= 1 and ratio == pytest.approx(ready / control, abs=0.01)
