@@ -21,10 +21,10 @@ from .data import EOS_ID, MASK_ID, PAD_ID, SPLITS, collect_documents, split_docu
 # OPEN and CLOSE are the byte-level tokens of two control bytes the corpus does not hold.
 LONG_RANGE_OPEN, LONG_RANGE_CLOSE = "\x01", "\x02"
 LONG_RANGE_VALUE_TOKENS = 5
-# Keys and values come from a fixed pool of 256 ids. A small alphabet is learned quickly (over all 4,093 ids a
-# tiny target had learned no value embedding in 650 steps), and a drafter that cannot see the record guesses a
-# value with probability 1/256 only. Much smaller pools repeat ids within a window (16 records of 6 pool ids
-# draw 96 ids: from 64 most recur), so the token after a key's earlier occurrence would be ambiguous.
+# Keys and values come from a fixed pool of 256 ids. A small alphabet is learned quickly (docs/long_range.md,
+# "The pieces"), and a drafter that cannot see the record guesses a value with probability 1/256 only. Much
+# smaller pools repeat ids within a window (16 records of 6 pool ids draw 96 ids: from 64 most recur), so the
+# token after a key's earlier occurrence would be ambiguous.
 LONG_RANGE_POOL = 256
 # rng namespaces, so no seed of one function gives the content of another
 _PROMPT_STREAM, _MIXTURE_STREAM, _TRAIN_STREAM, _POOL_STREAM = 0x10C, 0x313, 0x7EA1, 0x9001
