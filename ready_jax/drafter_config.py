@@ -213,12 +213,15 @@ class ReaderConfig:
 
 
 def parameter_matched_query_rank(reader: ReaderConfig, hidden_size: int) -> int:
-    """The largest ``query_rank`` (at least 1) for which a content reader's query projection
-    (``d x r_q + r_q x L_src H_k d_k``) has no more parameters than a basis reader's ``W_q`` plus ``U``
-    (``d x M r + M d_k r``) at the same rank: the two then cost the same in parameters."""
-    basis = hidden_size * reader.num_pairs * reader.rank + reader.num_pairs * reader.key_dim * reader.rank
+    """The largest ``query_rank`` (at least 1) for which a content reader has no more trained parameters than a
+    basis reader of the same rank: its query projection (``d x r_q + r_q x L_src H_k d_k``) gets what the basis
+    reader spends beyond the content reader's other parts (``W_q`` and ``U``, plus ``V`` when the content reader
+    keeps its value side whole and holds none, or a factorised ``W_o``'s saving)."""
+    basis = dataclasses.replace(reader, query="basis", query_rank=None, output_rank=None)
+    content = dataclasses.replace(reader, query="content", query_rank=1)
+    rest = sum(count for part, count in content.parameter_count(hidden_size).items() if part not in ("q_down", "q_up"))
     per_query_rank = hidden_size + reader.num_query_heads * reader.key_dim
-    return max(1, basis // per_query_rank)
+    return max(1, (sum(basis.parameter_count(hidden_size).values()) - rest) // per_query_rank)
 
 
 def default_source_layers(target: TargetConfig, kind: ReaderKind = STATE) -> tuple[int, ...]:

@@ -55,9 +55,9 @@ def test_content_read_equals_naive_loop():
 
 def test_parameter_matched_query_rank_spends_no_more_than_the_basis_reader():
     target = tiny_config()
-    for rank in (2, 8):
+    for rank, output_rank in ((2, None), (8, None), (8, 5)):   # 8 = d_v: a value side kept whole holds no basis
         basis = ReaderConfig(rank=rank).resolve(target, 2)
-        content = ReaderConfig(rank=rank, query="content").resolve(target, 2)
+        content = ReaderConfig(rank=rank, query="content", output_rank=output_rank).resolve(target, 2)
         assert content.query_rank == parameter_matched_query_rank(content, target.hidden_size)
         spent = sum(content.parameter_count(target.hidden_size).values())
         budget = sum(basis.parameter_count(target.hidden_size).values())
@@ -209,8 +209,8 @@ def test_a_factorised_output_is_the_read_through_both_factors(tiny_target, query
 def test_output_rank_costs_and_settings():
     target = tiny_config()
     whole = target.linear_value_head_dim
-    plain = ReaderConfig(rank=whole, query="content").resolve(target, 2)
-    factored = ReaderConfig(rank=whole, query="content", output_rank=5).resolve(target, 2)
+    plain = ReaderConfig(rank=whole, query="content", query_rank=4).resolve(target, 2)
+    factored = ReaderConfig(rank=whole, query="content", query_rank=4, output_rank=5).resolve(target, 2)
     d, m = target.hidden_size, plain.num_pairs
     parts = factored.parameter_count(d)
     assert parts["value_basis"] == 0 and parts["o_down"] == m * whole * 5 and parts["o_up"] == 5 * d
