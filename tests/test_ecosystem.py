@@ -52,7 +52,8 @@ def _make_dry_run(target: str, venv: Path, *extra: str) -> str:
 def test_make_demo_installs_no_extra_and_make_test_installs_its_extras(tmp_path):
     demo = _make_dry_run("demo", tmp_path)
     assert 'pip install -q -e "."' in demo and '".[' not in demo and "-m experiments.compare_zoo" in demo, demo
-    assert 'pip install -q -e ".[test,convert]"' in _make_dry_run("test", tmp_path)
+    assert "-m experiments.long_range demo" in demo, demo
+    assert 'pip install -q -e ".[test,convert,notebook]"' in _make_dry_run("test", tmp_path)
     assert 'pip install -q -e ".[test]"' in _make_dry_run("test", tmp_path, "EXTRAS=test")   # .ci/run's 3.12 run
 
 
