@@ -80,7 +80,7 @@ def reader_arm(config: rj.DrafterConfig) -> str:
         return "control"
     if reader.kind == "kv":
         return "kv_read"
-    query = "" if reader.query == "basis" else f"_{reader.query}"
+    query = "" if reader.query == "basis" else "_tied_read" if reader.readout == "tied" else f"_{reader.query}"
     return f"ready{query}" if reader.rank == 8 else f"ready{query}_rank{reader.rank}"
 
 

@@ -72,7 +72,7 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
         return base
     reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers,
                              kind=args.reader_kind, query=args.reader_query, query_rank=args.query_rank,
-                             output_rank=args.output_rank)
+                             output_rank=args.output_rank, readout=args.readout)
     return drafter_variants.with_reader(base, target.config, reader, seed=args.seed, target=target)
 
 
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-rank", type=int, default=None,
                         help="content or tied query: factorise W_o through this many numbers per draft position "
                         "(None: one matrix from the M*rank read)")
+    parser.add_argument("--readout", default="learned", choices=modes.READER_READOUTS,
+                        help="tied query: read the state through a learned W_o, or through the source layers' own "
+                        "gated norm and out_proj (tied; --rank then sizes the trained adapters)")
     # self-distillation and anchors
     parser.add_argument("--sequences", type=cli.positive_int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")

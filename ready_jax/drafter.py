@@ -62,6 +62,7 @@ from .reader import (
     KVReader,
     Qwen3RMSNorm,
     StateReader,
+    TiedReadReader,
     TiedStateReader,
     gather_sources,
     source_kv,
@@ -195,7 +196,8 @@ def _reader_for(config: DrafterConfig, layer: int, *, rngs: nnx.Rngs, dtype) -> 
     if rc.kind != STATE:
         reader_cls = KVReader
     else:
-        reader_cls = {"basis": StateReader, "content": ContentStateReader, "tied": TiedStateReader}[rc.query]
+        reader_cls = (TiedReadReader if rc.readout == "tied" else
+                      {"basis": StateReader, "content": ContentStateReader, "tied": TiedStateReader}[rc.query])
     return reader_cls(rc, config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
 
 

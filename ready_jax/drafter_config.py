@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from .config import FULL_ATTENTION, INT32_MAX, LINEAR_ATTENTION, TargetConfig, field_type_problems
-from .modes import READER_KINDS, READER_QUERIES, ReaderKind, ReaderQuery
+from .modes import READER_KINDS, READER_QUERIES, READER_READOUTS, ReaderKind, ReaderQuery, ReaderReadout
 
 STATE: ReaderKind = "state"
 KV: ReaderKind = "kv"
@@ -50,6 +50,14 @@ class ReaderConfig:
     ``r_o`` factorises it as ``M rank -> r_o -> d`` (the second factor starts at zero), so the value side can stay
     whole (``rank = d_v``) while every draft position still passes through ``r_o`` numbers, chosen jointly over
     the pairs after the read rather than per pair before it.
+
+    ``readout`` (tied query only): ``"learned"``, the read goes through the reader's norm and ``W_o`` as above;
+    ``"tied"``, each source layer's read, value side whole (no ``V_m``), goes through that layer's own output
+    path (its gated RMSNorm with the gate ``z`` of the draft hidden, and ``out_proj``; copied from the target,
+    frozen), so the drafter receives what the target's layer would add to its residual stream for that query.
+    A zero-initialised learned map then adds it to the draft hidden: a scale per source layer and channel plus
+    a low-rank map of rank ``output_rank`` (None: ``rank``) over the layers' outputs. Here ``rank`` sizes the
+    trained adapters only (``query_rank`` None: ``rank`` too); nothing compresses the state.
     """
 
     source_layers: tuple[int, ...] | None = None
@@ -63,6 +71,7 @@ class ReaderConfig:
     query_rank: int | None = None
     num_key_heads: int | None = None
     output_rank: int | None = None
+    readout: ReaderReadout = "learned"
 
     def __post_init__(self):
         problems = field_type_problems(self)
@@ -86,6 +95,11 @@ class ReaderConfig:
         if self.output_rank is not None and (self.output_rank < 1 or self.query == "basis"):
             problems.append(f"output_rank {self.output_rank} must be >= 1 and belongs to a 'content' or 'tied' "
                             "query")
+        if self.readout not in READER_READOUTS:
+            problems.append(f"readout {self.readout!r} is not one of {READER_READOUTS}")
+        elif self.readout == "tied" and self.query != "tied":
+            problems.append(f"readout 'tied' forms the source layer's gate from its tied query's input: it needs "
+                            f"query 'tied', not {self.query!r}")
         if self.num_key_heads is not None and (self.num_key_heads < 1 or (
                 self.num_heads is not None and self.num_heads % self.num_key_heads)):
             problems.append(f"num_key_heads {self.num_key_heads} must be >= 1 and divide num_heads {self.num_heads}")
@@ -155,6 +169,8 @@ class ReaderConfig:
         resolved = dataclasses.replace(self, source_layers=tuple(sources), inject_layers=tuple(sorted(inject)),
                                        num_heads=geometry[0], key_dim=geometry[1], value_dim=geometry[2],
                                        num_key_heads=key_heads)
+        if self.readout == "tied" and self.output_rank is None:
+            resolved = dataclasses.replace(resolved, output_rank=resolved.rank)
         if self.query != "basis" and self.query_rank is None:
             rank = (resolved.rank if self.query == "tied"
                     else parameter_matched_query_rank(resolved, target.hidden_size))
@@ -171,6 +187,10 @@ class ReaderConfig:
         """Trained parameters of one reader sub-block by part, for a drafter of ``hidden_size`` (a resolved
         config). The tied query's copy of the target's projection is frozen and not counted."""
         d, m, r = hidden_size, self.num_pairs, self.rank
+        if self.readout == "tied":
+            num_src = len(self.source_layers)
+            return {"adapter": 2 * d * self.query_rank, "out_scale": num_src * d,
+                    "out_down": num_src * d * self.output_rank, "out_up": self.output_rank * d}
         whole = self.query != "basis" and r == self.value_dim  # no value basis: see reader._ValueSideParams
         parts = {"value_basis": 0 if whole else m * self.value_dim * r, "norm": m * r}
         if self.output_rank is None:
@@ -190,6 +210,15 @@ class ReaderConfig:
         ``hidden_size``: once per round, the gather (``M d_k d_v`` state numbers read, whatever the prefix) and
         the numbers it keeps for the reads; per draft position, the query, the read and ``W_o``."""
         d, m, r, dk, dv = hidden_size, self.num_pairs, self.rank, self.key_dim, self.value_dim
+        if self.readout == "tied":
+            # Whole states kept; per position the tied query, the read, the gate, out_proj and the learned map.
+            num_src = len(self.source_layers)
+            query = 2 * d * self.query_rank + d * self.num_query_heads * dk
+            output = 2 * d * m * dv + (num_src * d + d) * self.output_rank + num_src * d
+            return {"parameters": sum(self.parameter_count(d).values()),
+                    "frozen_parameters": d * self.num_query_heads * dk + 2 * d * m * dv,
+                    "state_numbers_read": m * dk * dv, "prepared_numbers": m * dk * dv, "gather_macs": 0,
+                    "macs_per_position": query + m * dk * dv + output}
         if self.query == "basis":
             kept, gather, query, read = m * r * r, m * dk * dv * r + m * dk * r * r, d * m * r, m * r * r
         elif self.query == "content":

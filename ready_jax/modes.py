@@ -27,11 +27,17 @@ ReaderQuery = Literal["basis", "content", "tied"]
 from a factorised projection of the draft hidden (content-addressed), or through the source layer's own query path
 (tied). ``ready_jax.reader`` has the math."""
 
+ReaderReadout = Literal["learned", "tied"]
+"""What a state reader does with what the state returns: a learned ``W_o`` (after its own norm), or the source
+layer's own output path (its gated norm and ``out_proj``, copied from the target) then a small learned map
+(tied). ``ready_jax.reader`` has the math."""
+
 IMPLS: tuple[str, ...] = get_args(Impl)
 ROLLBACKS: tuple[str, ...] = get_args(Rollback)
 FORMS: tuple[str, ...] = get_args(Form)
 READER_KINDS: tuple[str, ...] = get_args(ReaderKind)
 READER_QUERIES: tuple[str, ...] = get_args(ReaderQuery)
+READER_READOUTS: tuple[str, ...] = get_args(ReaderReadout)
 
 
 def check(value, allowed: tuple[str, ...], name: str) -> str:

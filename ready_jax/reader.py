@@ -269,15 +269,90 @@ class TiedStateReader(_ValueSideParams):
         self.eps_target = eps
 
     def queries(self, h: jax.Array) -> jax.Array:
-        b, g, _ = h.shape
-        x = h + self.adapter_up(self.adapter_down(h))
-        norm_w, proj, conv = (jax.lax.stop_gradient(p[...]) for p in
-                              (self.frozen_input_norm, self.frozen_query_proj, self.frozen_query_conv))
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps_target)
-        normed = (normed[:, :, None] * (1.0 + norm_w.astype(jnp.float32))).astype(h.dtype)     # [B, G, L, d]
-        q = jax.nn.silu(jnp.einsum("bgld,ldc->bglc", normed, proj).astype(jnp.float32) * conv)  # [B, G, L, H_k d_k]
-        return q.reshape(b, g, self.num_query_heads, self.key_dim)
+        return _tied_queries(self, _tied_layer_inputs(self, h), self.num_query_heads, self.key_dim)
+
+
+def _tied_layer_inputs(reader, h: jax.Array) -> jax.Array:
+    """The draft hidden [B, G, d] through the reader's adapter ``h + B(A h)`` and each source layer's input norm
+    (frozen): [B, G, L_src, d], what the source layers' projections take."""
+    x = h + reader.adapter_up(reader.adapter_down(h))
+    norm_w = jax.lax.stop_gradient(reader.frozen_input_norm[...])
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + reader.eps_target)
+    return (normed[:, :, None] * (1.0 + norm_w.astype(jnp.float32))).astype(h.dtype)
+
+
+def _tied_queries(reader, inputs: jax.Array, num_query_heads: int, key_dim: int) -> jax.Array:
+    """The source layers' queries [B, G, Q, d_k] (before the delta rule's L2 norm) from their inputs
+    [B, G, L_src, d]: the query columns of ``in_proj_qkv``, the conv's current tap, SiLU (all frozen)."""
+    b, g = inputs.shape[:2]
+    proj, conv = (jax.lax.stop_gradient(p[...]) for p in (reader.frozen_query_proj, reader.frozen_query_conv))
+    q = jax.nn.silu(jnp.einsum("bgld,ldc->bglc", inputs, proj).astype(jnp.float32) * conv)  # [B, G, L, H_k d_k]
+    return q.reshape(b, g, num_query_heads, key_dim)
+
+
+class TiedReadReader(nnx.Module):
+    """A reader that reads the state the way the source layer itself would (``ReaderConfig.readout="tied"``).
+
+    The query is :class:`TiedStateReader`'s (adapter ``h + B(A h)``, the source layer's input norm, query
+    projection, conv tap and SiLU). The read ``o_m = S_m^T q_m / sqrt(d_k)`` keeps the value side whole, and each
+    source layer's output path turns it into what that layer would add to the residual stream: per value head
+    ``rmsnorm(o) * w * silu(z)`` with the gate ``z`` projected from the same layer input, then ``out_proj``. The
+    target's weights are copied in (:func:`tied_read_weights`) and frozen. The learned part is the adapter and
+    the output map ``h + sum_l s_l * u_l + W_up(W_down(concat_l u_l))`` over the layers' outputs ``u_l`` [d]:
+    scales ``s`` [L_src, d] and ``W_up`` start at zero, so an untrained reader changes nothing."""
+
+    def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
+        if not config.resolved:
+            raise ValueError("resolve the ReaderConfig against the target first (ReaderConfig.resolve)")
+        num_src, d = len(config.source_layers), hidden_size
+        self.num_query_heads, self.key_dim = config.num_query_heads, config.key_dim
+        self.num_heads, self.value_dim = config.num_heads, config.value_dim
+        width_q, width_v = config.num_key_heads * config.key_dim, config.num_heads * config.value_dim
+        zeros = nnx.initializers.zeros_init()
+        self.adapter_down = linear(d, config.query_rank, rngs=rngs, dtype=dtype)
+        self.adapter_up = nnx.Linear(config.query_rank, d, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                     kernel_init=zeros, rngs=rngs)
+        self.out_scale = nnx.Param(jnp.zeros((num_src, d), dtype))
+        self.out_down = linear(num_src * d, config.output_rank, rngs=rngs, dtype=dtype)
+        self.out_up = nnx.Linear(config.output_rank, d, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                 kernel_init=zeros, rngs=rngs)
+        # Placeholders until tie_to_target copies the target's weights in.
+        self.frozen_input_norm = nnx.Param(jnp.zeros((num_src, d), dtype))
+        self.frozen_query_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, d, width_q), dtype) * d**-0.5)
+        self.frozen_query_conv = nnx.Param(jnp.ones((num_src, width_q), dtype))
+        self.frozen_gate_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, d, width_v), dtype) * d**-0.5)
+        self.frozen_out_norm = nnx.Param(jnp.ones((num_src, config.value_dim), dtype))
+        self.frozen_out_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, width_v, d), dtype)
+                                         * width_v**-0.5)
+        self.eps_target = eps
+
+    def value_basis_matrix(self) -> None:
+        """No value basis: the gather keeps the committed states whole."""
+        return None
+
+    def prepare(self, states_bmkv: jax.Array) -> jax.Array:
+        """The committed states [B, M, d_k, d_v], whole, in fp32."""
+        return compress(states_bmkv, None, None)
+
+    def __call__(self, h: jax.Array, states: jax.Array, impl: Impl = "xla") -> jax.Array:
+        """``states``: :meth:`prepare`'s [B, M, d_k, d_v]."""
+        with jax.named_scope("state_reader"):
+            b, g, _ = h.shape
+            inputs = _tied_layer_inputs(self, h)                                          # [B, G, L, d]
+            num_src = inputs.shape[2]
+            reads = state_reader_ops.content_read(_tied_queries(self, inputs, self.num_query_heads, self.key_dim),
+                                                  states, impl=impl) * self.key_dim**-0.5    # [B, G, M, d_v]
+            gate_proj, out_norm, out_proj = (jax.lax.stop_gradient(p[...]) for p in
+                                             (self.frozen_gate_proj, self.frozen_out_norm, self.frozen_out_proj))
+            gate = jnp.einsum("bgld,ldc->bglc", inputs, gate_proj).astype(jnp.float32)
+            gate = gate.reshape(b, g, num_src, self.num_heads, self.value_dim)
+            reads = reads.reshape(b, g, num_src, self.num_heads, self.value_dim)
+            normed = reads * jax.lax.rsqrt(jnp.mean(reads * reads, axis=-1, keepdims=True) + self.eps_target)
+            gated = (normed * out_norm[:, None].astype(jnp.float32) * jax.nn.silu(gate)).astype(h.dtype)
+            outputs = jnp.einsum("bglc,lcd->bgld", gated.reshape(b, g, num_src, -1), out_proj)  # [B, G, L, d]
+            mixed = jnp.einsum("bgld,ld->bgd", outputs, self.out_scale[...])
+            return h + mixed + self.out_up(self.out_down(outputs.reshape(b, g, -1)))
 
 
 def tied_query_weights(norm_weights, qkv_kernels, conv_weights, width: int) -> dict:
@@ -286,6 +361,15 @@ def tied_query_weights(norm_weights, qkv_kernels, conv_weights, width: int) -> d
     the queries' ``width = H_k d_k`` channels first)."""
     return {"frozen_input_norm": norm_weights, "frozen_query_proj": qkv_kernels[..., :width],
             "frozen_query_conv": conv_weights[:, -1, :width]}
+
+
+def tied_read_weights(norm_weights, qkv_kernels, conv_weights, z_kernels, out_norm_weights, out_kernels,
+                      width: int) -> dict:
+    """A :class:`TiedReadReader`'s frozen weights, by name: :func:`tied_query_weights`' plus the source layers'
+    ``in_proj_z`` kernels [L_src, d, H_v d_v], output-norm weights [L_src, d_v] and ``out_proj`` kernels
+    [L_src, H_v d_v, d]."""
+    return tied_query_weights(norm_weights, qkv_kernels, conv_weights, width) | {
+        "frozen_gate_proj": z_kernels, "frozen_out_norm": out_norm_weights, "frozen_out_proj": out_kernels}
 
 
 class KVReader(_ReaderParams):

@@ -9,7 +9,8 @@ the state after n block tokens.
 * :func:`read` (reference of the ``state_reader`` kernels): ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with
   ``a = h W_q`` viewed ``[M, r]``.
 * :func:`read_by_content`: the read of a query in the full key space, ``h + W_o(rmsnorm(concat_m P_m^T q_m))``
-  over ``P_m = S_m V_m`` (:func:`gather_prepare` without a key basis).
+  over ``P_m = S_m V_m`` (:func:`gather_prepare` without a key basis); :func:`content_read` (reference of the
+  ``content_read`` kernels) is its first step, the raw ``P_m^T q_m``.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def gather_states(per_position: jax.Array | Sequence[jax.Array], n_committed: ja
     return merge_pairs(picked)
 
 
-def compress(states_bmkv: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array) -> jax.Array:
+def compress(states_bmkv: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array | None) -> jax.Array:
     """``C_m = U_m^T S_m V_m`` in fp32: states [B, M, d_k, d_v], U [M, d_k, r], V [M, d_v, r] -> C [B, M, r, r].
-    With ``key_basis`` None the key side stays whole: ``P_m = S_m V_m`` [B, M, d_k, r]."""
+    With ``key_basis`` None the key side stays whole: ``P_m = S_m V_m`` [B, M, d_k, r]; with both None the
+    states come back whole, ``S_m`` [B, M, d_k, d_v]."""
     s = states_bmkv.astype(jnp.float32)
+    if value_basis is None:
+        if key_basis is not None:
+            raise ValueError("a key basis needs a value basis: C = U^T S V")
+        return s
     sv = jnp.einsum("bmkv,mvs->bmks", s, value_basis.astype(jnp.float32))      # [B, M, d_k, r]
     if key_basis is None:
         return sv
@@ -76,13 +82,14 @@ def compress(states_bmkv: jax.Array, key_basis: jax.Array | None, value_basis: j
 
 
 def gather_prepare(per_position: jax.Array | Sequence[jax.Array], n_committed: jax.Array,
-                   key_basis: jax.Array | None, value_basis: jax.Array, *,
+                   key_basis: jax.Array | None, value_basis: jax.Array | None, *,
                    layers: Sequence[tuple[int, int]] | None = None) -> jax.Array:
     """Each sequence's committed state, compressed: ``C[b, m] = U_m^T S[l, b, n_committed[b], h] V_m``.
 
     per_position / layers: as :func:`per_position_arrays` (``layers`` lets a caller pass the target cache's
     ``[G, B, T+1, ...]`` buffers whole). n_committed ``[B]`` in 0..T. U ``[M, d_k, r]``, V ``[M, d_v, r]``.
-    Returns C ``[B, M, r, r]`` fp32; with ``key_basis`` None, ``S V`` ``[B, M, d_k, r]`` fp32 (a content read's).
+    Returns C ``[B, M, r, r]`` fp32; with ``key_basis`` None, ``S V`` ``[B, M, d_k, r]`` fp32 (a content read's);
+    with both None, ``S`` ``[B, M, d_k, d_v]`` fp32 (a tied read-out's).
     """
     arrays, layers = per_position_arrays(per_position, layers)
     if len(arrays) == 1 and layers == tuple((0, j) for j in range(arrays[0].shape[0])):
@@ -125,9 +132,18 @@ def read_by_content(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: ja
     Returns ``[B, G, d]`` in ``result_type(h, w_o)``; y is rounded to h's dtype before the norm, as in :func:`read`.
     """
     b, g, _ = h.shape
-    num_pairs, _, rank = values.shape[1:]
+    y = content_read(queries, values).reshape(b, g, -1)
+    return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)
+
+
+def content_read(queries: jax.Array, values: jax.Array) -> jax.Array:
+    """What each pair's state returns for a full-key-space query: ``y_m = P_m^T q_m`` ``[B, G, M, r]`` fp32.
+
+    queries ``[B, G, Q, d_k]``, one per (source layer, key head) in pair order, L2-normalised here and shared by
+    the ``M / Q`` value heads of the key head; values P ``[B, M, d_k, r]``.
+    """
+    num_pairs = values.shape[1]
     q = queries.astype(jnp.float32)
     q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + QUERY_EPS)
     q = jnp.repeat(q, num_pairs // queries.shape[2], axis=2)                  # [B, G, M, d_k]
-    y = jnp.einsum("bmkr,bgmk->bgmr", values.astype(jnp.float32), q).reshape(b, g, num_pairs * rank)
-    return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)
+    return jnp.einsum("bmkr,bgmk->bgmr", values.astype(jnp.float32), q)

@@ -41,7 +41,8 @@ def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConf
 
 def tie_reader_to_target(drafter: Drafter, target: Target) -> Drafter:
     """``drafter`` with every tied-query reader holding the target's source layers' query path (input norm,
-    ``in_proj_qkv``, conv): :func:`ready_jax.reader.tied_query_weights`."""
+    ``in_proj_qkv``, conv: :func:`ready_jax.reader.tied_query_weights`), and a tied read-out their output path
+    too (``in_proj_z``, gated norm, ``out_proj``: :func:`ready_jax.reader.tied_read_weights`)."""
     rc = drafter.config.reader
     if rc is None or rc.query != "tied":
         raise ValueError("the drafter has no tied-query reader")
@@ -51,11 +52,17 @@ def tie_reader_to_target(drafter: Drafter, target: Target) -> Drafter:
     norms = np.stack([layer.input_layernorm.weight[...] for layer in layers])
     kernels = np.stack([layer.linear_attn.in_proj_qkv.kernel[...] for layer in layers])
     convs = np.stack([layer.linear_attn.conv_weight[...] for layer in layers])
+    width = rc.num_query_heads // len(layers) * rc.key_dim
+    if rc.readout == "tied":
+        tied = reader_lib.tied_read_weights(
+            norms, kernels, convs, np.stack([layer.linear_attn.in_proj_z.kernel[...] for layer in layers]),
+            np.stack([layer.linear_attn.norm.weight[...] for layer in layers]),
+            np.stack([layer.linear_attn.out_proj.kernel[...] for layer in layers]), width)
+    else:
+        tied = reader_lib.tied_query_weights(norms, kernels, convs, width)
     flat = {key: np.asarray(v) for key, v in drafter.flat_params().items()}
     for i in rc.inject_layers:
-        flat.update({f"layers.{i}.reader.{name}": value for name, value in
-                     reader_lib.tied_query_weights(norms, kernels, convs, rc.num_query_heads // len(layers)
-                                                   * rc.key_dim).items()})
+        flat.update({f"layers.{i}.reader.{name}": value for name, value in tied.items()})
     return Drafter.from_state(drafter.config, flat, drafter.dtype, what="ReaDy with a tied query")
 
 
