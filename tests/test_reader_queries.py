@@ -12,6 +12,7 @@ from conftest import tiny_config
 from flax import nnx
 
 import ready_jax as rj
+from pallas_kernels.gated_delta import normalized_query_key
 from pallas_kernels.state_reader.reference import gather_prepare, read_by_content
 from ready_jax import target as target_lib
 from ready_jax.checkpoint import flat_state
@@ -155,7 +156,8 @@ def _first_block_logits(target, drafter) -> np.ndarray:
     out = target.prefill(target.init_cache(1, 13), ids, hidden_layers=drafter.config.target_layer_ids)
     context = drafter.append_context(drafter.init_context(1, 13), out.hidden)
     return np.asarray(drafter.draft(context, jnp.argmax(out.logits[:, -1], -1), SharedWeights.from_target(target),
-                                    reader_states=drafter.prepare_reader(out.cache)).logits)
+                                    reader_states=drafter.prepare_reader(out.cache) if drafter.config.reader
+                                    else None).logits)
 
 
 def test_every_design_reads_each_state_once_per_round():
@@ -221,3 +223,103 @@ def test_output_rank_costs_and_settings():
         ReaderConfig(output_rank=3)
     with pytest.raises(ValueError, match="output_rank 0"):
         ReaderConfig(query="tied", output_rank=0)
+
+
+def _with_tied_read(target, seed=0, scale=0.3, rank=4):
+    """A ReaDy drafter with a tied read-out whose zero-initialised weights are set (so it changes the drafts)."""
+    base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=seed)
+    drafter = drafter_variants.with_reader(base, target.config, ReaderConfig(rank=rank, query="tied", readout="tied"),
+                                           seed=seed, target=target)
+    rng = np.random.default_rng(seed)
+    flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
+    zero_at_start = ("reader.out_scale", "reader.out_up.kernel", "reader.adapter_up.kernel")
+    for key in [k for k in flat if k.endswith(zero_at_start)]:
+        flat[key] = scale * rng.normal(size=flat[key].shape).astype(flat[key].dtype)
+    return rj.Drafter.from_state(drafter.config, flat, drafter.dtype)
+
+
+def _reader_of(drafter):
+    return nnx.merge(drafter.graphdef, drafter.params).layers[drafter.config.reader.inject_layers[0]].reader
+
+
+def test_a_tied_read_out_is_what_the_source_layers_would_add(tiny_target):
+    """Each source layer's read of the draft hidden h against its committed state S is that layer's own output
+    for a token that reads S: ``out_proj(norm(S^T q, z))`` with the layer's q (L2-normalised, scaled by
+    d_k ** -0.5) and gate z of input_norm(x), x = h + B(A h); the reader adds ``sum_l s_l * u_l + W_up W_down u``."""
+    drafter = _with_tied_read(tiny_target)
+    reader = _reader_of(drafter)
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, tiny_target.config.vocab_size, size=(2, 11)), jnp.int32)
+    out = tiny_target.prefill(tiny_target.init_cache(2, 12), ids)
+    (states,) = drafter.prepare_reader(out.cache)
+    rc = drafter.config.reader
+    assert states.shape == (2, rc.num_pairs, rc.key_dim, rc.value_dim)
+    h = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
+    split = target_lib.split_groups(tiny_target.model)
+    size, heads = tiny_target.config.group_size, rc.num_heads
+    outputs = []
+    for index, source in enumerate(rc.source_layers):
+        decoder = split.groups[source // size].layers[source % size]
+        attn = decoder.linear_attn
+        x = decoder.input_layernorm(h + reader.adapter_up(reader.adapter_down(h)))
+        # Each draft position on its own (as one token with no conv history), [B G, 1, d].
+        conv = jnp.zeros((6, attn.kernel_size - 1, attn.in_proj_qkv.kernel.shape[1]), x.dtype)
+        q, k, _, _ = attn.delta_inputs(x.reshape(6, 1, -1), conv)
+        q, _ = normalized_query_key(q, k, heads)
+        q = q.reshape(2, 3, heads, -1)                                                    # [B, G, H_v, d_k]
+        o = jnp.einsum("bhkv,bghk->bghv", states[:, index * heads:(index + 1) * heads], q)
+        z = attn.in_proj_z(x).reshape(o.shape)
+        outputs.append(attn.out_proj(attn.norm(o, z).reshape(2, 3, -1)))
+    outputs = jnp.stack(outputs, axis=2)                                                 # [B, G, L, d]
+    expected = (h + jnp.einsum("bgld,ld->bgd", outputs, reader.out_scale[...])
+                + outputs.reshape(2, 3, -1) @ reader.out_down.kernel[...] @ reader.out_up.kernel[...])
+    np.testing.assert_allclose(np.asarray(reader(h, states)), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_an_untrained_tied_read_out_drafts_what_dspark_drafts_and_generation_stays_lossless(tiny_target):
+    drafter = _with_tied_read(tiny_target)
+    untrained = _with_tied_read(tiny_target, scale=0.0)
+    dspark = rj.Drafter.init(tiny_target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=0)
+    np.testing.assert_array_equal(_first_block_logits(tiny_target, untrained),
+                                  _first_block_logits(tiny_target, dspark))
+    assert not np.allclose(_first_block_logits(tiny_target, drafter), _first_block_logits(tiny_target, dspark))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, tiny_target.config.vocab_size, size=n).astype(np.int32) for n in (9, 5)]
+    np.testing.assert_array_equal(rj.generate(tiny_target, prompts, 8, drafter=drafter).tokens,
+                                  rj.generate(tiny_target, prompts, 8).tokens)
+
+
+def test_a_tied_read_out_copies_the_target_and_trains_only_its_adapters(tiny_target):
+    drafter = _with_tied_read(tiny_target)
+    reader = _reader_of(drafter)
+    source = drafter.config.reader.source_layers[-1]
+    split = target_lib.split_groups(tiny_target.model)
+    attn = split.groups[source // tiny_target.config.group_size].layers[source % tiny_target.config.group_size]
+    attn = attn.linear_attn
+    for frozen, weight in ((reader.frozen_gate_proj, attn.in_proj_z.kernel), (reader.frozen_out_norm, attn.norm.weight),
+                           (reader.frozen_out_proj, attn.out_proj.kernel)):
+        np.testing.assert_array_equal(np.asarray(frozen[...][-1]), np.asarray(weight[...]))
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
+    rc = drafter.config.reader
+    states = jnp.asarray(np.random.default_rng(2).normal(size=(2, rc.num_pairs, rc.key_dim, rc.value_dim)) * 0.1,
+                         jnp.float32)
+    reader_def, reader_params = nnx.split(reader)
+    grads = flat_state(jax.grad(lambda p: jnp.sum(nnx.merge(reader_def, p)(h, states) ** 2))(reader_params))
+    assert {k for k, v in grads.items() if float(jnp.abs(v).max()) > 0} == {
+        k for k in grads if not k.startswith("frozen_")}
+
+
+def test_tied_read_out_settings_and_costs():
+    target = tiny_config()
+    with pytest.raises(ValueError, match="readout 'tied' .* needs query 'tied', not 'content'"):
+        ReaderConfig(query="content", readout="tied")
+    with pytest.raises(ValueError, match="readout 'gated'"):
+        ReaderConfig(query="tied", readout="gated")
+    rc = ReaderConfig(rank=4, query="tied", readout="tied").resolve(target, 2)
+    assert rc.query_rank == rc.output_rank == 4
+    d, num_src = target.hidden_size, len(rc.source_layers)
+    assert rc.parameter_count(d) == {"adapter": 2 * d * 4, "out_scale": num_src * d, "out_down": num_src * d * 4,
+                                     "out_up": 4 * d}
+    cost = rc.round_cost(d)
+    whole = rc.num_pairs * rc.key_dim * rc.value_dim
+    assert cost["state_numbers_read"] == cost["prepared_numbers"] == whole and cost["gather_macs"] == 0
+    assert cost["frozen_parameters"] == d * rc.num_query_heads * rc.key_dim + 2 * d * rc.num_pairs * rc.value_dim
