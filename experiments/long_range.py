@@ -80,25 +80,36 @@ def reader_arm(config: rj.DrafterConfig) -> str:
         return "control"
     if reader.kind == "kv":
         return "kv_read"
-    query = "" if reader.query == "basis" else "_tied_read" if reader.readout == "tied" else f"_{reader.query}"
-    return f"ready{query}" if reader.rank == 8 else f"ready{query}_rank{reader.rank}"
+    design = next((f"_{name}" for name, (_, fields) in READER_DESIGNS.items()
+                   if all(getattr(reader, k) == v for k, v in fields.items())), "")
+    return f"ready{design}" if reader.rank == 8 else f"ready{design}_rank{reader.rank}"
 
 
-QUERY_LABELS = {"content": "content query", "tied": "tied query"}
+READER_DESIGNS = {  # the state readers beside the paper's basis reader: label and ReaderConfig fields
+    "content": ("content query", dict(query="content", readout="learned")),
+    "tied": ("tied query", dict(query="tied", readout="learned")),
+    "tied_read": ("tied read-out", dict(query="tied", readout="tied")),
+}
+
+
+def design_flags(design: str) -> tuple[str, ...]:
+    """``experiments.train_drafter``'s flags for a reader design of :data:`READER_DESIGNS`."""
+    fields = READER_DESIGNS[design][1]
+    return ("--reader-query", fields["query"], "--readout", fields["readout"])
 
 
 def arms(window: int, state_dim: int, ranks: tuple[int, ...], seed_ranks: tuple[int, ...] = (8,),
          queries: tuple[str, ...] = (), query_ranks: tuple[int, ...] = ()) -> tuple[Arm, ...]:
     """The testbed's drafters: windowed ones start from the same seed's windowed DSpark. ReaDy at rank 8 and
     at every rank in ``seed_ranks`` trains on every seed; the other ranks on the first seed only. Each
-    full-key-space query design in ``queries`` (``ReaderConfig.query``) trains at rank 8 on every seed, and at
+    reader design in ``queries`` (:data:`READER_DESIGNS`) trains at rank 8 on every seed, and at
     every rank in ``query_ranks`` on the first seed."""
     extra = tuple(Arm(f"ready_rank{r}", "ready", "dspark_window", ("--rank", str(r)), all_seeds=r in seed_ranks,
                       label=f"ReaDy r{r}{' (lossless)' if r == state_dim else ''}, window {window}")
                   for r in dict.fromkeys((*ranks, *seed_ranks)) if r != 8)
     designs = tuple(Arm(f"ready_{q}" if r == 8 else f"ready_{q}_rank{r}", "ready", "dspark_window",
-                        ("--rank", str(r), "--reader-query", q), all_seeds=r == 8,
-                        label=f"ReaDy r{r}, {QUERY_LABELS[q]}, window {window}")
+                        ("--rank", str(r), *design_flags(q)), all_seeds=r == 8,
+                        label=f"ReaDy r{r}, {READER_DESIGNS[q][0]}, window {window}")
                     for q in queries for r in dict.fromkeys((8, *query_ranks)))
     return (
         Arm("dspark_window", "dspark", flags=("--context-window", str(window)), all_seeds=True,
@@ -408,7 +419,7 @@ def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int
 def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,),
                   queries: tuple[str, ...] = ()) -> dict[str, rj.Drafter]:
     """The testbed's drafter shapes, freshly initialised (a round's time and memory do not depend on the
-    weights): windowed ReaDy at each of ``ranks`` and with each full-key-space query of ``queries`` at rank 8,
+    weights): windowed ReaDy at each of ``ranks`` and with each reader design of ``queries`` at rank 8,
     the windowed KV-read baseline and full-context DSpark."""
     def make(reader: rj.ReaderConfig | None = None, context_window: int | None = window) -> rj.Drafter:
         config = drafter_variants.default_config(target.config, data.MASK_ID, context_window=context_window,
@@ -416,7 +427,7 @@ def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,),
         return rj.Drafter.init(target.config, config, seed=0)
 
     readers = {run_name("ready" if r == 8 else f"ready_rank{r}", 0): make(rj.ReaderConfig(rank=r)) for r in ranks}
-    readers |= {run_name(f"ready_{q}", 0): make(rj.ReaderConfig(query=q)) for q in queries}
+    readers |= {run_name(f"ready_{q}", 0): make(rj.ReaderConfig(**READER_DESIGNS[q][1])) for q in queries}
     return {**readers, run_name("kv_read", 0): make(rj.ReaderConfig(kind="kv")),
             run_name("dspark_full", 0): make(context_window=None)}
 
@@ -483,7 +494,7 @@ def cost_label(run: str) -> str:
     arm = run.rpartition("_s")[0]
     if arm.startswith("ready_rank"):
         return f"ReaDy r{arm.removeprefix('ready_rank')}, windowed"
-    for query, label in QUERY_LABELS.items():
+    for query, (label, _) in READER_DESIGNS.items():
         if arm == f"ready_{query}":
             return f"ReaDy r8, {label}, windowed"
     return COST_LABELS.get(arm, run)
@@ -567,9 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64], help="reader ranks (8 on every seed)")
     parser.add_argument("--seed-ranks", type=int, nargs="+", default=[8],
                         help="reader ranks trained and evaluated on every seed (the others on the first seed only)")
-    parser.add_argument("--queries", nargs="+", default=[], choices=("content", "tied"),
-                        help="full-key-space reader queries to train and evaluate beside the basis reader (rank 8 "
-                        "on every seed)")
+    parser.add_argument("--queries", nargs="+", default=[], choices=tuple(READER_DESIGNS),
+                        help="reader designs to train and evaluate beside the basis reader (rank 8 on every seed): "
+                        "content or tied query (learned W_o), or the tied query with the tied read-out")
     parser.add_argument("--query-ranks", type=int, nargs="+", default=[],
                         help="other ranks of each --queries design, first seed only (the rank sweep)")
     parser.add_argument("--arms", nargs="+", default=None,

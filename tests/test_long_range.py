@@ -232,10 +232,11 @@ def test_seed_ranks_train_that_rank_on_every_seed():
 
 
 def test_query_designs_train_at_rank_8_on_every_seed_and_sweep_ranks_on_the_first():
-    table = {a.name: a for a in lr.arms(16, 64, (8,), queries=("content", "tied"), query_ranks=(4,))}
-    assert table["ready_content"].all_seeds and table["ready_tied"].all_seeds
+    table = {a.name: a for a in lr.arms(16, 64, (8,), queries=("content", "tied", "tied_read"), query_ranks=(4,))}
+    assert table["ready_content"].all_seeds and table["ready_tied"].all_seeds and table["ready_tied_read"].all_seeds
     assert not table["ready_content_rank4"].all_seeds
-    assert table["ready_content"].flags == ("--rank", "8", "--reader-query", "content")
+    assert table["ready_content"].flags == ("--rank", "8", "--reader-query", "content", "--readout", "learned")
+    assert table["ready_tied_read_rank4"].flags == ("--rank", "4", "--reader-query", "tied", "--readout", "tied")
     assert table["ready_content_rank4"].base == "dspark_window"
     only = lr.only_arms(tuple(table.values()), ["ready_tied", "control"])
     assert [a.name for a in only] == ["dspark_window", "control", "ready_tied"]     # and what they start from
@@ -243,10 +244,12 @@ def test_query_designs_train_at_rank_8_on_every_seed_and_sweep_ranks_on_the_firs
         lr.only_arms(tuple(table.values()), ["ready_nearest"])
 
 
-@pytest.mark.parametrize("query, rank, arm", [("basis", 8, "ready"), ("basis", 64, "ready_rank64"),
-                                              ("content", 8, "ready_content"), ("tied", 4, "ready_tied_rank4")])
-def test_reader_arm_names_every_design(query, rank, arm):
-    config = rj.DrafterConfig(reader=rj.ReaderConfig(rank=rank, query=query))
+@pytest.mark.parametrize("query, readout, rank, arm", [
+    ("basis", "learned", 8, "ready"), ("basis", "learned", 64, "ready_rank64"),
+    ("content", "learned", 8, "ready_content"), ("tied", "learned", 4, "ready_tied_rank4"),
+    ("tied", "tied", 8, "ready_tied_read")])
+def test_reader_arm_names_every_design(query, readout, rank, arm):
+    config = rj.DrafterConfig(reader=rj.ReaderConfig(rank=rank, query=query, readout=readout))
     assert lr.reader_arm(config) == arm
 
 
