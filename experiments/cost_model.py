@@ -18,8 +18,8 @@ Three parts, in one run:
 * **reader share of a round**: ``experiments.timing.round_breakdown`` at the loop's shapes
   (draft + verify + commit + context append + reader prepare, replay rollback), with each kind's
   reader round as a fraction of it.
-* **query designs** (``--queries``): for the state reader's basis query and each full-key-space query
-  (``ReaderConfig.query``) at ``--rank``, its parameters, state numbers read and kept per round and
+* **query designs** (``--queries``): for the state reader's basis query and each other design
+  (``drafter_config.READER_DESIGNS``) at ``--rank``, its parameters, state numbers read and kept per round and
   multiply-adds per draft position (``ReaderConfig.round_cost``, at the preset and at Qwen3.5-27B), and its
   reader round's median time and share of a round at the first ``--round-prompts`` length.
 
@@ -44,7 +44,7 @@ import numpy as np
 
 import ready_jax as rj
 from ready_jax import cli
-from ready_jax.drafter_config import KV, STATE
+from ready_jax.drafter_config import KV, READER_DESIGNS, STATE
 
 from .common import pyplot, save_figure, write_json
 from .presets import PRESETS
@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (the median is kept)")
     parser.add_argument("--seed", type=int, default=0, help="weights, caches and prompts")
-    parser.add_argument("--queries", nargs="*", default=["content", "tied"], choices=("content", "tied"),
-                        help="full-key-space reader queries costed beside the basis reader")
+    parser.add_argument("--queries", nargs="*", default=list(READER_DESIGNS), choices=tuple(READER_DESIGNS),
+                        help="reader designs costed beside the basis reader")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     return parser
@@ -233,14 +233,14 @@ def main(argv=None) -> None:
 
 
 def query_designs(target: rj.Target, preset, args, dtype, rng, basis: rj.Drafter) -> dict:
-    """Per state-reader query design at ``args.rank``: its analytic cost here and at Qwen3.5-27B, and its
+    """Per state-reader design at ``args.rank``: its analytic cost here and at Qwen3.5-27B, and its
     measured reader round and share of a round (replay rollback) at the first ``--round-prompts`` length."""
     paper = PRESETS["qwen3.5-27b"]
     length = int(args.round_prompts.split(",")[0])
     prompts = rng.integers(0, preset.target.vocab_size, size=(args.batch, length))
     out = {}
     for query in ("basis", *args.queries):
-        reader = rj.ReaderConfig(rank=args.rank, query=query)
+        reader = rj.ReaderConfig(rank=args.rank, **({} if query == "basis" else READER_DESIGNS[query][1]))
         drafter = basis if query == "basis" else rj.Drafter.init(
             preset.target, preset.drafter(args.block_size, reader), seed=1, dtype=dtype)
         b = round_breakdown(target, drafter, prompts, args.repeats, rollbacks=("replay",))
@@ -253,7 +253,7 @@ def query_designs(target: rj.Target, preset, args, dtype, rng, basis: rj.Drafter
             "prompt": length, "reader_round_s": b["reader_round_s"], "round_s": round_s,
             "reader_fraction": b["reader_round_s"] / round_s}
         c = out[query]["cost"]
-        print(f"{query} query: {c['parameters']} parameters (+{c['frozen_parameters']} frozen), "
+        print(f"{query}: {c['parameters']} parameters (+{c['frozen_parameters']} frozen), "
               f"{c['state_numbers_read']} state numbers read and {c['prepared_numbers']} kept per round, "
               f"{c['macs_per_position']} MACs per draft position; reader {b['reader_round_s'] * 1e3:.3f} ms of a "
               f"{round_s * 1e3:.1f} ms round ({b['reader_round_s'] / round_s:.2%}) at prompt {length}")

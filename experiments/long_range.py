@@ -63,6 +63,7 @@ from ready_jax import cli, data
 from ready_jax import reader as reader_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter import SharedWeights
+from ready_jax.drafter_config import READER_DESIGNS
 from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_range_settings
 from ready_jax.training import drafter_variants
 
@@ -83,13 +84,6 @@ def reader_arm(config: rj.DrafterConfig) -> str:
     design = next((f"_{name}" for name, (_, fields) in READER_DESIGNS.items()
                    if all(getattr(reader, k) == v for k, v in fields.items())), "")
     return f"ready{design}" if reader.rank == 8 else f"ready{design}_rank{reader.rank}"
-
-
-READER_DESIGNS = {  # the state readers beside the paper's basis reader: label and ReaderConfig fields
-    "content": ("content query", dict(query="content", readout="learned")),
-    "tied": ("tied query", dict(query="tied", readout="learned")),
-    "tied_read": ("tied read-out", dict(query="tied", readout="tied")),
-}
 
 
 def design_flags(design: str) -> tuple[str, ...]:

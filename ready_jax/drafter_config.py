@@ -25,6 +25,13 @@ MAX_BLOCK_SIZE = 256
 
 
 
+READER_DESIGNS = {  # the state readers beside the paper's basis reader: label and ReaderConfig fields
+    "content": ("content query", dict(query="content", readout="learned")),
+    "tied": ("tied query", dict(query="tied", readout="learned")),
+    "tied_read": ("tied read-out", dict(query="tied", readout="tied")),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ReaderConfig:
     """Where the reader reads from, its rank, and which draft layers it sits in.
