@@ -68,7 +68,7 @@ from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_ra
 from ready_jax.training import drafter_variants
 
 from .common import pyplot, save_figure, write_json
-from .zoo_runs import Arm, run_name, ship_dirs, spread, train
+from .zoo_runs import Arm, only_arms, run_name, ship_dirs, spread, train
 
 ZOO_DRAFTERS = ("control", "ready")  # zoo/long_range/<folder>; the target sits beside them in "target"
 
@@ -520,23 +520,6 @@ def plot_cost(curves: dict, path: str) -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
-def only_arms(table: tuple[Arm, ...], names: list[str] | None) -> tuple[Arm, ...]:
-    """The arms of ``table`` named in ``names`` and the arms they start from (all of them when None)."""
-    if names is None:
-        return table
-    by_name = {arm.name: arm for arm in table}
-    unknown = sorted(set(names) - set(by_name))
-    if unknown:
-        raise SystemExit(f"--arms: unknown arms {unknown}; the table has {sorted(by_name)}")
-    wanted = set(names)
-    for name in names:
-        base = by_name[name].base
-        while base is not None:
-            wanted.add(base)
-            base = by_name[base].base
-    return tuple(arm for arm in table if arm.name in wanted)
-
-
 def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: list[int]) -> dict[str, rj.Drafter]:
     """Every trained run under ``runs`` (by run name), or without runs the zoo's control and ReaDy."""
     found = {}

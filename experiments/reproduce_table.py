@@ -21,6 +21,9 @@ token for token against AR, and reports per arm: tau (also per prompt kind), the
 rate, tokens/s and speedup over AR (measured in the same run), as mean and sample standard deviation
 over seeds, and ReaDy's gains over DSpark and over the control as per-seed paired differences.
 
+``ready_tied_read`` (every seed) is ReaDy with the tied query and read-out (``ReaderConfig.readout``) at rank 8.
+``--arms`` limits ``train`` and ``evaluate`` to the arms named and those they start from.
+
 Ablations (each a ReaDy variant of the seed-0 DSpark unless said otherwise):
 ``ready_third_source`` adds the earliest GDN layer to the reader's sources (the paper's layer 2);
 ``ready_rank128`` reads at rank 128 instead of 8 (lossless for 128 x 128 states); ``ready_inject_all``
@@ -43,7 +46,7 @@ from ready_jax import cli, data
 
 from .common import pyplot, save_figure, write_json
 from .timing import timed
-from .zoo_runs import DRAFT_LAYERS, Arm, held_out_prompts, run_name, ship_dirs, spread, summarize, train
+from .zoo_runs import DRAFT_LAYERS, Arm, held_out_prompts, only_arms, run_name, ship_dirs, spread, summarize, train
 
 
 def arms(target: rj.TargetConfig, window: int) -> tuple[Arm, ...]:
@@ -55,6 +58,8 @@ def arms(target: rj.TargetConfig, window: int) -> tuple[Arm, ...]:
         Arm("dspark", "dspark", all_seeds=True, label="DSpark"),
         Arm("dspark_ft", "dspark-ft", "dspark", all_seeds=True, label="DSpark-FT (control)"),
         Arm("ready", "ready", "dspark", all_seeds=True, label=f"ReaDy (sources {list(default_sources)}, rank 8)"),
+        Arm("ready_tied_read", "ready", "dspark", ("--reader-query", "tied", "--readout", "tied"), all_seeds=True,
+            label="ReaDy, tied read-out, rank 8"),
         Arm("ready_third_source", "ready", "dspark", ("--source-layers", *map(str, third)),
             label=f"ReaDy, sources {third}"),
         Arm("ready_rank128", "ready", "dspark", ("--rank", "128"), label="ReaDy, rank 128"),
@@ -140,7 +145,8 @@ def gains(per_run: dict, seeds: list[int]) -> dict:
     pairs = {"ready_vs_dspark": ("ready", "dspark"), "ready_vs_control": ("ready", "dspark_ft"),
              "control_vs_dspark": ("dspark_ft", "dspark"),
              "window_ready_vs_window_control": ("ready_window", "dspark_window_ft"),
-             "kv_read_vs_control": ("kv_read", "dspark_ft")}
+             "kv_read_vs_control": ("kv_read", "dspark_ft"),
+             "tied_read_vs_control": ("ready_tied_read", "dspark_ft")}
     out = {}
     for label, (a, b) in pairs.items():
         paired = [(per_run[run_name(a, s)]["tau"], per_run[run_name(b, s)]["tau"]) for s in seeds
@@ -206,12 +212,14 @@ def main(argv=None) -> None:
     parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="ship: the zoo directory to replace")
     parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
     parser.add_argument("--plot", default=None, help="write a PNG of tau per arm here (needs matplotlib)")
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help="train / evaluate only these arms (and those they start from); default: all")
     args = parser.parse_args(argv)
     if args.step == "ship":
         ship(args)
         return
     target = rj.Target.load(args.target, dtype=jnp.float32)
-    table = arms(target.config, args.window)
+    table = only_arms(arms(target.config, args.window), args.arms)
     if args.step == "train":
         train(args, table)
         return

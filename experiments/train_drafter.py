@@ -138,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "basis reader); tied query: rank of its adapter (None: --rank)")
     parser.add_argument("--output-rank", type=int, default=None,
                         help="content or tied query: factorise W_o through this many numbers per draft position "
-                        "(None: one matrix from the M*rank read)")
+                        "(None: one matrix from the M*rank read); tied read-out: factorise its d x d map")
     parser.add_argument("--readout", default="learned", choices=modes.READER_READOUTS,
                         help="tied query: read the state through a learned W_o, or through the source layers' own "
-                        "gated norm and out_proj (tied; --rank then sizes the trained adapters)")
+                        "norm, gate and out_proj (tied; tied_ungated without the gate), then a learned d x d map "
+                        "(--rank then sizes the query's adapter)")
     # self-distillation and anchors
     parser.add_argument("--sequences", type=cli.positive_int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=int, default=64, help="corpus prompt tokens the target continues")

@@ -82,6 +82,23 @@ def train_command(arm: Arm, seed: int, args) -> list[str]:
     return cmd + list(getattr(args, "common_flags", ())) + list(arm.flags)
 
 
+def only_arms(table: tuple[Arm, ...], names: list[str] | None) -> tuple[Arm, ...]:
+    """The arms of ``table`` named in ``names`` and the arms they start from (all of them when None)."""
+    if names is None:
+        return table
+    by_name = {arm.name: arm for arm in table}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise SystemExit(f"--arms: unknown arms {unknown}; the table has {sorted(by_name)}")
+    wanted = set(names)
+    for name in names:
+        base = by_name[name].base
+        while base is not None:
+            wanted.add(base)
+            base = by_name[base].base
+    return tuple(arm for arm in table if arm.name in wanted)
+
+
 def train(args, table: tuple[Arm, ...]) -> None:
     """Run every missing (arm, seed), ``args.jobs`` at a time, each after the drafter it starts from."""
     runs = Path(args.runs)

@@ -196,7 +196,7 @@ def _reader_for(config: DrafterConfig, layer: int, *, rngs: nnx.Rngs, dtype) -> 
     if rc.kind != STATE:
         reader_cls = KVReader
     else:
-        reader_cls = (TiedReadReader if rc.readout == "tied" else
+        reader_cls = (TiedReadReader if rc.readout != "learned" else
                       {"basis": StateReader, "content": ContentStateReader, "tied": TiedStateReader}[rc.query])
     return reader_cls(rc, config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
 

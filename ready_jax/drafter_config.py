@@ -29,6 +29,7 @@ READER_DESIGNS = {  # the state readers beside the paper's basis reader: label a
     "content": ("content query", dict(query="content", readout="learned")),
     "tied": ("tied query", dict(query="tied", readout="learned")),
     "tied_read": ("tied read-out", dict(query="tied", readout="tied")),
+    "tied_read_ungated": ("tied read-out, no gate", dict(query="tied", readout="tied_ungated")),
 }
 
 
@@ -60,11 +61,11 @@ class ReaderConfig:
 
     ``readout`` (tied query only): ``"learned"``, the read goes through the reader's norm and ``W_o`` as above;
     ``"tied"``, each source layer's read, value side whole (no ``V_m``), goes through that layer's own output
-    path (its gated RMSNorm with the gate ``z`` of the draft hidden, and ``out_proj``; copied from the target,
-    frozen), so the drafter receives what the target's layer would add to its residual stream for that query.
-    A zero-initialised learned map then adds it to the draft hidden: a scale per source layer and channel plus
-    a low-rank map of rank ``output_rank`` (None: ``rank``) over the layers' outputs. Here ``rank`` sizes the
-    trained adapters only (``query_rank`` None: ``rank`` too); nothing compresses the state.
+    path (per value head its RMSNorm weight and the gate ``silu(z)`` of the draft hidden's ``in_proj_z``, then
+    ``out_proj``; copied from the target, frozen), and the layers' outputs are summed, as the target's residual
+    stream sums them; ``"tied_ungated"`` leaves the gate out. A zero-initialised learned map ``[d, d]`` adds that
+    sum to the draft hidden (``output_rank`` r_o: factorised ``d -> r_o -> d``). Here ``rank`` sizes the query's
+    adapter only (``query_rank`` None: ``rank``); nothing compresses the state.
     """
 
     source_layers: tuple[int, ...] | None = None
@@ -104,9 +105,9 @@ class ReaderConfig:
                             "query")
         if self.readout not in READER_READOUTS:
             problems.append(f"readout {self.readout!r} is not one of {READER_READOUTS}")
-        elif self.readout == "tied" and self.query != "tied":
-            problems.append(f"readout 'tied' forms the source layer's gate from its tied query's input: it needs "
-                            f"query 'tied', not {self.query!r}")
+        elif self.readout != "learned" and self.query != "tied":
+            problems.append(f"readout {self.readout!r} reads through the source layers from their tied query's "
+                            f"input: it needs query 'tied', not {self.query!r}")
         if self.num_key_heads is not None and (self.num_key_heads < 1 or (
                 self.num_heads is not None and self.num_heads % self.num_key_heads)):
             problems.append(f"num_key_heads {self.num_key_heads} must be >= 1 and divide num_heads {self.num_heads}")
@@ -176,8 +177,6 @@ class ReaderConfig:
         resolved = dataclasses.replace(self, source_layers=tuple(sources), inject_layers=tuple(sorted(inject)),
                                        num_heads=geometry[0], key_dim=geometry[1], value_dim=geometry[2],
                                        num_key_heads=key_heads)
-        if self.readout == "tied" and self.output_rank is None:
-            resolved = dataclasses.replace(resolved, output_rank=resolved.rank)
         if self.query != "basis" and self.query_rank is None:
             rank = (resolved.rank if self.query == "tied"
                     else parameter_matched_query_rank(resolved, target.hidden_size))
@@ -194,10 +193,10 @@ class ReaderConfig:
         """Trained parameters of one reader sub-block by part, for a drafter of ``hidden_size`` (a resolved
         config). The tied query's copy of the target's projection is frozen and not counted."""
         d, m, r = hidden_size, self.num_pairs, self.rank
-        if self.readout == "tied":
-            num_src = len(self.source_layers)
-            return {"adapter": 2 * d * self.query_rank, "out_scale": num_src * d,
-                    "out_down": num_src * d * self.output_rank, "out_up": self.output_rank * d}
+        if self.readout != "learned":
+            out_map = {"out_map": d * d} if self.output_rank is None else {
+                "out_down": d * self.output_rank, "out_up": self.output_rank * d}
+            return {"adapter": 2 * d * self.query_rank, **out_map}
         whole = self.query != "basis" and r == self.value_dim  # no value basis: see reader._ValueSideParams
         parts = {"value_basis": 0 if whole else m * self.value_dim * r, "norm": m * r}
         if self.output_rank is None:
@@ -217,13 +216,13 @@ class ReaderConfig:
         ``hidden_size``: once per round, the gather (``M d_k d_v`` state numbers read, whatever the prefix) and
         the numbers it keeps for the reads; per draft position, the query, the read and ``W_o``."""
         d, m, r, dk, dv = hidden_size, self.num_pairs, self.rank, self.key_dim, self.value_dim
-        if self.readout == "tied":
+        if self.readout != "learned":
             # Whole states kept; per position the tied query, the read, the gate, out_proj and the learned map.
-            num_src = len(self.source_layers)
+            gate = d * m * dv if self.readout == "tied" else 0
             query = 2 * d * self.query_rank + d * self.num_query_heads * dk
-            output = 2 * d * m * dv + (num_src * d + d) * self.output_rank + num_src * d
+            output = gate + m * dv * d + (d * d if self.output_rank is None else 2 * d * self.output_rank)
             return {"parameters": sum(self.parameter_count(d).values()),
-                    "frozen_parameters": d * self.num_query_heads * dk + 2 * d * m * dv,
+                    "frozen_parameters": d * self.num_query_heads * dk + gate + m * dv * d,
                     "state_numbers_read": m * dk * dv, "prepared_numbers": m * dk * dv, "gather_macs": 0,
                     "macs_per_position": query + m * dk * dv + output}
         if self.query == "basis":

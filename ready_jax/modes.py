@@ -27,10 +27,10 @@ ReaderQuery = Literal["basis", "content", "tied"]
 from a factorised projection of the draft hidden (content-addressed), or through the source layer's own query path
 (tied). ``ready_jax.reader`` has the math."""
 
-ReaderReadout = Literal["learned", "tied"]
+ReaderReadout = Literal["learned", "tied", "tied_ungated"]
 """What a state reader does with what the state returns: a learned ``W_o`` (after its own norm), or the source
-layer's own output path (its gated norm and ``out_proj``, copied from the target) then a small learned map
-(tied). ``ready_jax.reader`` has the math."""
+layer's own output path (its norm, gate and ``out_proj``, copied from the target; without the gate for
+``tied_ungated``) then a learned map (tied). ``ready_jax.reader`` has the math."""
 
 IMPLS: tuple[str, ...] = get_args(Impl)
 ROLLBACKS: tuple[str, ...] = get_args(Rollback)

@@ -292,15 +292,17 @@ def _tied_queries(reader, inputs: jax.Array, num_query_heads: int, key_dim: int)
 
 
 class TiedReadReader(nnx.Module):
-    """A reader that reads the state the way the source layer itself would (``ReaderConfig.readout="tied"``).
+    """A reader that reads the state the way the source layers themselves would (``ReaderConfig.readout``
+    ``"tied"`` or ``"tied_ungated"``).
 
     The query is :class:`TiedStateReader`'s (adapter ``h + B(A h)``, the source layer's input norm, query
     projection, conv tap and SiLU). The read ``o_m = S_m^T q_m / sqrt(d_k)`` keeps the value side whole, and each
     source layer's output path turns it into what that layer would add to the residual stream: per value head
-    ``rmsnorm(o) * w * silu(z)`` with the gate ``z`` projected from the same layer input, then ``out_proj``. The
-    target's weights are copied in (:func:`tied_read_weights`) and frozen. The learned part is the adapter and
-    the output map ``h + sum_l s_l * u_l + W_up(W_down(concat_l u_l))`` over the layers' outputs ``u_l`` [d]:
-    scales ``s`` [L_src, d] and ``W_up`` start at zero, so an untrained reader changes nothing."""
+    ``rmsnorm(o) * w``, times ``silu(z)`` with the gate ``z`` projected from the same layer input (not for
+    ``tied_ungated``), then ``out_proj``. The layers' outputs are summed, as the target's residual sums them, and
+    a learned map ``W`` ([d, d], or ``W_down W_up`` through ``output_rank``; zero at the start, so an untrained
+    reader changes nothing) adds the sum to the draft hidden. The target's weights are copied in
+    (:func:`tied_read_weights`) and frozen."""
 
     def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
         if not config.resolved:
@@ -313,15 +315,20 @@ class TiedReadReader(nnx.Module):
         self.adapter_down = linear(d, config.query_rank, rngs=rngs, dtype=dtype)
         self.adapter_up = nnx.Linear(config.query_rank, d, use_bias=False, dtype=dtype, param_dtype=dtype,
                                      kernel_init=zeros, rngs=rngs)
-        self.out_scale = nnx.Param(jnp.zeros((num_src, d), dtype))
-        self.out_down = linear(num_src * d, config.output_rank, rngs=rngs, dtype=dtype)
-        self.out_up = nnx.Linear(config.output_rank, d, use_bias=False, dtype=dtype, param_dtype=dtype,
-                                 kernel_init=zeros, rngs=rngs)
+        if config.output_rank is None:
+            self.out_down = None
+            self.out_up = nnx.Linear(d, d, use_bias=False, dtype=dtype, param_dtype=dtype, kernel_init=zeros,
+                                     rngs=rngs)
+        else:
+            self.out_down = linear(d, config.output_rank, rngs=rngs, dtype=dtype)
+            self.out_up = nnx.Linear(config.output_rank, d, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                     kernel_init=zeros, rngs=rngs)
         # Placeholders until tie_to_target copies the target's weights in.
         self.frozen_input_norm = nnx.Param(jnp.zeros((num_src, d), dtype))
         self.frozen_query_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, d, width_q), dtype) * d**-0.5)
         self.frozen_query_conv = nnx.Param(jnp.ones((num_src, width_q), dtype))
-        self.frozen_gate_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, d, width_v), dtype) * d**-0.5)
+        self.frozen_gate_proj = (nnx.Param(jax.random.normal(rngs.params(), (num_src, d, width_v), dtype) * d**-0.5)
+                                 if config.readout == "tied" else None)
         self.frozen_out_norm = nnx.Param(jnp.ones((num_src, config.value_dim), dtype))
         self.frozen_out_proj = nnx.Param(jax.random.normal(rngs.params(), (num_src, width_v, d), dtype)
                                          * width_v**-0.5)
@@ -335,24 +342,28 @@ class TiedReadReader(nnx.Module):
         """The committed states [B, M, d_k, d_v], whole, in fp32."""
         return compress(states_bmkv, None, None)
 
+    def layer_outputs(self, h: jax.Array, states: jax.Array, impl: Impl = "xla") -> jax.Array:
+        """What each source layer's output path makes of its read for the draft hidden h [B, G, d], from
+        :meth:`prepare`'s states: [B, G, L_src, d]."""
+        b, g, _ = h.shape
+        inputs = _tied_layer_inputs(self, h)                                                  # [B, G, L, d]
+        num_src = inputs.shape[2]
+        reads = state_reader_ops.content_read(_tied_queries(self, inputs, self.num_query_heads, self.key_dim),
+                                              states, impl=impl) * self.key_dim**-0.5          # [B, G, M, d_v]
+        reads = reads.reshape(b, g, num_src, self.num_heads, self.value_dim)
+        out_norm, out_proj = (jax.lax.stop_gradient(p[...]) for p in (self.frozen_out_norm, self.frozen_out_proj))
+        normed = reads * jax.lax.rsqrt(jnp.mean(reads * reads, axis=-1, keepdims=True) + self.eps_target)
+        normed = normed * out_norm[:, None].astype(jnp.float32)
+        if self.frozen_gate_proj is not None:
+            gate = jnp.einsum("bgld,ldc->bglc", inputs, jax.lax.stop_gradient(self.frozen_gate_proj[...]))
+            normed = normed * jax.nn.silu(gate.astype(jnp.float32)).reshape(normed.shape)
+        return jnp.einsum("bglc,lcd->bgld", normed.astype(h.dtype).reshape(b, g, num_src, -1), out_proj)
+
     def __call__(self, h: jax.Array, states: jax.Array, impl: Impl = "xla") -> jax.Array:
-        """``states``: :meth:`prepare`'s [B, M, d_k, d_v]."""
+        """``h + W(sum_l u_l)`` with the source layers' outputs ``u_l`` (:meth:`layer_outputs`)."""
         with jax.named_scope("state_reader"):
-            b, g, _ = h.shape
-            inputs = _tied_layer_inputs(self, h)                                          # [B, G, L, d]
-            num_src = inputs.shape[2]
-            reads = state_reader_ops.content_read(_tied_queries(self, inputs, self.num_query_heads, self.key_dim),
-                                                  states, impl=impl) * self.key_dim**-0.5    # [B, G, M, d_v]
-            gate_proj, out_norm, out_proj = (jax.lax.stop_gradient(p[...]) for p in
-                                             (self.frozen_gate_proj, self.frozen_out_norm, self.frozen_out_proj))
-            gate = jnp.einsum("bgld,ldc->bglc", inputs, gate_proj).astype(jnp.float32)
-            gate = gate.reshape(b, g, num_src, self.num_heads, self.value_dim)
-            reads = reads.reshape(b, g, num_src, self.num_heads, self.value_dim)
-            normed = reads * jax.lax.rsqrt(jnp.mean(reads * reads, axis=-1, keepdims=True) + self.eps_target)
-            gated = (normed * out_norm[:, None].astype(jnp.float32) * jax.nn.silu(gate)).astype(h.dtype)
-            outputs = jnp.einsum("bglc,lcd->bgld", gated.reshape(b, g, num_src, -1), out_proj)  # [B, G, L, d]
-            mixed = jnp.einsum("bgld,ld->bgd", outputs, self.out_scale[...])
-            return h + mixed + self.out_up(self.out_down(outputs.reshape(b, g, -1)))
+            summed = jnp.sum(self.layer_outputs(h, states, impl), axis=2)
+            return h + self.out_up(summed if self.out_down is None else self.out_down(summed))
 
 
 def tied_query_weights(norm_weights, qkv_kernels, conv_weights, width: int) -> dict:
@@ -363,13 +374,14 @@ def tied_query_weights(norm_weights, qkv_kernels, conv_weights, width: int) -> d
             "frozen_query_conv": conv_weights[:, -1, :width]}
 
 
-def tied_read_weights(norm_weights, qkv_kernels, conv_weights, z_kernels, out_norm_weights, out_kernels,
-                      width: int) -> dict:
+def tied_read_weights(norm_weights, qkv_kernels, conv_weights, out_norm_weights, out_kernels, width: int,
+                      z_kernels=None) -> dict:
     """A :class:`TiedReadReader`'s frozen weights, by name: :func:`tied_query_weights`' plus the source layers'
-    ``in_proj_z`` kernels [L_src, d, H_v d_v], output-norm weights [L_src, d_v] and ``out_proj`` kernels
-    [L_src, H_v d_v, d]."""
-    return tied_query_weights(norm_weights, qkv_kernels, conv_weights, width) | {
-        "frozen_gate_proj": z_kernels, "frozen_out_norm": out_norm_weights, "frozen_out_proj": out_kernels}
+    output-norm weights [L_src, d_v], ``out_proj`` kernels [L_src, H_v d_v, d] and, for a gated read-out, their
+    ``in_proj_z`` kernels [L_src, d, H_v d_v]."""
+    gate = {} if z_kernels is None else {"frozen_gate_proj": z_kernels}
+    return tied_query_weights(norm_weights, qkv_kernels, conv_weights, width) | gate | {
+        "frozen_out_norm": out_norm_weights, "frozen_out_proj": out_kernels}
 
 
 class KVReader(_ReaderParams):

@@ -238,10 +238,10 @@ def test_query_designs_train_at_rank_8_on_every_seed_and_sweep_ranks_on_the_firs
     assert table["ready_content"].flags == ("--rank", "8", "--reader-query", "content", "--readout", "learned")
     assert table["ready_tied_read_rank4"].flags == ("--rank", "4", "--reader-query", "tied", "--readout", "tied")
     assert table["ready_content_rank4"].base == "dspark_window"
-    only = lr.only_arms(tuple(table.values()), ["ready_tied", "control"])
+    only = zoo_runs.only_arms(tuple(table.values()), ["ready_tied", "control"])
     assert [a.name for a in only] == ["dspark_window", "control", "ready_tied"]     # and what they start from
     with pytest.raises(SystemExit, match="unknown arms"):
-        lr.only_arms(tuple(table.values()), ["ready_nearest"])
+        zoo_runs.only_arms(tuple(table.values()), ["ready_nearest"])
 
 
 @pytest.mark.parametrize("query, readout, rank, arm", [

@@ -225,15 +225,14 @@ def test_output_rank_costs_and_settings():
         ReaderConfig(query="tied", output_rank=0)
 
 
-def _with_tied_read(target, seed=0, scale=0.3, rank=4):
+def _with_tied_read(target, seed=0, scale=0.3, rank=4, readout="tied", output_rank=None):
     """A ReaDy drafter with a tied read-out whose zero-initialised weights are set (so it changes the drafts)."""
     base = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=2, markov_rank=8), seed=seed)
-    drafter = drafter_variants.with_reader(base, target.config, ReaderConfig(rank=rank, query="tied", readout="tied"),
-                                           seed=seed, target=target)
+    reader = ReaderConfig(rank=rank, query="tied", readout=readout, output_rank=output_rank)
+    drafter = drafter_variants.with_reader(base, target.config, reader, seed=seed, target=target)
     rng = np.random.default_rng(seed)
     flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
-    zero_at_start = ("reader.out_scale", "reader.out_up.kernel", "reader.adapter_up.kernel")
-    for key in [k for k in flat if k.endswith(zero_at_start)]:
+    for key in [k for k in flat if k.endswith(("reader.out_up.kernel", "reader.adapter_up.kernel"))]:
         flat[key] = scale * rng.normal(size=flat[key].shape).astype(flat[key].dtype)
     return rj.Drafter.from_state(drafter.config, flat, drafter.dtype)
 
@@ -242,11 +241,13 @@ def _reader_of(drafter):
     return nnx.merge(drafter.graphdef, drafter.params).layers[drafter.config.reader.inject_layers[0]].reader
 
 
-def test_a_tied_read_out_is_what_the_source_layers_would_add(tiny_target):
+@pytest.mark.parametrize("readout, output_rank", [("tied", None), ("tied_ungated", 5)])
+def test_a_tied_read_out_is_what_the_source_layers_would_add(tiny_target, readout, output_rank):
     """Each source layer's read of the draft hidden h against its committed state S is that layer's own output
     for a token that reads S: ``out_proj(norm(S^T q, z))`` with the layer's q (L2-normalised, scaled by
-    d_k ** -0.5) and gate z of input_norm(x), x = h + B(A h); the reader adds ``sum_l s_l * u_l + W_up W_down u``."""
-    drafter = _with_tied_read(tiny_target)
+    d_k ** -0.5) and gate z of input_norm(x), x = h + B(A h) (no gate for ``tied_ungated``); the reader adds
+    ``W`` (or ``W_down W_up``) of their sum."""
+    drafter = _with_tied_read(tiny_target, readout=readout, output_rank=output_rank)
     reader = _reader_of(drafter)
     ids = jnp.asarray(np.random.default_rng(4).integers(3, tiny_target.config.vocab_size, size=(2, 11)), jnp.int32)
     out = tiny_target.prefill(tiny_target.init_cache(2, 12), ids)
@@ -256,7 +257,7 @@ def test_a_tied_read_out_is_what_the_source_layers_would_add(tiny_target):
     h = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
     split = target_lib.split_groups(tiny_target.model)
     size, heads = tiny_target.config.group_size, rc.num_heads
-    outputs = []
+    summed = 0.0
     for index, source in enumerate(rc.source_layers):
         decoder = split.groups[source // size].layers[source % size]
         attn = decoder.linear_attn
@@ -267,12 +268,11 @@ def test_a_tied_read_out_is_what_the_source_layers_would_add(tiny_target):
         q, _ = normalized_query_key(q, k, heads)
         q = q.reshape(2, 3, heads, -1)                                                    # [B, G, H_v, d_k]
         o = jnp.einsum("bhkv,bghk->bghv", states[:, index * heads:(index + 1) * heads], q)
-        z = attn.in_proj_z(x).reshape(o.shape)
-        outputs.append(attn.out_proj(attn.norm(o, z).reshape(2, 3, -1)))
-    outputs = jnp.stack(outputs, axis=2)                                                 # [B, G, L, d]
-    expected = (h + jnp.einsum("bgld,ld->bgd", outputs, reader.out_scale[...])
-                + outputs.reshape(2, 3, -1) @ reader.out_down.kernel[...] @ reader.out_up.kernel[...])
-    np.testing.assert_allclose(np.asarray(reader(h, states)), np.asarray(expected), rtol=1e-4, atol=1e-4)
+        # No gate: z so large that silu(z) = z, divided out again.
+        z = attn.in_proj_z(x).reshape(o.shape) if readout == "tied" else jnp.full(o.shape, 1e4)
+        summed = summed + attn.out_proj(attn.norm(o, z).reshape(2, 3, -1) / (1.0 if readout == "tied" else 1e4))
+    w = reader.out_up.kernel[...] if output_rank is None else reader.out_down.kernel[...] @ reader.out_up.kernel[...]
+    np.testing.assert_allclose(np.asarray(reader(h, states)), np.asarray(h + summed @ w), rtol=1e-4, atol=1e-4)
 
 
 def test_an_untrained_tied_read_out_drafts_what_dspark_drafts_and_generation_stays_lossless(tiny_target):
@@ -298,6 +298,7 @@ def test_a_tied_read_out_copies_the_target_and_trains_only_its_adapters(tiny_tar
     for frozen, weight in ((reader.frozen_gate_proj, attn.in_proj_z.kernel), (reader.frozen_out_norm, attn.norm.weight),
                            (reader.frozen_out_proj, attn.out_proj.kernel)):
         np.testing.assert_array_equal(np.asarray(frozen[...][-1]), np.asarray(weight[...]))
+    assert _reader_of(_with_tied_read(tiny_target, readout="tied_ungated")).frozen_gate_proj is None
     h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
     rc = drafter.config.reader
     states = jnp.asarray(np.random.default_rng(2).normal(size=(2, rc.num_pairs, rc.key_dim, rc.value_dim)) * 0.1,
@@ -315,11 +316,14 @@ def test_tied_read_out_settings_and_costs():
     with pytest.raises(ValueError, match="readout 'gated'"):
         ReaderConfig(query="tied", readout="gated")
     rc = ReaderConfig(rank=4, query="tied", readout="tied").resolve(target, 2)
-    assert rc.query_rank == rc.output_rank == 4
-    d, num_src = target.hidden_size, len(rc.source_layers)
-    assert rc.parameter_count(d) == {"adapter": 2 * d * 4, "out_scale": num_src * d, "out_down": num_src * d * 4,
-                                     "out_up": 4 * d}
-    cost = rc.round_cost(d)
+    assert rc.query_rank == 4 and rc.output_rank is None
+    d = target.hidden_size
+    assert rc.parameter_count(d) == {"adapter": 2 * d * 4, "out_map": d * d}
+    factored = dataclasses.replace(rc, output_rank=3, readout="tied_ungated")
+    assert factored.parameter_count(d) == {"adapter": 2 * d * 4, "out_down": d * 3, "out_up": 3 * d}
+    cost, ungated = rc.round_cost(d), factored.round_cost(d)
     whole = rc.num_pairs * rc.key_dim * rc.value_dim
     assert cost["state_numbers_read"] == cost["prepared_numbers"] == whole and cost["gather_macs"] == 0
-    assert cost["frozen_parameters"] == d * rc.num_query_heads * rc.key_dim + 2 * d * rc.num_pairs * rc.value_dim
+    gate = d * rc.num_pairs * rc.value_dim
+    assert cost["frozen_parameters"] - ungated["frozen_parameters"] == gate
+    assert cost["macs_per_position"] - ungated["macs_per_position"] == gate + d * d - 2 * d * 3

@@ -12,7 +12,8 @@ def test_arms_follow_the_target_layer_pattern():
     assert arms["ready_third_source"].flags == ("--source-layers", "0", "2", "6")   # earliest GDN + defaults
     assert arms["kv_read"].flags == ("--reader-kind", "kv")
     assert arms["ready_window"].base == "dspark_window" and arms["dspark_window"].flags == ("--context-window", "16")
-    assert {a.name for a in arms.values() if a.all_seeds} == {"dspark", "dspark_ft", "ready"}
+    assert {a.name for a in arms.values() if a.all_seeds} == {"dspark", "dspark_ft", "ready", "ready_tied_read"}
+    assert arms["ready_tied_read"].flags == ("--reader-query", "tied", "--readout", "tied")
 
 
 def test_train_command_starts_continued_arms_from_the_same_seed():

@@ -53,11 +53,12 @@ def tie_reader_to_target(drafter: Drafter, target: Target) -> Drafter:
     kernels = np.stack([layer.linear_attn.in_proj_qkv.kernel[...] for layer in layers])
     convs = np.stack([layer.linear_attn.conv_weight[...] for layer in layers])
     width = rc.num_query_heads // len(layers) * rc.key_dim
-    if rc.readout == "tied":
+    if rc.readout != "learned":
+        gates = (np.stack([layer.linear_attn.in_proj_z.kernel[...] for layer in layers]) if rc.readout == "tied"
+                 else None)
         tied = reader_lib.tied_read_weights(
-            norms, kernels, convs, np.stack([layer.linear_attn.in_proj_z.kernel[...] for layer in layers]),
-            np.stack([layer.linear_attn.norm.weight[...] for layer in layers]),
-            np.stack([layer.linear_attn.out_proj.kernel[...] for layer in layers]), width)
+            norms, kernels, convs, np.stack([layer.linear_attn.norm.weight[...] for layer in layers]),
+            np.stack([layer.linear_attn.out_proj.kernel[...] for layer in layers]), width, gates)
     else:
         tied = reader_lib.tied_query_weights(norms, kernels, convs, width)
     flat = {key: np.asarray(v) for key, v in drafter.flat_params().items()}
