@@ -23,7 +23,8 @@ control (DSpark-FT, windowed, no state access), ReaDy (windowed, rank 8; with ``
 too), and with the first seed ReaDy at the other ``--ranks`` and the KV-read baseline; and a full-context
 DSpark trained from scratch for both phases' steps (the upper bound). ``ship`` copies the target, the first
 seed's control and ReaDy (``--ship-ready``: rank 8, or the arm of another rank) into
-``zoo/long_range/{target,control,ready}`` and records them in ``zoo/MANIFEST.json``; ``evaluate`` without
+``zoo/long_range/{target,control,ready}`` (``--ship-folders``, which may add ``ready_r8``: the ``--ship-r8`` arm)
+and records them in ``zoo/MANIFEST.json``; ``evaluate`` without
 ``--runs`` names the zoo's ReaDy by its rank.
 
 ``cost`` alone times one drafter round against prefix length (below) for the testbed's drafter shapes on any
@@ -562,6 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="other ranks of each --queries design, first seed only (the rank sweep)")
     parser.add_argument("--arms", nargs="+", default=None,
                         help="train / evaluate only these arms (and those they start from); default: all")
+    parser.add_argument("--ship-folders", nargs="+", default=["target", "control", "ready"],
+                        choices=("target", "control", "ready", "ready_r8"), help="ship: what to copy into the zoo")
+    parser.add_argument("--ship-r8", default="ready",
+                        help="ship: the arm shipped as the zoo's ready_r8 (the best reader at the paper's budget)")
     parser.add_argument("--ship-ready", default="ready",
                         help="ship: the ReaDy arm shipped as the zoo's ready (ready: rank 8; ready_rank<r>: rank r)")
     parser.add_argument("--jobs", type=int, default=1, help="trainings at a time")
@@ -585,15 +590,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def ship(args, runs: Path | None) -> None:
-    """Copy the target, the first seed's control and the ``--ship-ready`` arm into the zoo's testbed."""
+    """Copy the ``--ship-folders`` into the zoo's testbed: the target, the first seed's control, the
+    ``--ship-ready`` arm as ``ready`` and the ``--ship-r8`` arm as ``ready_r8``."""
     if runs is None:
         raise SystemExit("ship needs --runs (the trained drafters)")
-    if Path(args.target).resolve() == (Path(args.zoo) / "target").resolve():
+    if "target" in args.ship_folders and Path(args.target).resolve() == (Path(args.zoo) / "target").resolve():
         raise SystemExit(f"ship copies --target into {args.zoo}: name the target trained for it, not the zoo's own "
                          f"{args.target}")
-    shipped = {"target": Path(args.target), "control": runs / run_name("control", args.seeds[0]),
-               "ready": runs / run_name(args.ship_ready, args.seeds[0])}
-    ship_dirs({f"{Path(args.zoo).name}/{folder}": path for folder, path in shipped.items()}, Path(args.zoo).parent)
+    sources = {"target": Path(args.target), "control": runs / run_name("control", args.seeds[0]),
+               "ready": runs / run_name(args.ship_ready, args.seeds[0]),
+               "ready_r8": runs / run_name(args.ship_r8, args.seeds[0])}
+    shipped = {f"{Path(args.zoo).name}/{folder}": sources[folder] for folder in args.ship_folders}
+    ship_dirs(shipped, Path(args.zoo).parent)
 
 
 def cost(args, target: rj.Target) -> None:

@@ -362,6 +362,13 @@ def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_pa
     files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
     assert files["long_range/ready/model.safetensors"]["command"] == "make ready_rank64_s0"
     assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
+    # ready_r8 alone, beside what is there: the zoo's own target is not copied, so it may be named.
+    lr.main(["ship", "--runs", str(runs), "--target", str(zoo / "target"), "--zoo", str(zoo), "--ship-folders",
+             "ready_r8", "--ship-r8", "ready"])
+    files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
+    assert files["long_range/ready_r8/model.safetensors"]["command"] == "make ready_s0"
+    assert files["long_range/ready/model.safetensors"]["command"] == "make ready_rank64_s0"
+    assert (zoo / "target" / "model.safetensors").exists()
 
     readers = (None, rj.ReaderConfig(source_layers=(1,), rank=8), rj.ReaderConfig(source_layers=(1,), rank=4),
                rj.ReaderConfig(kind="kv", source_layers=(3,), rank=8))
