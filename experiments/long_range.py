@@ -97,13 +97,13 @@ def arms(window: int, state_dim: int, ranks: tuple[int, ...], seed_ranks: tuple[
          queries: tuple[str, ...] = (), query_ranks: tuple[int, ...] = ()) -> tuple[Arm, ...]:
     """The testbed's drafters: windowed ones start from the same seed's windowed DSpark. ReaDy at rank 8 and
     at every rank in ``seed_ranks`` trains on every seed; the other ranks on the first seed only. Each
-    reader design in ``queries`` (:data:`READER_DESIGNS`) trains at rank 8 on every seed, and at
-    every rank in ``query_ranks`` on the first seed."""
+    reader design in ``queries`` (:data:`READER_DESIGNS`) trains at rank 8 and at every rank in ``query_ranks``,
+    on every seed at the ``seed_ranks`` and on the first seed at the others."""
     extra = tuple(Arm(f"ready_rank{r}", "ready", "dspark_window", ("--rank", str(r)), all_seeds=r in seed_ranks,
                       label=f"ReaDy r{r}{' (lossless)' if r == state_dim else ''}, window {window}")
                   for r in dict.fromkeys((*ranks, *seed_ranks)) if r != 8)
     designs = tuple(Arm(f"ready_{q}" if r == 8 else f"ready_{q}_rank{r}", "ready", "dspark_window",
-                        ("--rank", str(r), *design_flags(q)), all_seeds=r == 8,
+                        ("--rank", str(r), *design_flags(q)), all_seeds=r in seed_ranks,
                         label=f"ReaDy r{r}, {READER_DESIGNS[q][0]}, window {window}")
                     for q in queries for r in dict.fromkeys((8, *query_ranks)))
     return (

@@ -231,13 +231,15 @@ def test_seed_ranks_train_that_rank_on_every_seed():
     assert table["ready_rank64"].flags == ("--rank", "64") and "ready_rank8" not in table
 
 
-def test_query_designs_train_at_rank_8_on_every_seed_and_sweep_ranks_on_the_first():
+def test_query_designs_train_at_the_seed_ranks_on_every_seed_and_sweep_ranks_on_the_first():
     table = {a.name: a for a in lr.arms(16, 64, (8,), queries=("content", "tied", "tied_read"), query_ranks=(4,))}
     assert table["ready_content"].all_seeds and table["ready_tied"].all_seeds and table["ready_tied_read"].all_seeds
     assert not table["ready_content_rank4"].all_seeds
     assert table["ready_content"].flags == ("--rank", "8", "--reader-query", "content", "--readout", "learned")
     assert table["ready_tied_read_rank4"].flags == ("--rank", "4", "--reader-query", "tied", "--readout", "tied")
     assert table["ready_content_rank4"].base == "dspark_window"
+    seeded = {a.name: a for a in lr.arms(16, 64, (8,), seed_ranks=(8, 64), queries=("tied",), query_ranks=(4, 64))}
+    assert seeded["ready_tied_rank64"].all_seeds and not seeded["ready_tied_rank4"].all_seeds
     only = zoo_runs.only_arms(tuple(table.values()), ["ready_tied", "control"])
     assert [a.name for a in only] == ["dspark_window", "control", "ready_tied"]     # and what they start from
     with pytest.raises(SystemExit, match="unknown arms"):
