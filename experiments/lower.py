@@ -64,6 +64,7 @@ KERNEL_OPS = {
     "gdn_recurrent": "gdn_recurrent", "state_gather": "state_gather",
     "state_reader": "state_reader", "reader_query": "state_reader", "reader_out": "state_reader",
     "reader_content": "content_reader", "content_reader": "content_reader",  # a content reader's (Triton, TPU)
+    "content_read": "content_read",  # a tied read-out's raw read (both families)
 }
 # A kernel custom call in lowered StableHLO text, per platform, and where its kernel's name sits in that line.
 _KERNEL_CALL = {"tpu": re.compile(r"custom_call @tpu_custom_call\("),

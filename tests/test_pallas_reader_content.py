@@ -1,12 +1,13 @@
 """The full-key-space reader's kernels, both families, against the jnp reference: the gather without a key basis
-(``state_gather(..., key_basis=None)`` -> ``S V`` ``[B, M, d_k, r]``) and the content read (``content_reader``).
+(``state_gather(..., key_basis=None)`` -> ``S V`` ``[B, M, d_k, r]``) or without bases (the states whole,
+``[B, M, d_k, d_v]``), the content read (``content_reader``) and its raw values (``content_read``).
 
 Parity runs the Triton kernels in Pallas' generic interpreter and the TPU kernels in the TPU interpreter
 (``backend.tpu_interpret_params()``: simulated memories, race detection, NaN for memory never written). The shape
 axes are sampled, not crossed: d_k = d_v in {8, 16, 128}, M with Q < M (key heads shared by value heads),
-r in {4, 8, 16}, G in {1, 7}, fp32 and bf16, n_committed covering 0, T and a middle position; Qwen3.5-27B-sized
-cases are ``slow``. Lowering for an abstract H200 and for a TPU at Qwen3.5-27B shapes needs no interpreter.
-Last, ``generate(impl="pallas")`` with a content reader and a tied one gives the XLA path's tokens.
+r in {4, 8, 16, 128}, G in {1, 3, 5, 7}, fp32 and bf16, n_committed covering 0, T and a middle position;
+Qwen3.5-27B-sized cases are ``slow``. Lowering for an abstract H200 and for a TPU at Qwen3.5-27B shapes needs no
+interpreter. Last, ``generate(impl="pallas")`` with a content reader and a tied one gives the XLA path's tokens.
 """
 
 import functools
@@ -105,6 +106,27 @@ def test_gather_without_key_basis_matches_reference(family, groups, heads, batch
     _assert_close(actual, expected, 1e-5)  # fp32 accumulation either way (bf16 states are exact in fp32)
 
 
+# (groups, H_v, B, T+1, d_k = d_v, dtype, layout): ragged n_committed (T, 0, a middle position) in every case.
+WHOLE_GATHER_CASES = [
+    pytest.param(4, 2, 3, 5, 16, BF16, "two caches"),
+    pytest.param(4, 3, 3, 9, 128, F32, "cache"),
+    pytest.param(16, 48, 1, 9, 128, BF16, "cache", marks=pytest.mark.slow),   # Qwen3.5-27B: layers 30, 62
+]
+
+
+@interpret
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("groups,heads,batch,positions,head_dim,dtype,layout", WHOLE_GATHER_CASES)
+def test_gather_without_bases_returns_the_committed_states(family, groups, heads, batch, positions, head_dim, dtype,
+                                                           layout):
+    kernels, mode = _family(family)
+    states, n, _ = _gather_args(groups, heads, batch, positions, head_dim, 8, dtype)
+    per_position, layers, stacked = _layouts(states, layout)
+    actual = kernels.state_gather(per_position, n, None, None, layers=layers, interpret=mode)
+    assert actual.shape == (batch, 2 * heads, head_dim, head_dim) and actual.dtype == F32
+    np.testing.assert_array_equal(actual, reference.gather_prepare(stacked, n, None, None))  # a copy: exact
+
+
 # ---- the content read --------------------------------------------------------------------------------------
 def _content_args(batch, block, hidden, pairs, queries, key_dim, rank, dtype, query_dtype=None, seed=0):
     """h [B, G, d], queries [B, G, Q, d_k], values [B, M, d_k, r] fp32 (the gather's), w_o, norm weight."""
@@ -159,6 +181,30 @@ def test_content_reader_zero_w_o_and_tied_query_dtypes(family):
         _check_content(kernels.content_reader(*args, EPS, interpret=mode), expected, h, BF16)
 
 
+# (B, G, M, Q, d_k, r, dtype): two value heads per key head, G not a power of 2; r = d_v = 128 is a tied
+# read-out's read of the states whole.
+CONTENT_READ_CASES = [
+    pytest.param(2, 3, 8, 4, 16, 8, F32),
+    pytest.param(2, 5, 4, 2, 16, 128, BF16),
+    pytest.param(1, 7, 96, 32, 128, 128, F32, marks=pytest.mark.slow),     # Qwen3.5-27B, tied read-out
+    pytest.param(3, 7, 24, 8, 128, 16, BF16, marks=pytest.mark.slow),
+]
+
+
+@interpret
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("batch,block,pairs,queries,key_dim,rank,dtype", CONTENT_READ_CASES)
+def test_content_read_matches_reference(family, batch, block, pairs, queries, key_dim, rank, dtype):
+    """The raw read ``P^T q / |q|`` [B, G, M, r] in fp32 from queries and values of ``dtype``."""
+    kernels, mode = _family(family)
+    rng = np.random.default_rng(8)
+    q = np.asarray(rng.standard_normal((batch, block, queries, key_dim)), dtype)
+    values = np.asarray(rng.standard_normal((batch, pairs, key_dim, rank)), dtype)
+    actual = kernels.content_read(q, values, interpret=mode)
+    assert actual.shape == (batch, block, pairs, rank) and actual.dtype == F32
+    _assert_close(actual, reference.content_read(q, values), 1e-5)  # fp32 either way (bf16 is exact in fp32)
+
+
 @interpret
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_blocks_that_split_key_heads(family):
@@ -197,6 +243,10 @@ def test_impl_switch_runs_the_kernels(family, monkeypatch):
                                   reference.read_by_content(*args, EPS))
     with pytest.raises(ValueError, match="not for the kernels that run here"):
         dispatch.content_reader(*args, EPS, impl="pallas", config=kernels.GatherConfig())
+    np.testing.assert_array_equal(dispatch.content_read(args[1], args[2], impl="pallas"),
+                                  kernels.content_read(args[1], args[2], interpret=mode))
+    np.testing.assert_array_equal(dispatch.state_gather(states, n, None, None, layers=((0, 2),), impl="pallas"),
+                                  reference.gather_prepare(states, n, None, None, layers=((0, 2),)))
 
 
 def _eval(fn, *args, **kwargs):
@@ -210,11 +260,17 @@ def test_content_paths_reject_what_they_do_not_support(family):
     states, n, v = _gather_args(2, 2, 3, 2, 16, 8, F32)
     with pytest.raises(ValueError, match="value basis"):
         _eval(kernels.state_gather, states, n, None, v[:2], interpret=False)
+    with pytest.raises(ValueError, match="a key basis needs a value basis"):
+        _eval(kernels.state_gather, states, n, v, None, interpret=False)
     h, q, values, w_o, w = _content_args(2, 3, 128, 6, 2, 16, 8, F32)
     with pytest.raises(ValueError, match="Q dividing"):
         _eval(kernels.content_reader, h, q[:, :, :1].repeat(4, axis=2), values, w_o, w, eps=EPS, interpret=False)
     with pytest.raises(ValueError, match="must be"):
         _eval(kernels.content_reader, h, q, values, w_o[:8], w, eps=EPS, interpret=False)
+    with pytest.raises(ValueError, match=r"content_read: queries .* Q dividing M = 6"):
+        _eval(kernels.content_read, q[:, :, :1].repeat(4, axis=2), values, interpret=False)
+    with pytest.raises(ValueError, match=r"content_read: values \(1, 6, 16, 8\) must be \[B, M, d_k, r\] with B = 2"):
+        _eval(kernels.content_read, q, values[:1], interpret=False)
 
 
 def test_tpu_content_paths_reject_what_they_do_not_support():
@@ -227,6 +283,10 @@ def test_tpu_content_paths_reject_what_they_do_not_support():
               config=tpu.ContentReaderConfig(block_q=64))
     with pytest.raises(ValueError, match="block_out must be a positive int"):
         tpu.ContentReaderConfig(block_out=0)
+    with pytest.raises(ValueError, match="content_read: the TPU kernel takes float32 or bfloat16"):
+        _eval(tpu.content_read, q, values.astype(np.float16), interpret=False)
+    with pytest.raises(ValueError, match=r"content_read: block_q = 64 must be one of \[256, 128\]"):
+        _eval(tpu.content_read, q, values, interpret=False, config=tpu.ContentReaderConfig(block_q=64))
 
 
 def test_triton_content_paths_reject_non_power_of_2_tiles():
@@ -236,6 +296,10 @@ def test_triton_content_paths_reject_non_power_of_2_tiles():
     h, q, values, w_o, w = _content_args(2, 3, 128, 4, 2, 12, 8, F32)
     with pytest.raises(ValueError, match=r"power-of-2 Triton tiles; got d_k = 12.*impl='xla'"):
         _eval(triton_kernels.content_reader, h, q, values, w_o, w, eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match=r"content_read needs power-of-2 Triton tiles; got d_k = 12"):
+        _eval(triton_kernels.content_read, q, values, interpret=True)
+    with pytest.raises(ValueError, match=r"power-of-2 Triton tiles; got d_v = 12\."):
+        _eval(triton_kernels.state_gather, states[..., :12], n, None, None, interpret=True)
     with pytest.raises(ValueError, match="block_k must be a power of 2"):
         triton_kernels.ContentReaderConfig(block_k=24)
 
@@ -248,6 +312,12 @@ QWEN_LAYERS = ((0, 7), (0, 15))
 
 def _qwen_gather_specs(batch, rank=8):
     return S((16, batch, 9, 48, 128, 128), BF16), S((batch,), jnp.int32), None, S((96, 128, rank), BF16)
+
+
+def _qwen_tied_specs(batch):
+    """A tied read-out's: the gather without bases, and the raw read of fp32 queries over the states whole."""
+    return ((S((16, batch, 9, 48, 128, 128), BF16), S((batch,), jnp.int32), None, None),
+            (S((batch, 7, 32, 128), F32), S((batch, 96, 128, 128), F32)))
 
 
 def _qwen_content_specs(batch, rank=8, query_dtype=BF16):
@@ -266,13 +336,15 @@ def test_triton_content_kernels_lower_for_h200(batch, rank):
             (triton_kernels.content_reader, _qwen_content_specs(batch, rank), ["reader_content", "reader_out"],
              dict(eps=EPS)),
             (triton_kernels.content_reader, _qwen_content_specs(batch, rank, F32), ["reader_content", "reader_out"],
-             dict(eps=EPS))):
+             dict(eps=EPS)),
+            (triton_kernels.state_gather, _qwen_tied_specs(batch)[0], ["state_gather"], dict(layers=QWEN_LAYERS)),
+            (triton_kernels.content_read, _qwen_tied_specs(batch)[1], ["content_read"], {})):
         text = lower_for_gpu(fn, *specs, interpret=False, **kwargs)
         assert text.count("__gpu$xla.gpu.triton") == len(names) and all(name in text for name in names)
         assert "num_warps = 4" in text  # the explicit compiler params reach the kernel call
         dots = triton_dots(fn, *specs, interpret=False, **kwargs)
         assert [p for d in dots for p in d.problems()] == []
-        if rank < 16:
+        if rank < 16 and fn is not triton_kernels.content_read:
             assert {d.kernel for d in dots} <= {"reader_out"}  # nothing contracts over the rank with a dot
 
 
@@ -290,6 +362,13 @@ def test_tpu_content_kernels_lower_at_qwen_shapes(batch):
                                                 eps=EPS, interpret=False,
                                                 config=tpu.ContentReaderConfig(generation=generation))
                 assert tpu_common.count_tpu_kernels(text) == 1
+        gather, read = _qwen_tied_specs(batch)
+        text = tpu_common.lower_for_tpu(tpu.state_gather, *gather, layers=QWEN_LAYERS, interpret=False,
+                                        config=tpu.GatherConfig(generation=generation))
+        assert tpu_common.count_tpu_kernels(text) == 1
+        text = tpu_common.lower_for_tpu(tpu.content_read, *read, interpret=False,
+                                        config=tpu.ContentReaderConfig(generation=generation))
+        assert tpu_common.count_tpu_kernels(text) == 1
 
 
 @pytest.mark.parametrize("generation", list(tpu_common.DEFAULT_SCOPED_VMEM))
@@ -304,6 +383,11 @@ def test_tpu_content_vmem_budget(generation):
         assert footprint.bytes <= budget and footprint == tpu.content_footprint(config.block_q, config.block_out,
                                                                                 shapes)
         assert shapes.key_heads(config.block_q) * shapes.draft_padded <= 128
+    for batch in (1, 16):  # a tied read-out's raw read fits too, with as few key heads per step
+        shapes = tpu.ContentReadShapes.of(*_qwen_tied_specs(batch)[1])
+        config, footprint = tpu.resolve_content_read_config(tpu.ContentReaderConfig(generation=generation), shapes)
+        assert footprint.bytes <= budget and footprint == tpu.content_read_footprint(config.block_q, shapes)
+        assert shapes.key_heads(config.block_q) * shapes.draft_padded <= 128
     lossless = functools.partial(_eval, tpu.content_reader, *_qwen_content_specs(16, 128), eps=EPS,
                                  interpret=False, config=tpu.ContentReaderConfig(generation=generation))
     if budget < 32 * tpu_common.MIB:
@@ -314,16 +398,19 @@ def test_tpu_content_vmem_budget(generation):
 
 
 def test_kernels_lower_at_tiny_model_shapes():
-    """The test models' geometry (heads of 8 x 8, rank 4, hidden 32, M = 8, Q = 4) lowers for both families."""
+    """The test models' geometry (heads of 8 x 8, rank 4, hidden 32, M = 8, Q = 4) lowers for both families, and
+    a tied read-out's (no bases, the raw read of the states whole)."""
     gather = (S((2, 2, 5, 4, 8, 8), F32), S((2,), jnp.int32), None, S((8, 8, 4), F32))
     content = (S((2, 3, 32), F32), S((2, 3, 4, 8), F32), S((2, 8, 8, 4), F32), S((32, 32), F32), S((32,), F32))
-    assert lower_for_gpu(triton_kernels.state_gather, *gather, interpret=False).count("__gpu$xla.gpu.triton") == 1
-    assert lower_for_gpu(triton_kernels.content_reader, *content, eps=EPS,
-                         interpret=False).count("__gpu$xla.gpu.triton") == 2
+    whole = (*gather[:2], None, None)
+    read = (S((2, 3, 4, 8), F32), S((2, 8, 8, 8), F32))
     tpu = _tpu_kernels()
-    assert tpu_common.count_tpu_kernels(tpu_common.lower_for_tpu(tpu.state_gather, *gather, interpret=False)) == 1
-    assert tpu_common.count_tpu_kernels(tpu_common.lower_for_tpu(tpu.content_reader, *content, eps=EPS,
-                                                                 interpret=False)) == 1
+    for fn, args, kwargs, launches in (("state_gather", gather, {}, 1), ("content_reader", content, dict(eps=EPS), 2),
+                                       ("state_gather", whole, {}, 1), ("content_read", read, {}, 1)):
+        text = lower_for_gpu(getattr(triton_kernels, fn), *args, interpret=False, **kwargs)
+        assert text.count("__gpu$xla.gpu.triton") == launches
+        text = tpu_common.lower_for_tpu(getattr(tpu, fn), *args, interpret=False, **kwargs)
+        assert tpu_common.count_tpu_kernels(text) == 1
 
 
 # ---- generate(impl="pallas") with a full-key-space reader, under the CPU's default (Triton) family ------------

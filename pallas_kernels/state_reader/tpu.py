@@ -1,5 +1,5 @@
-"""The ReaDy reader's Mosaic TPU kernels: ``state_gather`` (DESIGN.md 3.1), ``state_reader`` (3.2) and the
-full-key-space read ``content_reader``.
+"""The ReaDy reader's Mosaic TPU kernels: ``state_gather`` (DESIGN.md 3.1), ``state_reader`` (3.2), the
+full-key-space read ``content_reader`` and its raw values ``content_read``.
 
 References: ``pallas_kernels.state_reader.reference``; each kernel takes its reference's arguments and returns
 its result. Notation: B sequences, source layers L_src, H_v value heads, M = L_src H_v pairs (pair
@@ -10,7 +10,8 @@ its result. Notation: B sequences, source layers L_src, H_v value heads, M = L_s
   (array, leading index) per source layer, so the target cache's buffers are read in place; n_committed ``[B]``
   (clamped to 0..T); U ``[M, d_k, r]``, V ``[M, d_v, r]`` -> C ``[B, M, r, r]`` fp32, ``C[b, m] = U_m^T S V_m``
   with ``S = per_position[array][index, b, n_committed[b], head]``. With U None (a content read's values):
-  ``P[b, m] = S V_m`` -> ``[B, M, d_k, r]`` fp32.
+  ``P[b, m] = S V_m`` -> ``[B, M, d_k, r]`` fp32. With U and V None (a tied read-out's): the states whole,
+  ``S`` -> ``[B, M, d_k, d_v]`` fp32; U without V raises ValueError.
 * :func:`state_reader` (reference ``read``): h ``[B, G, d]``, C ``[B, M, r, r]``, w_q ``[d, M r]``, w_o
   ``[M r, d]``, norm_weight ``[M r]``, eps a static float -> ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with
   ``a = h W_q`` viewed ``[M, r]``, ``[B, G, d]`` in ``result_type(h, w_o)``. Rounding happens where the
@@ -22,6 +23,9 @@ its result. Notation: B sequences, source layers L_src, H_v value heads, M = L_s
   ``h + W_o(rmsnorm(concat_m P_m^T q_m / |q_m|))``, ``[B, G, d]`` in ``result_type(h, w_o)``; y rounded to h's
   dtype as in ``state_reader``. The queries come in computed (the factorised projection or the target's frozen
   query path, XLA matmuls before the kernel); the kernel starts at their fp32 L2 normalisation.
+* :func:`content_read` (reference ``content_read``): ``content_reader``'s read alone, ``y_m = P_m^T q_m / |q_m|``
+  with no norm or W_o: queries ``[B, G, Q, d_k]``, values ``[B, M, d_k, r]`` (r = d_v for the states whole) ->
+  ``[B, G, M, r]`` fp32.
 
 Both accumulate in fp32: bf16 operands go to the MXU as they are (their products are exact in fp32), fp32
 operands at ``Precision.HIGHEST``. Anything else (other dtypes, block configs that do not tile the shapes, a
@@ -91,6 +95,12 @@ launch with the W_q steps replaced by steps over ``(S V)^T``:
 * y is written into the same ``[B G_p, M r]`` scratch with its sums of squares, and the remaining steps are
   ``state_reader``'s (``_norm_and_out``): normalise block by block, stream W_o.
 
+``content_read``: one launch, grid ``(M r / block_q,)``, "parallel": ``content_reader``'s read steps
+(``_read_step``) alone, each writing its y block ``[B, G_p, block_q]`` in fp32 straight to the output (G_p = G
+rounded up to 8); the wrapper drops the rows past G. ``state_gather`` without bases is the gather launch with no
+basis operands: each head's state block, cast to fp32, is the output block ``[bh, d_k, d_v]``, already
+lane-dense.
+
 VMEM. The footprint is the pipelined blocks, double-buffered, plus resident blocks, scratch and the largest
 in-kernel values, each rounded up to whole (sublane, lane) tiles (``tpu_common.VmemFootprint``); with p(shape)
 that padded size in its dtype, R = B G_p, N = M r:
@@ -103,8 +113,11 @@ that padded size in its dtype, R = B G_p, N = M r:
   ``[B, bq / r, r, r]``;
 * gather without a key basis: ``2 [sum over arrays p(bh, d_k, d_v) + p(bh, r, d_v) + p(bh, r, d_k)]
   + p(d_k, d_v) + p(r, d_k)``;
+* gather without bases: ``2 [sum over arrays p(bh, d_k, d_v) + p(bh, d_k, d_v) [fp32]] + p(d_k, d_v)``;
 * content read: ``2 [p(B, bq, d_k) + p(N, bo) + p(B, G_p, bo)] + p(B, G_p, d) + p(B, Q, G_p, d_k) + p(1, N)
-  + 2 p(R, N) + p(R, 1) + p(kh G_p, d_k) + p(kh G_p, bq) + 2 p(G_p, bq) + p(R, bo)``.
+  + 2 p(R, N) + p(R, 1) + p(kh G_p, d_k) + p(kh G_p, bq) + 2 p(G_p, bq) + p(R, bo)``;
+* raw content read: ``2 [p(B, bq, d_k) + p(B, G_p, bq)] + p(B, Q, G_p, d_k) + p(kh G_p, d_k) + p(kh G_p, bq)
+  + 2 p(G_p, bq)``.
 
 ``config=None`` picks blocks per shape: the widest block whose bytes per step stay within ``STEP_BYTES`` (a
 step then moves enough data to hide its fixed cost), shrunk until the footprint fits the generation's budget
@@ -183,12 +196,15 @@ class GatherConfig:
 
 
 def gather_footprint(block_heads: int, *, d_k: int, d_v: int, rank: int, state_dtypes: Sequence,
-                     key_dtype=_F32, value_dtype=_F32, keyed: bool = True) -> VmemFootprint:
+                     key_dtype=_F32, value_dtype=_F32) -> VmemFootprint:
     """VMEM of one gather launch: a state block per source array, the basis and output blocks, double-buffered,
-    plus one head's fp32 values (the state and ``U^T S``). Without a key basis (``keyed`` False): the state
-    blocks, ``V^T`` ``[bh, r, d_v]`` and ``(S V)^T`` ``[bh, r, d_k]`` blocks, the state and ``(S V)^T`` values."""
+    plus one head's fp32 values (the state and ``U^T S``). Without a key basis (``key_dtype`` None): the state
+    blocks, ``V^T`` ``[bh, r, d_v]`` and ``(S V)^T`` ``[bh, r, d_k]`` blocks, the state and ``(S V)^T`` values.
+    Without bases (both dtypes None): the state blocks, ``S`` ``[bh, d_k, d_v]`` fp32 blocks, the state's value."""
     blocks = tuple(((block_heads, d_k, d_v), dt) for dt in state_dtypes)
-    if not keyed:
+    if value_dtype is None:
+        return VmemFootprint(blocks=blocks + (((block_heads, d_k, d_v), _F32),), scratch=(((d_k, d_v), _F32),))
+    if key_dtype is None:
         blocks += (((block_heads, rank, d_v), value_dtype), ((block_heads, rank, d_k), _F32))
         return VmemFootprint(blocks=blocks, scratch=(((d_k, d_v), _F32), ((rank, d_k), _F32)))
     blocks += (((block_heads, d_k, rank), key_dtype), ((block_heads, d_v, rank), value_dtype),
@@ -197,14 +213,14 @@ def gather_footprint(block_heads: int, *, d_k: int, d_v: int, rank: int, state_d
 
 
 def resolve_gather_config(config: GatherConfig | None, *, heads: int, d_k: int, d_v: int, rank: int,
-                          state_dtypes: Sequence, key_dtype=_F32, value_dtype=_F32,
-                          keyed: bool = True) -> tuple[GatherConfig, VmemFootprint]:
+                          state_dtypes: Sequence, key_dtype=_F32,
+                          value_dtype=_F32) -> tuple[GatherConfig, VmemFootprint]:
     """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when the blocks do
-    not tile H_v or the footprint exceeds the generation's budget. ``keyed`` False: the gather without a key
-    basis."""
+    not tile H_v or the footprint exceeds the generation's budget. A basis dtype None: that basis is absent
+    (:func:`gather_footprint`)."""
     config = GatherConfig() if config is None else config
     footprint = functools.partial(gather_footprint, d_k=d_k, d_v=d_v, rank=rank, state_dtypes=state_dtypes,
-                                  key_dtype=key_dtype, value_dtype=value_dtype, keyed=keyed)
+                                  key_dtype=key_dtype, value_dtype=value_dtype)
     if config.block_heads is not None:
         if heads % config.block_heads:
             raise ValueError(f"state_gather: block_heads = {config.block_heads} must divide H_v = {heads}")
@@ -220,23 +236,27 @@ def resolve_gather_config(config: GatherConfig | None, *, heads: int, d_k: int, 
     return dataclasses.replace(config, block_heads=bh), fp
 
 
-def _gather_kernel(n_ref, layer_ref, lead_ref, *refs, spans: tuple[tuple[int, int], ...], keyed: bool):
+def _gather_kernel(n_ref, layer_ref, lead_ref, *refs, spans: tuple[tuple[int, int], ...], num_bases: int):
     """Grid point (step p, head block, b). Refs after the scalar tables: one state block per source array
-    ``[bh, d_k, d_v]``, then U ``[bh, d_k, r]``, V ``[bh, d_v, r]``, out ``[bh, r, r]`` fp32 (``keyed``), or
-    V^T ``[bh, r, d_v]``, out ``(S V)^T`` ``[bh, r, d_k]`` fp32."""
+    ``[bh, d_k, d_v]``, then with ``num_bases`` 2 U ``[bh, d_k, r]``, V ``[bh, d_v, r]``, out ``[bh, r, r]``
+    fp32; with 1 V^T ``[bh, r, d_v]``, out ``(S V)^T`` ``[bh, r, d_k]`` fp32; with 0 out ``S`` ``[bh, d_k, d_v]``
+    fp32."""
     del n_ref, layer_ref, lead_ref  # used by the index maps only
     num_arrays = len(spans)
     x_refs = refs[:num_arrays]
-    u_ref, v_ref, o_ref = refs[num_arrays:] if keyed else (None, *refs[num_arrays:])
+    *bases, o_ref = refs[num_arrays:]
+    u_ref, v_ref = (None,) * (2 - num_bases) + tuple(bases)
 
     def compress(x_ref):
         def head(j, carry):
             s = x_ref[j].astype(_F32)                                 # [d_k, d_v]
-            if keyed:
+            if u_ref is not None:
                 p = _dot(u_ref[j].astype(_F32), s, _TN)               # U^T S: [r, d_v]
                 o_ref[j] = _dot(p, v_ref[j].astype(_F32))             # [r, r]
-            else:
+            elif v_ref is not None:
                 o_ref[j] = _dot(v_ref[j].astype(_F32), s, _NT)        # V^T S^T = (S V)^T: [r, d_k]
+            else:
+                o_ref[j] = s                                          # the state whole
             return carry
 
         lax.fori_loop(0, x_ref.shape[0], head, 0)
@@ -249,16 +269,17 @@ def _gather_kernel(n_ref, layer_ref, lead_ref, *refs, spans: tuple[tuple[int, in
         pl.when((step >= first) & (step <= last))(functools.partial(compress, x_ref))
 
 
-def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array, *,
-                 layers: Sequence[tuple[int, int]] | None = None, interpret=False,
+def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array | None,
+                 *, layers: Sequence[tuple[int, int]] | None = None, interpret=False,
                  config: GatherConfig | None = None) -> jax.Array:
     """Committed-state gather + rank-r compression as one launch; see the module docstring.
 
     per_position: ``[L, B, T+1, H_v, d_k, d_v]``, or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]``
-    arrays; n_committed ``[B]`` int; key_basis U ``[M, d_k, r]`` or None; value_basis V ``[M, d_v, r]``; layers:
-    static ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every array).
-    ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``. Returns C ``[B, M, r, r]`` fp32, or
-    with key_basis None ``S V`` ``[B, M, d_k, r]`` fp32.
+    arrays; n_committed ``[B]`` int; key_basis U ``[M, d_k, r]`` or None; value_basis V ``[M, d_v, r]`` or None
+    (then key_basis too); layers: static ``((array, index), ...)`` per source layer, in pair order (None: every
+    leading index of every array). ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``.
+    Returns C ``[B, M, r, r]`` fp32, with key_basis None ``S V`` ``[B, M, d_k, r]`` fp32, with both None ``S``
+    ``[B, M, d_k, d_v]`` fp32.
     """
     layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
     return _state_gather(per_position, n_committed, key_basis, value_basis, layers=layers, interpret=interpret,
@@ -271,15 +292,17 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
     arrays, layers = per_position_arrays(per_position, layers)
     n_committed = jnp.asarray(n_committed, jnp.int32)
     _, batch, positions, heads, d_k, d_v = arrays[0].shape
-    num_src, rank = len(layers), value_basis.shape[-1]
+    num_src, rank = len(layers), d_v if value_basis is None else value_basis.shape[-1]
     m = num_src * heads
     keyed = key_basis is not None
     problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
                 for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
-    if not keyed and value_basis.shape != (m, d_v, rank):
+    if value_basis is None and keyed:
+        problems.append("a key basis needs a value basis (C = U^T S V); pass neither to gather the states whole")
+    elif not keyed and value_basis is not None and value_basis.shape != (m, d_v, rank):
         problems.append(f"value basis V {value_basis.shape} must be [{m}, {d_v}, r] "
                         f"(M = {num_src} source layers x {heads} heads)")
-    if keyed and (key_basis.shape != (m, d_k, rank) or value_basis.shape != (m, d_v, rank)):
+    elif keyed and (key_basis.shape != (m, d_k, rank) or value_basis.shape != (m, d_v, rank)):
         problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], "
                         f"[{m}, {d_v}, r] (M = {num_src} source layers x {heads} heads)")
     if n_committed.shape != (batch,):
@@ -287,7 +310,7 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
     if problems:
         raise ValueError("state_gather: " + "; ".join(problems))
     _check_dtypes("state_gather", **{f"per_position[{i}]": a for i, a in enumerate(arrays)},
-                  **({"key_basis": key_basis} if keyed else {}), value_basis=value_basis)
+                  **{name: x for name, x in (("key_basis", key_basis), ("value_basis", value_basis)) if x is not None})
 
     # The grid's first axis visits the source layers grouped by array (stable), each array a contiguous span.
     used = sorted({i for i, _ in layers})
@@ -297,8 +320,8 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
     sources = [arrays[i] for i in used]
     config, _ = resolve_gather_config(config, heads=heads, d_k=d_k, d_v=d_v, rank=rank,
                                       state_dtypes=[a.dtype for a in sources],
-                                      key_dtype=key_basis.dtype if keyed else _F32, value_dtype=value_basis.dtype,
-                                      keyed=keyed)
+                                      key_dtype=None if key_basis is None else key_basis.dtype,
+                                      value_dtype=None if value_basis is None else value_basis.dtype)
     bh = config.block_heads
     head_blocks = heads // bh
     t_max = positions - 1
@@ -325,24 +348,28 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
         return pl.BlockSpec((bh, *block), lambda p, hb, b, n, lr, ld: (pair_block(p, hb, lr), 0, 0))
 
     if keyed:
-        bases, basis_specs, out_block = (key_basis, value_basis), [basis_spec(d_k, rank), basis_spec(d_v, rank)], rank
-    else:
+        bases, out_block, flops = (key_basis, value_basis), (rank, rank), d_k * d_v * rank + d_v * rank * rank
+        basis_specs = [basis_spec(d_k, rank), basis_spec(d_v, rank)]
+    elif value_basis is not None:
         # Lane-dense operands and result: V^T [M, r, d_v] (a transpose of a parameter, which XLA hoists out of a
         # generation loop) and (S V)^T [B, M, r, d_k], a whole (8, 128) tile per head at r = 8 where [d_k, r]
         # would fill r of each tile's 128 lanes. The caller's [B, M, d_k, r] is a transpose of it.
-        bases, basis_specs, out_block = (jnp.swapaxes(value_basis, 1, 2),), [basis_spec(rank, d_v)], d_k
+        bases, out_block, flops = (jnp.swapaxes(value_basis, 1, 2),), (rank, d_k), d_k * d_v * rank
+        basis_specs = [basis_spec(rank, d_v)]
+    else:
+        bases, basis_specs, out_block, flops = (), [], (d_k, d_v), 0   # the states whole, as they are laid out
     state_bytes = sum(batch * heads * d_k * d_v * jnp.dtype(arrays[i].dtype).itemsize for i, _ in layers)
-    cost = pl.CostEstimate(flops=2 * batch * m * (d_k * d_v * rank + (d_v * rank * rank if keyed else 0)),
-                           transcendentals=0, bytes_accessed=state_bytes + sum(x.nbytes for x in bases)
-                           + batch * m * rank * out_block * 4)
+    cost = pl.CostEstimate(flops=2 * batch * m * flops, transcendentals=0,
+                           bytes_accessed=state_bytes + sum(x.nbytes for x in bases)
+                           + batch * m * math.prod(out_block) * 4)
     out = pl.pallas_call(
-        functools.partial(_gather_kernel, spans=spans, keyed=keyed),
-        out_shape=jax.ShapeDtypeStruct((batch, m, rank, out_block), _F32),
+        functools.partial(_gather_kernel, spans=spans, num_bases=len(bases)),
+        out_shape=jax.ShapeDtypeStruct((batch, m, *out_block), _F32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_src, head_blocks, batch),
             in_specs=[*(state_spec(first, last) for first, last in spans), *basis_specs],
-            out_specs=pl.BlockSpec((None, bh, rank, out_block),
+            out_specs=pl.BlockSpec((None, bh, *out_block),
                                    lambda p, hb, b, n, lr, ld: (b, pair_block(p, hb, lr), 0, 0)),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
@@ -350,7 +377,7 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
         cost_estimate=cost,
         name="state_gather",
     )(n_committed, layer_of_step, lead_of_step, *sources, *bases)
-    return out if keyed else jnp.swapaxes(out, 2, 3)
+    return jnp.swapaxes(out, 2, 3) if len(bases) == 1 else out
 
 
 # ==== state_reader ===========================================================================================
@@ -649,14 +676,15 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
     )(h, w_q, c_in, norm_weight.reshape(1, n), w_o)
 
 
-# ==== content_reader =========================================================================================
+# ==== content_reader, content_read ===========================================================================
 @dataclasses.dataclass(frozen=True)
 class ContentReaderConfig:
-    """Blocks of the content read kernel (static; part of the jit cache key).
+    """Blocks of the content read kernels (static; part of the jit cache key).
 
     block_q: ``(S V)^T`` rows (columns of y) per read step: a multiple of ``lcm(r, 128)`` dividing M r, or M r
         itself. None: the heuristic.
-    block_out: W_o columns per output step, as in :class:`ReaderKernelConfig`. None: the heuristic.
+    block_out: W_o columns per output step, as in :class:`ReaderKernelConfig` (``content_reader`` only: the raw
+        ``content_read`` has no W_o). None: the heuristic.
     generation: the TPU generation whose VMEM budget the footprint is checked against.
     """
 
@@ -675,29 +703,23 @@ class ContentReaderConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ContentShapes:
-    """What the content read's blocks and footprint depend on (:meth:`of` the kernel's arguments)."""
+class ContentReadShapes:
+    """What the read steps' blocks and footprint depend on (:meth:`of` ``content_read``'s arguments)."""
 
     batch: int
     draft: int
-    hidden: int
     num_pairs: int
     num_queries: int
     key_dim: int
     rank: int
-    h_dtype: jnp.dtype
-    o_dtype: jnp.dtype          # result_type(h, w_o): the output's dtype and the W_o product's operands
-    wo_dtype: jnp.dtype
-    norm_dtype: jnp.dtype
+    y_dtype: jnp.dtype          # what y is rounded to: h's dtype before a norm, fp32 for the raw read
 
     @classmethod
-    def of(cls, h, queries, values, w_o, norm_weight) -> ContentShapes:
-        """From the kernel's arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
-        b, g, d = h.shape
+    def of(cls, queries, values) -> ContentReadShapes:
+        """From ``content_read``'s arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
+        b, g, num_queries, _ = queries.shape
         _, m, d_k, r = values.shape
-        return cls(batch=b, draft=g, hidden=d, num_pairs=m, num_queries=queries.shape[2], key_dim=d_k, rank=r,
-                   h_dtype=jnp.dtype(h.dtype), o_dtype=jnp.result_type(h.dtype, w_o.dtype),
-                   wo_dtype=jnp.dtype(w_o.dtype), norm_dtype=jnp.dtype(norm_weight.dtype))
+        return cls(batch=b, draft=g, num_pairs=m, num_queries=num_queries, key_dim=d_k, rank=r, y_dtype=_F32)
 
     @property
     def group(self) -> int:
@@ -710,15 +732,11 @@ class ContentShapes:
 
     @property
     def draft_padded(self) -> int:
-        return _round_up(self.draft, _sublane_tile(self.h_dtype))
+        return _round_up(self.draft, _sublane_tile(self.y_dtype))
 
     def q_blocks(self) -> list[int]:
         n, unit = self.num_cols, math.lcm(self.rank, LANES)
         return [c for c in range(n, 0, -unit) if n % c == 0] if n % unit == 0 else [n]
-
-    def out_blocks(self) -> list[int]:
-        d = self.hidden
-        return [c for c in range(d, 0, -LANES) if d % c == 0] if d % LANES == 0 else [d]
 
     def key_heads(self, block_q: int) -> int:
         """The most key heads whose pairs one read step of ``block_q`` columns touches."""
@@ -726,45 +744,92 @@ class ContentShapes:
         return max((p0 + pairs - 1) // self.group - p0 // self.group + 1 for p0 in range(0, self.num_pairs, pairs))
 
 
+@dataclasses.dataclass(frozen=True)
+class ContentShapes(ContentReadShapes):
+    """What ``content_reader``'s blocks and footprint depend on (:meth:`of` its arguments): the read steps' (y
+    rounded to h's dtype) and the output steps'."""
+
+    hidden: int
+    o_dtype: jnp.dtype          # result_type(h, w_o): the output's dtype and the W_o product's operands
+    wo_dtype: jnp.dtype
+    norm_dtype: jnp.dtype
+
+    @classmethod
+    def of(cls, h, queries, values, w_o, norm_weight) -> ContentShapes:
+        """From the kernel's arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
+        b, g, d = h.shape
+        _, m, d_k, r = values.shape
+        return cls(batch=b, draft=g, num_pairs=m, num_queries=queries.shape[2], key_dim=d_k, rank=r,
+                   y_dtype=jnp.dtype(h.dtype), hidden=d, o_dtype=jnp.result_type(h.dtype, w_o.dtype),
+                   wo_dtype=jnp.dtype(w_o.dtype), norm_dtype=jnp.dtype(norm_weight.dtype))
+
+    def out_blocks(self) -> list[int]:
+        d = self.hidden
+        return [c for c in range(d, 0, -LANES) if d % c == 0] if d % LANES == 0 else [d]
+
+
+def _read_values(block_q: int, s: ContentReadShapes) -> tuple:
+    """The read step's fp32 values (module docstring): one sequence's queries of the step's key heads, their
+    products with the block, y's block (twice: the select)."""
+    query_rows = s.key_heads(block_q) * s.draft_padded
+    return (((query_rows, s.key_dim), _F32), ((query_rows, block_q), _F32), *([((s.draft_padded, block_q), _F32)] * 2))
+
+
 def content_footprint(block_q: int, block_out: int, shapes: ContentShapes) -> VmemFootprint:
     """VMEM of one content read launch (module docstring): pipelined ``(S V)^T``, W_o and output blocks; resident
-    h, queries and norm weight; y, its normalised copy and its sums of squares; one sequence's queries of the
-    step's key heads, their products with the block, y's block (twice: the select) and the W_o product as fp32
-    values."""
+    h, queries and norm weight; y, its normalised copy and its sums of squares; the read step's values and the W_o
+    product as fp32 values."""
     s = shapes
     rows, n = s.batch * s.draft_padded, s.num_cols
-    query_rows = s.key_heads(block_q) * s.draft_padded
     return VmemFootprint(
         blocks=(((s.batch, block_q, s.key_dim), _F32), ((n, block_out), s.wo_dtype),
                 ((s.batch, s.draft_padded, block_out), s.o_dtype)),
-        scratch=(((s.batch, s.draft_padded, s.hidden), s.h_dtype),
+        scratch=(((s.batch, s.draft_padded, s.hidden), s.y_dtype),
                  ((s.batch, s.num_queries, s.draft_padded, s.key_dim), _F32), ((1, n), s.norm_dtype),
-                 ((rows, n), s.h_dtype), ((rows, n), s.o_dtype), ((rows, 1), _F32), ((query_rows, s.key_dim), _F32),
-                 ((query_rows, block_q), _F32), *([((s.draft_padded, block_q), _F32)] * 2), ((rows, block_out), _F32)))
+                 ((rows, n), s.y_dtype), ((rows, n), s.o_dtype), ((rows, 1), _F32), *_read_values(block_q, s),
+                 ((rows, block_out), _F32)))
+
+
+def content_read_footprint(block_q: int, shapes: ContentReadShapes) -> VmemFootprint:
+    """VMEM of one raw content read launch: pipelined ``(S V)^T`` and fp32 output blocks, resident queries, the
+    read step's values."""
+    s = shapes
+    return VmemFootprint(
+        blocks=(((s.batch, block_q, s.key_dim), _F32), ((s.batch, s.draft_padded, block_q), _F32)),
+        scratch=(((s.batch, s.num_queries, s.draft_padded, s.key_dim), _F32), *_read_values(block_q, s)))
+
+
+def _block_q_problems(block_q: int | None, shapes: ContentReadShapes) -> list[str]:
+    """What is wrong with an explicit read block (nothing for None)."""
+    if block_q is None or block_q in shapes.q_blocks():
+        return []
+    return [f"block_q = {block_q} must be one of {shapes.q_blocks()} (multiples of {math.lcm(shapes.rank, LANES)} "
+            f"dividing M r = {shapes.num_cols}, or M r)"]
+
+
+def _widest_read_block(shapes: ContentReadShapes) -> int:
+    """The heuristic's read block: the widest whose ``(S V)^T`` block stays within ``STEP_BYTES`` and whose key
+    heads' queries fit one MXU tile of rows (``key_heads * G_p <= 128``): every query of those heads meets every
+    column of the block, so more heads per step is wasted MXU work (module docstring)."""
+    q_blocks = shapes.q_blocks()
+    return next((c for c in q_blocks if c * shapes.batch * shapes.key_dim * 4 <= STEP_BYTES
+                 and shapes.key_heads(c) * shapes.draft_padded <= LANES), q_blocks[-1])
 
 
 def resolve_content_config(config: ContentReaderConfig | None,
                            shapes: ContentShapes) -> tuple[ContentReaderConfig, VmemFootprint]:
     """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when a block does not
-    tile its axis or the footprint exceeds the generation's budget.
-
-    The heuristic's read block is the widest whose ``(S V)^T`` block stays within ``STEP_BYTES`` and whose key
-    heads' queries fit one MXU tile of rows (``key_heads * G_p <= 128``): every query of those heads meets every
-    column of the block, so more heads per step is wasted MXU work (module docstring)."""
+    tile its axis or the footprint exceeds the generation's budget. The read block's heuristic is
+    :func:`_widest_read_block`."""
     config = ContentReaderConfig() if config is None else config
     q_blocks, out_blocks = shapes.q_blocks(), shapes.out_blocks()
-    problems = []
-    if config.block_q is not None and config.block_q not in q_blocks:
-        problems.append(f"block_q = {config.block_q} must be one of {q_blocks} (multiples of "
-                        f"{math.lcm(shapes.rank, LANES)} dividing M r = {shapes.num_cols}, or M r)")
+    problems = _block_q_problems(config.block_q, shapes)
     if config.block_out is not None and config.block_out not in out_blocks:
         problems.append(f"block_out = {config.block_out} must be one of {out_blocks} (multiples of {LANES} "
                         f"dividing d = {shapes.hidden}, or d)")
     if problems:
         raise ValueError("content_reader: " + "; ".join(problems))
-    bq = config.block_q or next(
-        (c for c in q_blocks if c * shapes.batch * shapes.key_dim * 4 <= STEP_BYTES
-         and shapes.key_heads(c) * shapes.draft_padded <= LANES), q_blocks[-1])
+    bq = config.block_q or _widest_read_block(shapes)
     bo = config.block_out or next(
         (c for c in out_blocks if c * shapes.num_cols * jnp.dtype(shapes.wo_dtype).itemsize <= STEP_BYTES),
         out_blocks[-1])
@@ -788,16 +853,60 @@ def resolve_content_config(config: ContentReaderConfig | None,
     return dataclasses.replace(config, block_q=bq, block_out=bo), fp
 
 
+def resolve_content_read_config(config: ContentReaderConfig | None,
+                                shapes: ContentReadShapes) -> tuple[ContentReaderConfig, VmemFootprint]:
+    """``config`` with its read block filled in for these shapes (``block_out`` is not used), and its footprint;
+    ValueError when the block does not tile M r or the footprint exceeds the generation's budget. The heuristic is
+    :func:`_widest_read_block`, narrowed until the footprint fits."""
+    config = ContentReaderConfig() if config is None else config
+    problems = _block_q_problems(config.block_q, shapes)
+    if problems:
+        raise ValueError("content_read: " + "; ".join(problems))
+    bq = config.block_q or _widest_read_block(shapes)
+    narrower = [c for c in shapes.q_blocks() if c < bq] if config.block_q is None else []
+    fp = content_read_footprint(bq, shapes)
+    while fp.bytes > tpu_common.vmem_budget_bytes(config.generation) and narrower:
+        bq = narrower.pop(0)
+        fp = content_read_footprint(bq, shapes)
+    fp.check(config.generation, f"content_read (B = {shapes.batch}, G = {shapes.draft}, Q = {shapes.num_queries}, "
+                                f"M r = {shapes.num_cols}, block_q = {bq}; split the batch if the smallest block "
+                                "does not fit)")
+    return dataclasses.replace(config, block_q=bq), fp
+
+
+def _read_step(step, q_ref, pt_ref, *, shapes: ContentReadShapes, block_q: int, key_heads: int) -> list[jax.Array]:
+    """``y = P^T q / |q|`` for read step ``step``'s block of pairs (module docstring), one ``[G_p, bq]`` fp32 value
+    per sequence. q_ref [B, Q, G_p, d_k] fp32 (rows past G zero); pt_ref [B, bq, d_k] fp32, rows (pair, column)."""
+    s = shapes
+    pair0 = step * (block_q // s.rank)
+    # The step's first key head (lax.div: pair0 >= 0, and jnp's floor division lowers through a sign).
+    head0 = jnp.minimum(lax.div(pair0, s.group), s.num_queries - key_heads)
+    lane = lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+    ys = []
+    for b in range(s.batch):
+        q = q_ref[b, pl.ds(head0, key_heads)].reshape(key_heads * s.draft_padded, s.key_dim)
+        q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + QUERY_EPS)   # the reference's q / |q|
+        z = _dot(q, pt_ref[b], _NT)                                  # [key_heads G_p, bq]: P^T q per head
+        # Lane (pair, column) keeps the rows of its pair's key head: head0 + j owns the lanes from its first
+        # pair's on, so later heads overwrite earlier ones.
+        y = z[:s.draft_padded]
+        for j in range(1, key_heads):
+            first_lane = ((head0 + j) * s.group - pair0) * s.rank
+            y = jnp.where(lane >= first_lane, z[j * s.draft_padded:(j + 1) * s.draft_padded], y)
+        ys.append(y)
+    return ys
+
+
 def _content_kernel(h_ref, q_ref, pt_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *, shapes: ContentShapes,
                     num_q_steps: int, block_q: int, block_out: int, key_heads: int, eps: float):
-    """Grid step i: i < num_q_steps reads a block of pairs, the rest are :func:`_norm_and_out`'s.
+    """Grid step i: i < num_q_steps reads a block of pairs (:func:`_read_step`), the rest are
+    :func:`_norm_and_out`'s.
 
     h_ref [B, G_p, d]; q_ref [B, Q, G_p, d_k] fp32 (rows past G zero); pt_ref [B, bq, d_k] fp32, rows (pair,
     column); w_ref [1, N]; wo_ref [N, bo]; o_ref [B, G_p, bo]. Scratch as ``state_reader``'s: y_ref, z_ref
     [B G_p, N], ss_ref [B G_p, 1] fp32."""
     s = shapes
     step = pl.program_id(0)
-    draft_padded = h_ref.shape[1]
 
     @pl.when(step == 0)
     def _init():
@@ -805,29 +914,53 @@ def _content_kernel(h_ref, q_ref, pt_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss
 
     @pl.when(step < num_q_steps)
     def _read():
-        pair0 = step * (block_q // s.rank)
-        # The step's first key head (lax.div: pair0 >= 0, and jnp's floor division lowers through a sign).
-        head0 = jnp.minimum(lax.div(pair0, s.group), s.num_queries - key_heads)
-        lane = lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
         col0 = pl.multiple_of(step * block_q, block_q)
-        for b in range(s.batch):
-            q = q_ref[b, pl.ds(head0, key_heads)].reshape(key_heads * draft_padded, s.key_dim)
-            q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + QUERY_EPS)   # the reference's q / |q|
-            z = _dot(q, pt_ref[b], _NT)                                  # [key_heads G_p, bq]: P^T q per head
-            # Lane (pair, column) keeps the rows of its pair's key head: head0 + j owns the lanes from its first
-            # pair's on, so later heads overwrite earlier ones.
-            y = z[:draft_padded]
-            for j in range(1, key_heads):
-                first_lane = ((head0 + j) * s.group - pair0) * s.rank
-                y = jnp.where(lane >= first_lane, z[j * draft_padded:(j + 1) * draft_padded], y)
-            y = y.astype(s.h_dtype)                                      # rounded as the reference
-            rows = slice(b * draft_padded, (b + 1) * draft_padded)
+        for b, y in enumerate(_read_step(step, q_ref, pt_ref, shapes=s, block_q=block_q, key_heads=key_heads)):
+            y = y.astype(s.y_dtype)                                      # rounded as the reference
+            rows = slice(b * s.draft_padded, (b + 1) * s.draft_padded)
             y_ref[rows, pl.ds(col0, block_q)] = y
             y32 = y.astype(_F32)
             ss_ref[rows] += jnp.sum(y32 * y32, axis=1, keepdims=True)
 
     _norm_and_out(step - num_q_steps, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, num_q_steps=num_q_steps,
-                  block_q=block_q, block_out=block_out, h_dtype=s.h_dtype, o_dtype=s.o_dtype, eps=eps)
+                  block_q=block_q, block_out=block_out, h_dtype=s.y_dtype, o_dtype=s.o_dtype, eps=eps)
+
+
+def _content_read_kernel(q_ref, pt_ref, o_ref, *, shapes: ContentReadShapes, block_q: int, key_heads: int):
+    """Grid step i writes y for one block of pairs (:func:`_read_step`): o_ref [B, G_p, bq] fp32."""
+    ys = _read_step(pl.program_id(0), q_ref, pt_ref, shapes=shapes, block_q=block_q, key_heads=key_heads)
+    for b, y in enumerate(ys):
+        o_ref[b] = y
+
+
+def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int,
+                   problems: Sequence[str] = (), **arrays) -> None:
+    """ValueError naming ``op`` for every mismatch of queries ``[B, G, Q, d_k]`` and values ``[B, M, d_k, r]``
+    (``B = batch``, ``G = draft``) after the caller's ``problems``, then for any dtype of them or ``arrays`` the
+    kernels do not take."""
+    _, m, d_k, r = values.shape
+    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    problems = list(problems)
+    if values.shape != (batch, m, d_k, r):
+        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {batch}")
+    if queries.ndim != 4 or queries.shape[:2] != (batch, draft) or queries.shape[3] != d_k or not num_queries \
+            or m % num_queries:
+        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{batch}, {draft}, Q, {d_k}] with Q "
+                        f"dividing M = {m}")
+    if problems:
+        raise ValueError(f"{op}: " + "; ".join(problems))
+    _check_dtypes(op, queries=queries, values=values, **arrays)
+
+
+def _content_operands(queries: jax.Array, values: jax.Array, draft_padded: int) -> tuple[jax.Array, jax.Array]:
+    """Lane-dense operands: the queries fp32, key-head-major, zero rows past G ``[B, Q, G_p, d_k]`` (the
+    transpose of the ``G Q d_k`` query numbers per sequence), and ``(S V)^T`` with rows (pair, column)
+    ``[B, M r, d_k]`` (the gather's own result, which XLA can hand over without the round trip through
+    ``[B, M, d_k, r]`` when both run in one program)."""
+    b, g = queries.shape[:2]
+    _, m, d_k, r = values.shape
+    q_t = jnp.pad(jnp.swapaxes(queries, 1, 2).astype(_F32), ((0, 0), (0, 0), (0, draft_padded - g), (0, 0)))
+    return q_t, jnp.swapaxes(values, 2, 3).reshape(b, m * r, d_k).astype(_F32)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
@@ -839,34 +972,22 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     ``pltpu.InterpretParams``. ``config``: blocks and generation (None: the heuristic for the default one).
     """
     b, g, d = h.shape
-    _, m, d_k, r = values.shape
-    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    _, m, _, r = values.shape
     n = m * r
     problems = []
-    if values.shape != (b, m, d_k, r):
-        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {b}")
-    if queries.ndim != 4 or queries.shape[:2] != (b, g) or queries.shape[3] != d_k or not num_queries \
-            or m % num_queries:
-        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{b}, {g}, Q, {d_k}] with Q dividing "
-                        f"M = {m}")
     if w_o.shape != (n, d) or norm_weight.shape != (n,):
         problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{n}, {d}], [{n}] "
                         f"(d = {d}, M r = {m} x {r})")
-    if problems:
-        raise ValueError("content_reader: " + "; ".join(problems))
-    _check_dtypes("content_reader", h=h, queries=queries, values=values, w_o=w_o, norm_weight=norm_weight)
+    _check_content("content_reader", queries, values, b, g, problems, h=h, w_o=w_o, norm_weight=norm_weight)
     shapes = ContentShapes.of(h, queries, values, w_o, norm_weight)
     config, _ = resolve_content_config(config, shapes)
     bq, bo = config.block_q, config.block_out
     g_pad = shapes.draft_padded
     num_q, num_out = n // bq, d // bo
-    # Lane-dense operands: (S V)^T with rows (pair, column) [B, M r, d_k] (the gather's own result, which XLA can
-    # hand over without the round trip through [B, M, d_k, r] when both run in one program) and the queries
-    # fp32, key-head-major, zero rows past G [B, Q, G_p, d_k].
-    values_t = jnp.swapaxes(values, 2, 3).reshape(b, n, d_k).astype(_F32)
-    q_t = jnp.pad(jnp.swapaxes(queries, 1, 2).astype(_F32), ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
+    q_t, values_t = _content_operands(queries, values, g_pad)
     resident = pl.Buffered(1)  # constant block index: fetched once, a second buffer would never be used
-    cost = pl.CostEstimate(flops=2 * b * g * (n * d_k + n * d), transcendentals=b * g * (num_queries + 1),
+    cost = pl.CostEstimate(flops=2 * b * g * (n * shapes.key_dim + n * d),
+                           transcendentals=b * g * (shapes.num_queries + 1),
                            bytes_accessed=values_t.nbytes + q_t.nbytes + w_o.nbytes + h.nbytes
                            + b * g * d * jnp.dtype(shapes.o_dtype).itemsize)
     return pl.pallas_call(
@@ -876,13 +997,13 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
         grid=(num_q + num_out,),
         in_specs=[
             pl.BlockSpec((b, g_pad, d), lambda i: (0, 0, 0), pipeline_mode=resident),
-            pl.BlockSpec((b, num_queries, g_pad, d_k), lambda i: (0, 0, 0, 0), pipeline_mode=resident),
-            pl.BlockSpec((b, bq, d_k), lambda i: (0, jnp.minimum(i, num_q - 1), 0)),  # parked at the last block
+            pl.BlockSpec(q_t.shape, lambda i: (0, 0, 0, 0), pipeline_mode=resident),
+            pl.BlockSpec((b, bq, shapes.key_dim), lambda i: (0, jnp.minimum(i, num_q - 1), 0)),  # parked: last block
             pl.BlockSpec((1, n), lambda i: (0, 0), pipeline_mode=resident),
             pl.BlockSpec((n, bo), lambda i: (0, jnp.maximum(i - num_q, 0))),      # first W_o block prefetched
         ],
         out_specs=pl.BlockSpec((b, g_pad, bo), lambda i: (0, 0, jnp.maximum(i - num_q, 0))),
-        scratch_shapes=[pltpu.VMEM((b * g_pad, n), shapes.h_dtype),    # y = P^T q, rounded to h's dtype
+        scratch_shapes=[pltpu.VMEM((b * g_pad, n), shapes.y_dtype),    # y = P^T q, rounded to h's dtype
                         pltpu.VMEM((b * g_pad, n), shapes.o_dtype),    # rmsnorm(y), W_o's operand
                         pltpu.VMEM((b * g_pad, 1), _F32)],             # sum of y^2 per row
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
@@ -890,3 +1011,33 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
         cost_estimate=cost,
         name="content_reader",
     )(h, q_t, values_t, norm_weight.reshape(1, n), w_o)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def content_read(queries: jax.Array, values: jax.Array, *, interpret=False,
+                 config: ContentReaderConfig | None = None) -> jax.Array:
+    """The raw content read ``P_m^T q_m`` as one launch; see the module docstring for shapes.
+
+    ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``. ``config``: the read block and
+    generation (None: the heuristic for the default one; ``block_out`` is not used).
+    """
+    b, g = queries.shape[:2] if queries.ndim == 4 else (values.shape[0], 0)
+    _check_content("content_read", queries, values, b, g)
+    shapes = ContentReadShapes.of(queries, values)
+    config, _ = resolve_content_read_config(config, shapes)
+    bq, g_pad, n = config.block_q, shapes.draft_padded, shapes.num_cols
+    q_t, values_t = _content_operands(queries, values, g_pad)
+    y = pl.pallas_call(
+        functools.partial(_content_read_kernel, shapes=shapes, block_q=bq, key_heads=shapes.key_heads(bq)),
+        out_shape=jax.ShapeDtypeStruct((b, g_pad, n), _F32),
+        grid=(n // bq,),
+        in_specs=[pl.BlockSpec(q_t.shape, lambda i: (0, 0, 0, 0), pipeline_mode=pl.Buffered(1)),   # resident
+                  pl.BlockSpec((b, bq, shapes.key_dim), lambda i: (0, i, 0))],
+        out_specs=pl.BlockSpec((b, g_pad, bq), lambda i: (0, 0, i)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),  # each step its own y block
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=2 * b * g * n * shapes.key_dim, transcendentals=b * g * shapes.num_queries,
+                                      bytes_accessed=values_t.nbytes + q_t.nbytes + b * g_pad * n * 4),
+        name="content_read",
+    )(q_t, values_t)
+    return y[:, :g].reshape(b, g, shapes.num_pairs, shapes.rank)

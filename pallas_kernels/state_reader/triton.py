@@ -1,5 +1,5 @@
-"""The ReaDy reader's Pallas (Triton) kernels: ``state_gather`` (DESIGN.md 3.1), ``state_reader`` (3.2) and the
-full-key-space read ``content_reader``.
+"""The ReaDy reader's Pallas (Triton) kernels: ``state_gather`` (DESIGN.md 3.1), ``state_reader`` (3.2), the
+full-key-space read ``content_reader`` and its raw values ``content_read``.
 
 References: ``pallas_kernels.state_reader.reference``; each kernel takes its reference's arguments and returns
 its result.
@@ -12,8 +12,10 @@ its result.
   read in place; states may be fp32 or bf16. Only the committed position of each state is read (n is clamped to
   0..T in the kernel), each once; only ``r x r`` numbers per pair are written; accumulation is fp32. With
   key_basis None (a content read's values) the key side stays whole: ``P[b, m] = S V_m`` -> ``[B, M, d_k, r]``
-  fp32, ``d_k x r`` numbers written per pair, each d_k chunk of rows as soon as it is done. r, d_v and the d_k
-  chunk must be powers of 2 (every real GDN geometry is); other shapes raise ValueError.
+  fp32, ``d_k x r`` numbers written per pair, each d_k chunk of rows as soon as it is done. With both bases None
+  (a tied read-out's) the states whole: ``S[b, m]`` -> ``[B, M, d_k, d_v]`` fp32, copied in the same d_k chunks;
+  a key basis without a value basis raises ValueError. r, d_v and the d_k chunk must be powers of 2 (every real
+  GDN geometry is); other shapes raise ValueError.
 * :func:`state_reader` (reference ``read``): ``h + W_o(rmsnorm(concat_m C_m^T a_m))`` with ``a = h W_q`` viewed
   ``[M, r]`` per draft position. h ``[B, G, d]``, compressed C ``[B, M, r, r]``, w_q ``[d, M r]``, w_o
   ``[M r, d]``, norm_weight ``[M r]``, eps a static float -> ``[B, G, d]`` in ``result_type(h, w_o)``. Two
@@ -31,6 +33,10 @@ its result.
   launches: ``reader_content`` (per pair, ``q / |q|`` in fp32 with the reference's epsilon, ``y = P^T q`` by
   multiply-and-sum for r < 16 and one dot per d_k chunk for r >= 16, y rounded to h's dtype, partial sums of
   squares) and the basis read's ``reader_out``. r and d_k must be powers of 2 (other shapes raise ValueError).
+* :func:`content_read` (reference ``content_read``): the first half of ``content_reader``, ``y_m = P_m^T q_m``
+  with no norm or W_o after it. queries ``[B, G, Q, d_k]``, values ``[B, M, d_k, r]`` (r = d_v for the states
+  whole) -> ``[B, G, M, r]`` fp32: one launch, ``content_read``, of ``reader_content``'s kernel writing y in fp32
+  and no sums of squares.
 
 Design: docs/kernels.md.
 """
@@ -230,7 +236,8 @@ class ContentReaderConfig:
         lengthen the few programs there are.
     block_k: d_k chunk of the product. For r < 16 it is a multiply-and-sum holding ``[G_pad, block_k, r]`` in
         registers (16 x 32 x 8 fp32 = 32 registers per thread at 4 warps); r >= 16 raises it to 16 for a dot.
-    block_n, block_out: ``reader_out``'s, as in :class:`ReaderKernelConfig`.
+    block_n, block_out: ``reader_out``'s, as in :class:`ReaderKernelConfig` (``content_reader`` only: the raw
+        ``content_read`` is the first launch alone).
     num_warps, num_stages: passed to Triton explicitly, for both kernels.
     """
 
@@ -251,10 +258,10 @@ class ContentReaderConfig:
             raise ValueError("invalid ContentReaderConfig: " + "; ".join(problems))
 
 
-def _content_kernel(q_ref, p_ref, y_ref, ss_ref, *, block_m: int, block_k: int, d_k: int, rank: int, group: int,
-                    h_dtype):
+def _content_kernel(q_ref, p_ref, y_ref, *ss_refs, block_m: int, block_k: int, d_k: int, rank: int, group: int):
     """Program (b, pair block). q_ref [G_pad, Q d_k] (the sequence's queries, one d_k slice per key head);
-    p_ref [block_m, d_k, r] fp32; y_ref [G_pad, block_m r] (h's dtype); ss_ref [G_pad] fp32."""
+    p_ref [block_m, d_k, r] fp32; y_ref [G_pad, block_m r], y rounded to its dtype (h's before a norm, fp32 for
+    the raw read); ss_refs: (ss_ref [G_pad] fp32, y's sum of squares) when a norm follows, else ()."""
     g_pad = y_ref.shape[0]
 
     def pair(j):
@@ -271,13 +278,68 @@ def _content_kernel(q_ref, p_ref, y_ref, ss_ref, *, block_m: int, block_k: int, 
 
         return lax.fori_loop(0, d_k // block_k, step, jnp.zeros((g_pad, rank), jnp.float32))
 
-    ss = jnp.zeros((g_pad,), jnp.float32)
-    for j in range(block_m):
-        y = pair(j).astype(h_dtype)                        # rounded where the reference rounds
+    ys = [pair(j).astype(y_ref.dtype) for j in range(block_m)]   # rounded where the reference rounds
+    for j, y in enumerate(ys):
         y_ref[:, pl.ds(j * rank, rank)] = y
-        y32 = y.astype(jnp.float32)
-        ss = ss + jnp.sum(y32 * y32, axis=1)
-    ss_ref[...] = ss
+    if ss_refs:
+        (ss_ref,) = ss_refs
+        ss_ref[...] = sum(jnp.sum(jnp.square(y.astype(jnp.float32)), axis=1) for y in ys)
+
+
+def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int,
+                   problems: Sequence[str] = ()) -> None:
+    """ValueError naming ``op`` for every mismatch of queries ``[B, G, Q, d_k]`` and values ``[B, M, d_k, r]``
+    (``B = batch``, ``G = draft``) after the caller's ``problems``, then for tiles Triton cannot take."""
+    _, m, d_k, r = values.shape
+    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    problems = list(problems)
+    if values.shape != (batch, m, d_k, r):
+        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {batch}")
+    if queries.ndim != 4 or queries.shape[:2] != (batch, draft) or queries.shape[3] != d_k or not num_queries \
+            or m % num_queries:
+        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{batch}, {draft}, Q, {d_k}] with Q "
+                        f"dividing M = {m}")
+    if problems:
+        raise ValueError(f"{op}: " + "; ".join(problems))
+    unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_k", d_k)) if not is_power_of_2(v)]
+    if unsupported:
+        raise ValueError(f"{op} needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
+                         "Use the reference (impl='xla') for this geometry.")
+
+
+def _content_values(queries: jax.Array, values: jax.Array, y_dtype, *, sums: bool, config: ContentReaderConfig,
+                    params, interpret: bool, name: str) -> tuple[jax.Array, ...]:
+    """The read launch ``name``: y ``[B, G_pad, M r]`` in ``y_dtype`` (rows past G unspecified) and, with ``sums``,
+    its partial sums of squares ``[B, M / block_m, G_pad]`` fp32. Arguments as :func:`_check_content` passed
+    them."""
+    b, g, num_queries, d_k = queries.shape
+    _, m, _, r = values.shape
+    n = m * r
+    group = m // num_queries
+    g_pad = max(MIN_DOT_DIM, next_power_of_2(g))  # reader_out's dot, and r >= 16's, need >= 16 rows
+    block_m = min(config.block_m, largest_power_of_2_divisor(m))
+    block_k = min(config.block_k, d_k)
+    if r >= MIN_DOT_DIM:
+        block_k = max(block_k, min(MIN_DOT_DIM, d_k))
+    num_blocks = m // block_m
+    flat_queries = queries.reshape(b, g, num_queries * d_k)   # free: a key head's query is a d_k slice of a row
+    y_bytes = jnp.dtype(y_dtype).itemsize + (4 if sums else 0)
+    return pl.pallas_call(
+        functools.partial(_content_kernel, block_m=block_m, block_k=block_k, d_k=d_k, rank=r, group=group),
+        out_shape=(jax.ShapeDtypeStruct((b, g_pad, n), y_dtype),
+                   *([jax.ShapeDtypeStruct((b, num_blocks, g_pad), jnp.float32)] if sums else [])),
+        grid=(b, num_blocks),
+        in_specs=[pl.BlockSpec((None, g_pad, num_queries * d_k), lambda i, j: (i, 0, 0)),  # rows padded to g_pad
+                  pl.BlockSpec((None, block_m, d_k, r), lambda i, j: (i, j, 0, 0))],
+        out_specs=(pl.BlockSpec((None, g_pad, block_m * r), lambda i, j: (i, 0, j)),
+                   *([pl.BlockSpec((None, None, g_pad), lambda i, j: (i, j, 0))] if sums else [])),
+        interpret=interpret,
+        compiler_params=params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * b * g * n * d_k + 3 * b * g * m * d_k, transcendentals=b * g * m,
+            bytes_accessed=queries.nbytes * group + values.nbytes + b * g_pad * n * y_bytes),
+        name=name,
+    )(flat_queries, values)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
@@ -290,57 +352,37 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     """
     config = ContentReaderConfig() if config is None else config
     b, g, d = h.shape
-    _, m, d_k, r = values.shape
-    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    _, m, _, r = values.shape
     n = m * r
     problems = []
-    if values.shape != (b, m, d_k, r):
-        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {b}")
-    if queries.ndim != 4 or queries.shape[:2] != (b, g) or queries.shape[3] != d_k or not num_queries \
-            or m % num_queries:
-        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{b}, {g}, Q, {d_k}] with Q dividing "
-                        f"M = {m}")
     if w_o.shape != (n, d) or norm_weight.shape != (n,):
         problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{n}, {d}], [{n}] "
                         f"(d = {d}, M r = {m} x {r})")
-    if problems:
-        raise ValueError("content_reader: " + "; ".join(problems))
-    unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_k", d_k)) if not is_power_of_2(v)]
-    if unsupported:
-        raise ValueError(f"content_reader needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
-                         "Use the reference (impl='xla') for this geometry.")
-    group = m // num_queries
-    g_pad = max(MIN_DOT_DIM, next_power_of_2(g))  # reader_out's dot needs >= 16 rows
-    block_m = min(config.block_m, largest_power_of_2_divisor(m))
-    block_k = min(config.block_k, d_k)
-    if r >= MIN_DOT_DIM:
-        block_k = max(block_k, min(MIN_DOT_DIM, d_k))
-    block_n = min(config.block_n, largest_power_of_2_divisor(n))
-    block_out = min(config.block_out, largest_power_of_2_divisor(d))
-    num_blocks = m // block_m
+    _check_content("content_reader", queries, values, b, g, problems)
     params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
-    flat_queries = queries.reshape(b, g, num_queries * d_k)   # free: a key head's query is a d_k slice of a row
-
-    y, ss = pl.pallas_call(
-        functools.partial(_content_kernel, block_m=block_m, block_k=block_k, d_k=d_k, rank=r, group=group,
-                          h_dtype=h.dtype),
-        out_shape=(jax.ShapeDtypeStruct((b, g_pad, n), h.dtype),
-                   jax.ShapeDtypeStruct((b, num_blocks, g_pad), jnp.float32)),
-        grid=(b, num_blocks),
-        in_specs=[pl.BlockSpec((None, g_pad, num_queries * d_k), lambda i, j: (i, 0, 0)),  # rows padded to g_pad
-                  pl.BlockSpec((None, block_m, d_k, r), lambda i, j: (i, j, 0, 0))],
-        out_specs=[pl.BlockSpec((None, g_pad, block_m * r), lambda i, j: (i, 0, j)),
-                   pl.BlockSpec((None, None, g_pad), lambda i, j: (i, j, 0))],
-        interpret=interpret,
-        compiler_params=params,
-        cost_estimate=pl.CostEstimate(
-            flops=2 * b * g * n * d_k + 3 * b * g * m * d_k, transcendentals=b * g * m,
-            bytes_accessed=queries.nbytes * group + values.nbytes + b * g_pad * n * (h.dtype.itemsize + 4)),
-        name="reader_content",
-    )(flat_queries, values)
-
-    return _reader_out(h, y, ss, norm_weight, w_o, eps, block_n=block_n, block_out=block_out, params=params,
+    y, ss = _content_values(queries, values, h.dtype, sums=True, config=config, params=params, interpret=interpret,
+                            name="reader_content")
+    return _reader_out(h, y, ss, norm_weight, w_o, eps, block_n=min(config.block_n, largest_power_of_2_divisor(n)),
+                       block_out=min(config.block_out, largest_power_of_2_divisor(d)), params=params,
                        interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def content_read(queries: jax.Array, values: jax.Array, *, interpret: bool = False,
+                 config: ContentReaderConfig | None = None) -> jax.Array:
+    """The raw content read ``P_m^T q_m`` as one launch; see the module docstring for shapes.
+
+    ``interpret``: Pallas interpret mode (the only mode on a CPU). ``config``: block sizes and launch parameters
+    (None: the defaults).
+    """
+    config = ContentReaderConfig() if config is None else config
+    b, g = queries.shape[:2] if queries.ndim == 4 else (values.shape[0], 0)
+    _check_content("content_read", queries, values, b, g)
+    _, m, _, r = values.shape
+    params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+    (y,) = _content_values(queries, values, jnp.float32, sums=False, config=config, params=params,
+                           interpret=interpret, name="content_read")
+    return y[:, :g].reshape(b, g, m, r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +394,7 @@ class GatherConfig:
     block_k: d_k rows per step of the in-kernel loop (upper bound, a power of 2; capped at the largest power
         of 2 dividing d_k). For r < 16 the step holds a ``[block_k, r, d_v]`` product in registers (``[block_k,
         d_v, r]`` without a key basis; 16 x 8 x 128 fp32 = 128 registers per thread at 4 warps), so keep it
-        small.
+        small; without bases a step copies ``[block_k, d_v]``.
     num_warps, num_stages: passed to Triton explicitly (stages pipeline the d_k loop's loads).
     """
 
@@ -372,26 +414,28 @@ class GatherConfig:
 
 # ---- the kernel ---------------------------------------------------------------------------------------------
 def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int, num_pairs: int, block_m: int,
-                   block_k: int, d_k: int, rank: int, t_max: int, use_dot: bool, keyed: bool):
+                   block_k: int, d_k: int, rank: int, t_max: int, use_dot: bool, num_bases: int):
     """Program (b, pair block). Refs (un-blocked, whole arrays):
 
-    n_ref [B] int32; x_refs[i] [L_i, B, T+1, H_v, d_k, d_v]; u_ref [M, d_k, r] (``keyed`` only); v_ref
-    [M, d_v, r]; o_ref [B, M, r, r] fp32 (keyed) or [B, M, d_k, r] fp32.
+    n_ref [B] int32; x_refs[i] [L_i, B, T+1, H_v, d_k, d_v]; the ``num_bases`` last bases of u_ref [M, d_k, r],
+    v_ref [M, d_v, r]; o_ref [B, M, r, r] fp32 (both bases), [B, M, d_k, r] fp32 (V only) or [B, M, d_k, d_v]
+    fp32 (none).
     """
     x_refs = refs[:num_arrays]
-    u_ref, v_ref, o_ref = refs[num_arrays:] if keyed else (None, *refs[num_arrays:])
+    *bases, o_ref = refs[num_arrays:]
+    u_ref, v_ref = (None,) * (2 - num_bases) + tuple(bases)
     b = pl.program_id(0)
     n = jnp.clip(n_ref[b], 0, t_max)  # the committed position: the only one of the T+1 states read
-    d_v = v_ref.shape[1]
 
-    def values(x_ref, index, head, m):
-        """``P = S V`` in d_k row chunks, each written as it is done: nothing accumulates across chunks."""
-        v = v_ref[m].astype(jnp.float32)                                              # [d_v, r]
+    def rows(x_ref, index, head, m):
+        """``P = S V`` (S itself without a value basis) in d_k row chunks, each written as it is done: nothing
+        accumulates across chunks."""
+        v = None if v_ref is None else v_ref[m].astype(jnp.float32)                  # [d_v, r]
 
         def step(kc, carry):
             k0 = pl.multiple_of(kc * block_k, block_k)
             s = x_ref[index, b, n, head, pl.ds(k0, block_k), :].astype(jnp.float32)  # [block_k, d_v]
-            o_ref[b, m, pl.ds(k0, block_k), :] = matmul(s, v)                          # [block_k, r]
+            o_ref[b, m, pl.ds(k0, block_k), :] = s if v is None else matmul(s, v)     # [block_k, r or d_v]
             return carry
 
         lax.fori_loop(0, d_k // block_k, step, 0)
@@ -405,12 +449,13 @@ def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int
                 return p + matmul(u.T, s)
             return p + jnp.sum(u[:, :, None] * s[:, None, :], axis=0)                 # [block_k, r, d_v] -> [r, d_v]
 
+        d_v = v_ref.shape[1]
         p = lax.fori_loop(0, d_k // block_k, step, jnp.zeros((rank, d_v), jnp.float32))
         v = v_ref[m].astype(jnp.float32)                                              # [d_v, r]
         c = matmul(p, v) if use_dot else jnp.sum(p[:, :, None] * v[None, :, :], axis=1)  # [r, r]
         o_ref[b, m] = c
 
-    read = compress if keyed else values
+    read = rows if u_ref is None else compress
 
     # Static (layer -> array, index) table: each source array's leading index as a function of the layer.
     by_array = {i: [(layer, j) for layer, (a, j) in enumerate(layers) if a == i] for i in range(num_arrays)}
@@ -438,14 +483,18 @@ def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int
 
 
 def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
+    """The gather's ``(B, T+1, H_v, d_k, d_v, M, r)``, r the columns written per pair (d_v without a value basis);
+    a ValueError lists every mismatch."""
     _, b, t1, h, d_k, d_v = arrays[0].shape
     problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
                 for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
-    m, r = len(layers) * h, value_basis.shape[-1]
-    if key_basis is None and value_basis.shape != (m, d_v, r):
+    m, r = len(layers) * h, d_v if value_basis is None else value_basis.shape[-1]
+    if value_basis is None and key_basis is not None:
+        problems.append("a key basis needs a value basis (C = U^T S V); pass neither to gather the states whole")
+    elif key_basis is None and value_basis is not None and value_basis.shape != (m, d_v, r):
         problems.append(f"value basis V {value_basis.shape} must be [{m}, {d_v}, r] "
                         f"(M = {len(layers)} source layers x {h} heads)")
-    if key_basis is not None and (key_basis.shape != (m, d_k, r) or value_basis.shape != (m, d_v, r)):
+    elif key_basis is not None and (key_basis.shape != (m, d_k, r) or value_basis.shape != (m, d_v, r)):
         problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], [{m}, {d_v}, r] "
                         f"(M = {len(layers)} source layers x {h} heads)")
     if n_committed.shape != (b,):
@@ -455,16 +504,17 @@ def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
     return b, t1, h, d_k, d_v, m, r
 
 
-def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array, *,
-                 layers: Sequence[tuple[int, int]] | None = None, interpret: bool = False,
+def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array | None,
+                 *, layers: Sequence[tuple[int, int]] | None = None, interpret: bool = False,
                  config: GatherConfig | None = None) -> jax.Array:
     """Committed-state gather + rank-r compression as one launch; see the module docstring.
 
     per_position: ``[L_src, B, T+1, H_v, d_k, d_v]``, or a list of ``[L_i, B, T+1, ...]`` / ``[B, T+1, ...]``
-    arrays; n_committed ``[B]`` int in 0..T; key_basis U ``[M, d_k, r]`` or None; value_basis V ``[M, d_v, r]``;
-    layers: static ``((array, index), ...)`` per source layer, in pair order (None: every leading index of every
-    array). ``interpret``: Pallas interpret mode (the only mode on a CPU). Returns C ``[B, M, r, r]`` fp32, or
-    with key_basis None ``S V`` ``[B, M, d_k, r]`` fp32.
+    arrays; n_committed ``[B]`` int in 0..T; key_basis U ``[M, d_k, r]`` or None; value_basis V ``[M, d_v, r]``
+    or None (then key_basis too); layers: static ``((array, index), ...)`` per source layer, in pair order (None:
+    every leading index of every array). ``interpret``: Pallas interpret mode (the only mode on a CPU). Returns
+    C ``[B, M, r, r]`` fp32, with key_basis None ``S V`` ``[B, M, d_k, r]`` fp32, with both None ``S``
+    ``[B, M, d_k, d_v]`` fp32.
     """
     layers = None if layers is None else tuple((int(i), int(j)) for i, j in layers)
     return _state_gather_pallas(per_position, n_committed, key_basis, value_basis, layers=layers,
@@ -477,26 +527,27 @@ def _state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, l
     arrays, layers = per_position_arrays(per_position, layers)
     n_committed = jnp.asarray(n_committed, jnp.int32)
     b, t1, h, d_k, d_v, m, r = _check_shapes(arrays, layers, n_committed, key_basis, value_basis)
+    bases = tuple(x for x in (key_basis, value_basis) if x is not None)   # (U, V), (V,) or ()
     block_k = min(config.block_k, largest_power_of_2_divisor(d_k))
-    use_dot = r >= MIN_DOT_DIM
+    use_dot = bool(bases) and r >= MIN_DOT_DIM
     if use_dot:
         block_k = max(block_k, min(MIN_DOT_DIM, largest_power_of_2_divisor(d_k)))
-    unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_v", d_v)) if not is_power_of_2(v)]
+    tiles = (("rank", r), ("d_v", d_v)) if bases else (("d_v", d_v),)
+    unsupported = [f"{name} = {v}" for name, v in tiles if not is_power_of_2(v)]
     if use_dot and block_k < MIN_DOT_DIM:
         unsupported.append(f"d_k = {d_k} (rank >= 16 needs d_k chunks of >= 16 rows)")
     if unsupported:
         raise ValueError(f"state_gather needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
                          "Use the reference (impl='xla') for this geometry.")
     block_m = min(config.block_m, m)
-    keyed = key_basis is not None
     kernel = functools.partial(
         _gather_kernel, num_arrays=len(arrays), layers=layers, num_heads=h, num_pairs=m, block_m=block_m,
-        block_k=block_k, d_k=d_k, rank=r, t_max=t1 - 1, use_dot=use_dot, keyed=keyed)
+        block_k=block_k, d_k=d_k, rank=r, t_max=t1 - 1, use_dot=use_dot, num_bases=len(bases))
     state_bytes = b * m * d_k * d_v * arrays[0].dtype.itemsize
-    out_rows = r if keyed else d_k                        # C [r, r] per pair, or S V [d_k, r]
-    bases = (key_basis.nbytes if keyed else 0) + value_basis.nbytes
-    cost = pl.CostEstimate(flops=2 * b * m * (d_k * d_v * r + (d_v * r * r if keyed else 0)), transcendentals=0,
-                           bytes_accessed=state_bytes + bases * b + b * m * out_rows * r * 4)
+    out_rows = r if len(bases) == 2 else d_k              # C [r, r] per pair, S V [d_k, r] or S [d_k, d_v]
+    flops = {2: d_k * d_v * r + d_v * r * r, 1: d_k * d_v * r, 0: 0}[len(bases)]
+    cost = pl.CostEstimate(flops=2 * b * m * flops, transcendentals=0,
+                           bytes_accessed=state_bytes + sum(x.nbytes for x in bases) * b + b * m * out_rows * r * 4)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, m, out_rows, r), jnp.float32),
@@ -505,4 +556,4 @@ def _state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, l
         compiler_params=triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
         cost_estimate=cost,
         name="state_gather",
-    )(n_committed, *arrays, *((key_basis,) if keyed else ()), value_basis)
+    )(n_committed, *arrays, *bases)
