@@ -227,12 +227,11 @@ class ReaderConfig:
                     "macs_per_position": query + m * dk * dv + output}
         if self.query == "basis":
             kept, gather, query, read = m * r * r, m * dk * dv * r + m * dk * r * r, d * m * r, m * r * r
-        elif self.query == "content":
-            kept, gather, read = m * dk * r, m * dk * dv * r, m * dk * r
-            query = d * self.query_rank + self.query_rank * self.num_query_heads * dk
-        else:
-            kept, gather, read = m * dk * r, m * dk * dv * r, m * dk * r
-            query = 2 * d * self.query_rank + d * self.num_query_heads * dk
+        else:  # a value side kept whole (r = d_v) is gathered as it is: no multiply-adds
+            kept, read = m * dk * r, m * dk * r
+            gather = 0 if r == dv else m * dk * dv * r
+            query = (d * self.query_rank + self.query_rank * self.num_query_heads * dk if self.query == "content"
+                     else 2 * d * self.query_rank + d * self.num_query_heads * dk)
         output = m * r * d if self.output_rank is None else (m * r + d) * self.output_rank
         return {"parameters": sum(self.parameter_count(d).values()),
                 "frozen_parameters": d * self.num_query_heads * dk if self.query == "tied" else 0,

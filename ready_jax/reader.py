@@ -203,15 +203,12 @@ class _ValueSideParams(nnx.Module):
                                    kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
         self.norm = Qwen3RMSNorm(m * r, eps, dtype=dtype)
 
-    def value_basis_matrix(self) -> jax.Array:
-        """V [M, d_v, r]: the learned basis, or the identity when the value side is kept whole."""
-        if self.value_basis is None:
-            return jnp.broadcast_to(jnp.eye(self.value_dim, dtype=jnp.float32),
-                                    (self.num_pairs, self.value_dim, self.value_dim))
-        return self.value_basis[...]
+    def value_basis_matrix(self) -> jax.Array | None:
+        """V [M, d_v, r], or None when the value side is kept whole (the gather then keeps the states as they are)."""
+        return None if self.value_basis is None else self.value_basis[...]
 
     def prepare(self, states_bmkv: jax.Array) -> jax.Array:
-        """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed (or whole), the key side whole."""
+        """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed (or ``S_m`` whole), the key side whole."""
         return compress(states_bmkv, None, self.value_basis_matrix())
 
     def __call__(self, h: jax.Array, values: jax.Array, impl: Impl = "xla") -> jax.Array:

@@ -18,6 +18,7 @@ from ready_jax import target as target_lib
 from ready_jax.checkpoint import flat_state
 from ready_jax.drafter import SharedWeights
 from ready_jax.drafter_config import ReaderConfig, parameter_matched_query_rank
+from ready_jax.reader import committed_states
 from ready_jax.training import drafter_variants, optimiser
 
 EPS = 1e-6
@@ -198,6 +199,8 @@ def test_a_factorised_output_is_the_read_through_both_factors(tiny_target, query
     ids = jnp.asarray(np.random.default_rng(4).integers(3, tiny_target.config.vocab_size, size=(2, 11)), jnp.int32)
     out = tiny_target.prefill(tiny_target.init_cache(2, 12), ids)
     (values,) = drafter.prepare_reader(out.cache)
+    rc = drafter.config.reader
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(committed_states(out.cache, rc.source_layers)))
     h = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
     w_o = reader.o_down.kernel[...] @ reader.o_up.kernel[...]
     expected = read_by_content(h, reader.queries(h), values, w_o, reader.norm.weight[...], reader.norm.eps)
@@ -217,6 +220,7 @@ def test_output_rank_costs_and_settings():
     parts = factored.parameter_count(d)
     assert parts["value_basis"] == 0 and parts["o_down"] == m * whole * 5 and parts["o_up"] == 5 * d
     assert "o_proj" not in parts and plain.parameter_count(d)["o_proj"] == m * whole * d
+    assert plain.round_cost(d)["gather_macs"] == 0   # a whole value side is gathered as it is
     saved = plain.round_cost(d)["macs_per_position"] - factored.round_cost(d)["macs_per_position"]
     assert saved == m * whole * d - (m * whole + d) * 5
     with pytest.raises(ValueError, match="output_rank 3 must be >= 1 and belongs to a 'content' or 'tied'"):
