@@ -482,6 +482,28 @@ def test_shipped_testbed_recalls_through_the_states_and_its_drafters_are_lossles
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (SHIPPED / "ready_r8").exists(), reason="zoo/long_range/ready_r8 is not shipped")
+def test_shipped_reader_at_the_papers_budget_fits_it_and_drafts_the_answers():
+    """zoo/long_range/ready_r8: at most 2x the basis rank-8 reader's trained parameters, no more state numbers
+    read per round than its gather, lossless, and ahead of the control on held-out recall prompts."""
+    target = rj.Target.load(SHIPPED / "target", dtype=jnp.float32)
+    drafter, control = (rj.Drafter.load(SHIPPED / folder, dtype=jnp.float32) for folder in ("ready_r8", "control"))
+    layers, d = drafter.config.num_layers, target.config.hidden_size
+    basis = rj.ReaderConfig(rank=8).resolve(target.config, layers).round_cost(d)
+    cost = drafter.config.reader.round_cost(d)
+    assert cost["parameters"] <= 2 * basis["parameters"]
+    assert cost["state_numbers_read"] <= basis["state_numbers_read"]
+    tokenizer = Tokenizer.from_file(str(SHIPPED / "target" / data.MODEL_TOKENIZER))
+    prompts = long_range_prompts(tokenizer, 32, 8, seed=5, **long_range_settings(SHIPPED / "target"))
+    ids = np.asarray([p["ids"] for p in prompts], np.int32)
+    new_tokens = len(prompts[0]["reference"])
+    ar = rj.generate(target, ids, new_tokens)
+    out = rj.generate(target, ids, new_tokens, drafter=drafter)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    assert out.tau > rj.generate(target, ids, new_tokens, drafter=control).tau
+
+
+@pytest.mark.slow
 def test_demo_prints_the_shipped_testbeds_table(capsys):
     """``long_range demo`` (the second half of ``make demo``) runs the zoo's control and ReaDy, checks them against
     AR and prints one row per distance."""
