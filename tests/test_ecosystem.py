@@ -236,7 +236,7 @@ def test_reproduce_table_loops_report_progress(tmp_path, monkeypatch, capsys):
     args = SimpleNamespace(runs=tmp_path / "runs", target="t", corpus="c", seeds=[0, 1], jobs=2, sequences=4,
                            dspark_steps=2, extra_steps=2, prompts=2, prompt_tokens=4, prompt_seed=0,
                            max_new_tokens=4, repeats=1)
-    runs = 3 * 2 + (len(table) - 3)                                     # three arms run every seed
+    runs = sum(len(args.seeds) if arm.all_seeds else 1 for arm in table)   # the main arms run every seed
 
     class Finished:
         """A training process that wrote its drafter and exited."""
