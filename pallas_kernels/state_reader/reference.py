@@ -136,6 +136,27 @@ def read_by_content(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: ja
     return h + jnp.einsum("bgn,nd->bgd", rms_norm(y.astype(h.dtype), norm_weight, eps), w_o)
 
 
+def content_contract_problems(queries: jax.Array, values: jax.Array, batch: int, draft: int,
+                              w_o: jax.Array | None = None, norm_weight: jax.Array | None = None,
+                              hidden: int | None = None) -> list[str]:
+    """What breaks the content ops' shape contract, one message per mismatch (the kernels' wrappers raise them):
+    queries ``[B, G, Q, d_k]`` with Q dividing M, values ``[B, M, d_k, r]`` (``B = batch``, ``G = draft``) and,
+    for :func:`read_by_content`, ``w_o [M r, d]`` and ``norm_weight [M r]`` (``d = hidden``)."""
+    _, m, d_k, r = values.shape
+    num_queries = queries.shape[2] if queries.ndim == 4 else 0
+    problems = []
+    if w_o is not None and (w_o.shape != (m * r, hidden) or norm_weight.shape != (m * r,)):
+        problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{m * r}, {hidden}], [{m * r}] "
+                        f"(d = {hidden}, M r = {m} x {r})")
+    if values.shape != (batch, m, d_k, r):
+        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {batch}")
+    if queries.ndim != 4 or queries.shape[:2] != (batch, draft) or queries.shape[3] != d_k or not num_queries \
+            or m % num_queries:
+        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{batch}, {draft}, Q, {d_k}] with Q "
+                        f"dividing M = {m}")
+    return problems
+
+
 def content_read(queries: jax.Array, values: jax.Array) -> jax.Array:
     """What each pair's state returns for a full-key-space query: ``y_m = P_m^T q_m`` ``[B, G, M, r]`` fp32.
 

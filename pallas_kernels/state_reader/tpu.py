@@ -140,7 +140,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import tpu_common
 from ..tpu_common import LANES, SUBLANES, VmemFootprint
-from .reference import QUERY_EPS, Layers, per_position_arrays
+from .reference import QUERY_EPS, Layers, content_contract_problems, per_position_arrays
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
@@ -933,22 +933,16 @@ def _content_read_kernel(q_ref, pt_ref, o_ref, *, shapes: ContentReadShapes, blo
         o_ref[b] = y
 
 
-def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int,
-                   problems: Sequence[str] = (), **arrays) -> None:
-    """ValueError naming ``op`` for every mismatch of queries ``[B, G, Q, d_k]`` and values ``[B, M, d_k, r]``
-    (``B = batch``, ``G = draft``) after the caller's ``problems``, then for any dtype of them or ``arrays`` the
-    kernels do not take."""
-    _, m, d_k, r = values.shape
-    num_queries = queries.shape[2] if queries.ndim == 4 else 0
-    problems = list(problems)
-    if values.shape != (batch, m, d_k, r):
-        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {batch}")
-    if queries.ndim != 4 or queries.shape[:2] != (batch, draft) or queries.shape[3] != d_k or not num_queries \
-            or m % num_queries:
-        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{batch}, {draft}, Q, {d_k}] with Q "
-                        f"dividing M = {m}")
+def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int, h=None, w_o=None,
+                   norm_weight=None) -> None:
+    """ValueError naming ``op`` for every break of ``reference.content_contract_problems`` (with ``h [B, G, d]``,
+    ``w_o`` and ``norm_weight`` for the read with ``W_o``), then for any dtype of the arrays the kernels do not
+    take."""
+    hidden = None if h is None else h.shape[-1]
+    problems = content_contract_problems(queries, values, batch, draft, w_o, norm_weight, hidden)
     if problems:
         raise ValueError(f"{op}: " + "; ".join(problems))
+    arrays = {name: a for name, a in (("h", h), ("w_o", w_o), ("norm_weight", norm_weight)) if a is not None}
     _check_dtypes(op, queries=queries, values=values, **arrays)
 
 
@@ -972,13 +966,8 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     ``pltpu.InterpretParams``. ``config``: blocks and generation (None: the heuristic for the default one).
     """
     b, g, d = h.shape
-    _, m, _, r = values.shape
-    n = m * r
-    problems = []
-    if w_o.shape != (n, d) or norm_weight.shape != (n,):
-        problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{n}, {d}], [{n}] "
-                        f"(d = {d}, M r = {m} x {r})")
-    _check_content("content_reader", queries, values, b, g, problems, h=h, w_o=w_o, norm_weight=norm_weight)
+    n = values.shape[1] * values.shape[3]   # M r
+    _check_content("content_reader", queries, values, b, g, h=h, w_o=w_o, norm_weight=norm_weight)
     shapes = ContentShapes.of(h, queries, values, w_o, norm_weight)
     config, _ = resolve_content_config(config, shapes)
     bq, bo = config.block_q, config.block_out

@@ -60,7 +60,7 @@ from ..triton_common import (
     next_power_of_2,
     triton_compiler_params,
 )
-from .reference import QUERY_EPS, Layers, per_position_arrays
+from .reference import QUERY_EPS, Layers, content_contract_problems, per_position_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,21 +286,13 @@ def _content_kernel(q_ref, p_ref, y_ref, *ss_refs, block_m: int, block_k: int, d
         ss_ref[...] = sum(jnp.sum(jnp.square(y.astype(jnp.float32)), axis=1) for y in ys)
 
 
-def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int,
-                   problems: Sequence[str] = ()) -> None:
-    """ValueError naming ``op`` for every mismatch of queries ``[B, G, Q, d_k]`` and values ``[B, M, d_k, r]``
-    (``B = batch``, ``G = draft``) after the caller's ``problems``, then for tiles Triton cannot take."""
-    _, m, d_k, r = values.shape
-    num_queries = queries.shape[2] if queries.ndim == 4 else 0
-    problems = list(problems)
-    if values.shape != (batch, m, d_k, r):
-        problems.append(f"values {values.shape} must be [B, M, d_k, r] with B = {batch}")
-    if queries.ndim != 4 or queries.shape[:2] != (batch, draft) or queries.shape[3] != d_k or not num_queries \
-            or m % num_queries:
-        problems.append(f"queries {queries.shape} must be [B, G, Q, d_k] = [{batch}, {draft}, Q, {d_k}] with Q "
-                        f"dividing M = {m}")
+def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int, **read_out) -> None:
+    """ValueError naming ``op`` for every break of ``reference.content_contract_problems`` (``read_out``: its
+    ``w_o``, ``norm_weight``, ``hidden``), then for tiles Triton cannot take."""
+    problems = content_contract_problems(queries, values, batch, draft, **read_out)
     if problems:
         raise ValueError(f"{op}: " + "; ".join(problems))
+    _, _, d_k, r = values.shape
     unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_k", d_k)) if not is_power_of_2(v)]
     if unsupported:
         raise ValueError(f"{op} needs power-of-2 Triton tiles; got {', '.join(unsupported)}. "
@@ -352,13 +344,8 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     """
     config = ContentReaderConfig() if config is None else config
     b, g, d = h.shape
-    _, m, _, r = values.shape
-    n = m * r
-    problems = []
-    if w_o.shape != (n, d) or norm_weight.shape != (n,):
-        problems.append(f"w_o {w_o.shape}, norm_weight {norm_weight.shape} must be [{n}, {d}], [{n}] "
-                        f"(d = {d}, M r = {m} x {r})")
-    _check_content("content_reader", queries, values, b, g, problems)
+    n = values.shape[1] * values.shape[3]   # M r
+    _check_content("content_reader", queries, values, b, g, w_o=w_o, norm_weight=norm_weight, hidden=d)
     params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
     y, ss = _content_values(queries, values, h.dtype, sums=True, config=config, params=params, interpret=interpret,
                             name="reader_content")
