@@ -21,7 +21,9 @@ token for token against AR, and reports per arm: tau (also per prompt kind), the
 rate, tokens/s and speedup over AR (measured in the same run), as mean and sample standard deviation
 over seeds, and ReaDy's gains over DSpark and over the control as per-seed paired differences.
 
-``ready_tied_read`` (every seed) is ReaDy with the tied query and read-out (``ReaderConfig.readout``) at rank 8.
+``ready_tied_read`` (every seed) is ReaDy with the tied query and read-out (``ReaderConfig.readout``) at rank 8;
+``ready_tied_whole`` (every seed) reads the value side whole (``rank = d_v``) with the tied query through a
+rank-8 adapter, the design that matches rank 64 on the long-range testbed (``docs/long_range.md``).
 ``--arms`` limits ``train`` and ``evaluate`` to the arms named and those they start from.
 
 Ablations (each a ReaDy variant of the seed-0 DSpark unless said otherwise):
@@ -60,6 +62,9 @@ def arms(target: rj.TargetConfig, window: int) -> tuple[Arm, ...]:
         Arm("ready", "ready", "dspark", all_seeds=True, label=f"ReaDy (sources {list(default_sources)}, rank 8)"),
         Arm("ready_tied_read", "ready", "dspark", ("--reader-query", "tied", "--readout", "tied"), all_seeds=True,
             label="ReaDy, tied read-out, rank 8"),
+        Arm("ready_tied_whole", "ready", "dspark",
+            ("--reader-query", "tied", "--query-rank", "8", "--rank", str(target.linear_value_head_dim)),
+            all_seeds=True, label="ReaDy, tied query rank 8, value side whole"),
         Arm("ready_third_source", "ready", "dspark", ("--source-layers", *map(str, third)),
             label=f"ReaDy, sources {third}"),
         Arm("ready_rank128", "ready", "dspark", ("--rank", "128"), label="ReaDy, rank 128"),
@@ -146,7 +151,8 @@ def gains(per_run: dict, seeds: list[int]) -> dict:
              "control_vs_dspark": ("dspark_ft", "dspark"),
              "window_ready_vs_window_control": ("ready_window", "dspark_window_ft"),
              "kv_read_vs_control": ("kv_read", "dspark_ft"),
-             "tied_read_vs_control": ("ready_tied_read", "dspark_ft")}
+             "tied_read_vs_control": ("ready_tied_read", "dspark_ft"),
+             "tied_whole_vs_control": ("ready_tied_whole", "dspark_ft")}
     out = {}
     for label, (a, b) in pairs.items():
         paired = [(per_run[run_name(a, s)]["tau"], per_run[run_name(b, s)]["tau"]) for s in seeds
