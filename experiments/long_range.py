@@ -25,7 +25,7 @@ DSpark trained from scratch for both phases' steps (the upper bound). ``ship`` c
 seed's control and ReaDy (``--ship-ready``: rank 8, or the arm of another rank) into
 ``zoo/long_range/{target,control,ready}`` (``--ship-folders``, which may add ``ready_r8``: the ``--ship-r8`` arm)
 and records them in ``zoo/MANIFEST.json``; ``evaluate`` without
-``--runs`` names the zoo's ReaDy by its rank.
+``--runs`` evaluates the zoo's drafters, each under its arm's name, and ``demo`` prints their tau side by side.
 
 ``cost`` alone times one drafter round against prefix length (below) for the testbed's drafter shapes on any
 target, freshly initialised, since a round's time and memory do not depend on the weights:
@@ -71,7 +71,7 @@ from ready_jax.training import drafter_variants
 from .common import pyplot, save_figure, write_json
 from .zoo_runs import Arm, only_arms, run_name, ship_dirs, spread, train
 
-ZOO_DRAFTERS = ("control", "ready")  # zoo/long_range/<folder>; the target sits beside them in "target"
+ZOO_DRAFTERS = ("control", "ready", "ready_r8")  # zoo/long_range/<folder>; the target sits beside them in "target"
 
 
 def reader_arm(config: rj.DrafterConfig) -> str:
@@ -522,7 +522,8 @@ def plot_cost(curves: dict, path: str) -> None:
 
 # ---- main ---------------------------------------------------------------------------------------------------
 def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: list[int]) -> dict[str, rj.Drafter]:
-    """Every trained run under ``runs`` (by run name), or without runs the zoo's control and ReaDy."""
+    """Every trained run under ``runs`` (by run name), or without runs the zoo's drafters (by their arms' run
+    names at the first seed)."""
     found = {}
     if runs is not None:
         for arm in table:
@@ -534,9 +535,27 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
                     print(f"missing {path}: not evaluated")
     else:
         for folder in ZOO_DRAFTERS:
-            drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
-            found[run_name(reader_arm(drafter.config), seeds[0])] = drafter
+            if (zoo / folder).exists():
+                drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+                found[run_name(reader_arm(drafter.config), seeds[0])] = drafter
     return found
+
+
+def zoo_arms(drafters: dict[str, rj.Drafter], window: int, state_dim: int, seed: int) -> tuple[Arm, ...]:
+    """The arms of the zoo's drafters (every design at every rank they use), in the table's order."""
+    ranks = tuple(sorted({d.config.reader.rank for d in drafters.values() if d.config.reader is not None}))
+    table = arms(window, state_dim, ranks, (), tuple(READER_DESIGNS), ranks)
+    return tuple(arm for arm in table if run_name(arm.name, seed) in drafters)
+
+
+def reader_label(config: rj.DrafterConfig) -> str:
+    """A short name of a drafter's reader for a table header: its rank, and its design beside the basis read."""
+    reader = config.reader
+    if reader is None:
+        return "control"
+    if reader.query == "basis":
+        return f"ReaDy r{reader.rank}"
+    return f"ReaDy {reader.query} q{reader.query_rank or reader.rank}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -547,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the shipped testbed's, which ship cannot replace by itself)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
     parser.add_argument("--runs", default=None, help="the drafters' runs (train, ship; evaluate: every run there "
-                        "instead of the zoo's two)")
+                        "instead of the zoo's drafters)")
     parser.add_argument("--zoo", default=cli.repo_path("zoo", "long_range"),
                         help="the shipped testbed (ship writes it; evaluate reads its target, and its drafters "
                         "without --runs)")
@@ -630,15 +649,22 @@ def demo(args, target: rj.Target, target_dir: Path) -> None:
     D = 2W and 8W (``--distances``), every output checked against AR; no timing, lookups or JSON."""
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
     task = long_range_settings(target_dir)
-    drafters = {name: rj.Drafter.load(Path(args.zoo) / name, dtype=jnp.float32) for name in ZOO_DRAFTERS}
+    drafters = {name: rj.Drafter.load(Path(args.zoo) / name, dtype=jnp.float32) for name in ZOO_DRAFTERS
+                if (Path(args.zoo) / name).exists()}
+    readers = [name for name, d in drafters.items() if d.config.reader is not None]
     window = drafters["control"].config.context_window or args.window
     chosen = args.distances or [2 * window, 8 * window]
     prompts = {d: long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task) for d in chosen}
     width = max(len(p["ids"]) for batch in prompts.values() for p in batch)   # one program per drafter
-    ready_rank = drafters["ready"].config.reader.rank
     print(f"\nlong-range testbed: the answer sits D tokens back, beyond the drafters' {window}-token window; "
           f"{args.prompts} held-out prompts per D")
-    print(f"{'D':>6s} {'control tau':>12s} {f'ReaDy r{ready_rank} tau':>14s} {'ReaDy / control':>16s}  same as AR")
+    for name in readers:
+        reader = drafters[name].config.reader
+        print(f"  {reader_label(drafters[name].config)} (zoo/long_range/{name}): source layers "
+              f"{list(reader.source_layers)}, {reader.round_cost(target.config.hidden_size)['parameters']:,} "
+              "trained reader parameters")
+    print(f"{'D':>6s} {'control tau':>12s}" + "".join(f" {reader_label(drafters[n].config) + ' tau':>18s} {'/ control':>10s}"
+                                               for n in readers) + "  same as AR")
     for distance, batch in prompts.items():
         ids = np.asarray([p["ids"] for p in batch], np.int32)
         new_tokens = len(batch[0]["reference"])
@@ -646,8 +672,9 @@ def demo(args, target: rj.Target, target_dir: Path) -> None:
         outs = {name: rj.generate(target, ids, new_tokens, drafter=d, prompt_bucket=width)
                 for name, d in drafters.items()}
         same = all(np.array_equal(out.tokens, ar.tokens) for out in outs.values())
-        print(f"{distance:6d} {outs['control'].tau:12.2f} {outs['ready'].tau:14.2f} "
-              f"{outs['ready'].tau / outs['control'].tau:15.2f}x  {'yes' if same else 'NO'}")
+        print(f"{distance:6d} {outs['control'].tau:12.2f}"
+              + "".join(f" {outs[n].tau:18.2f} {outs[n].tau / outs['control'].tau:9.2f}x" for n in readers)
+              + f"  {'yes' if same else 'NO'}")
         if not same:
             raise SystemExit(f"D={distance}: speculative output differs from autoregressive decoding")
 
@@ -665,7 +692,8 @@ def evaluate_testbed(args, target: rj.Target, target_dir: Path, runs: Path | Non
         raise SystemExit(f"the windowed drafters have different context windows {sorted(windows)}")
     window = windows.pop() if windows else args.window
     table = only_arms(arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks), tuple(args.queries),
-                           tuple(args.query_ranks)), args.arms)
+                           tuple(args.query_ranks)), args.arms) if runs is not None \
+        else zoo_arms(drafters, window, state_dim, args.seeds[0])
     per_distance = evaluate(args, target, tokenizer, drafters, window, task)
     timed_runs = [run_name(arm.name, args.seeds[0]) for arm in table   # every reader arm and full-context DSpark
                   if arm.variant == "ready" or arm.name == "dspark_full"]

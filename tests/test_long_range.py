@@ -378,6 +378,18 @@ def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_pa
         ["control", "ready", "ready_rank4", "kv_read"]
 
 
+def test_zoo_drafters_are_evaluated_under_their_arms_and_labelled_by_design(tiny_target):
+    """Without --runs, evaluate names each zoo drafter by its arm (a tied reader at a whole-state rank too), and the
+    demo labels it by rank and design."""
+    readers = {"control": None, "ready": rj.ReaderConfig(source_layers=(1,), rank=8),
+               "ready_r8": rj.ReaderConfig(source_layers=(1,), rank=8, query="tied", query_rank=4)}
+    drafters = {folder: _drafter(tiny_target, context_window=8, reader=r) for folder, r in readers.items()}
+    by_run = {zoo_runs.run_name(lr.reader_arm(d.config), 0): d for d in drafters.values()}
+    assert sorted(by_run) == ["control_s0", "ready_s0", "ready_tied_s0"]
+    assert [a.name for a in lr.zoo_arms(by_run, 8, 8, 0)] == ["control", "ready", "ready_tied"]
+    assert [lr.reader_label(d.config) for d in drafters.values()] == ["control", "ReaDy r8", "ReaDy tied q4"]
+
+
 def test_lookup_shares_find_what_a_state_wrote_unless_the_basis_drops_its_key():
     """A state that wrote six values under orthonormal keys answers a query at any of those keys exactly,
     through bases that span the queried keys and the values too, and not through a key basis that misses them."""
@@ -505,10 +517,14 @@ def test_shipped_reader_at_the_papers_budget_fits_it_and_drafts_the_answers():
 
 @pytest.mark.slow
 def test_demo_prints_the_shipped_testbeds_table(capsys):
-    """``long_range demo`` (the second half of ``make demo``) runs the zoo's control and ReaDy, checks them against
-    AR and prints one row per distance."""
+    """``long_range demo`` (the second half of ``make demo``) runs the zoo's control and every shipped reader,
+    checks them against AR and prints one row per distance: the control's tau, then each reader's tau and ratio."""
     lr.main(["demo", "--prompts", "2", "--distances", "32"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("32 ")]
-    assert len(rows) == 1 and rows[0][-1] == "yes"
-    control, ready, ratio = float(rows[0][1]), float(rows[0][2]), float(rows[0][3].rstrip("x"))
-    assert control >= 1 and ready >= 1 and ratio == pytest.approx(ready / control, abs=0.01)
+    readers = [f for f in lr.ZOO_DRAFTERS if f != "control" and (SHIPPED / f).exists()]
+    assert len(rows) == 1 and rows[0][-1] == "yes" and len(rows[0]) == 3 + 2 * len(readers)
+    control = float(rows[0][1])
+    assert control >= 1
+    for i in range(len(readers)):
+        tau, ratio = float(rows[0][2 + 2 * i]), float(rows[0][3 + 2 * i].rstrip("x"))
+        assert tau >= 1 and ratio == pytest.approx(tau / control, abs=0.01)
