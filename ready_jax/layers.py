@@ -47,6 +47,16 @@ class RMSNorm(nnx.Module):
         return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
+def gated_rms_norm(x: jax.Array, weight: jax.Array, eps: float, gate: jax.Array | None = None) -> jax.Array:
+    """``rmsnorm(x) * weight``, times ``silu(gate)`` when a gate is given, over x's last axis (``weight``
+    broadcasts against x); the norm and the gate in fp32, the result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    out = weight * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    if gate is not None:
+        out = out * jax.nn.silu(gate.astype(jnp.float32))
+    return out.astype(x.dtype)
+
+
 class GatedRMSNorm(nnx.Module):
     """Gated DeltaNet output norm: ``rmsnorm(o) * w * silu(z)``; w starts at one (not zero-centred)."""
 
@@ -55,10 +65,7 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
-        out = self.weight[...] * normed
-        return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+        return gated_rms_norm(x, self.weight[...], self.eps, gate)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:

@@ -42,7 +42,7 @@ from pallas_kernels.state_reader.reference import Layers, compress, gather_state
 from .cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
 from .drafter_config import ReaderConfig
 from .kv_read import KVReadState, prepare_kv, read_kv
-from .layers import linear
+from .layers import gated_rms_norm, linear
 from .modes import Impl
 
 
@@ -349,11 +349,11 @@ class TiedReadReader(nnx.Module):
                                               states, impl=impl) * self.key_dim**-0.5          # [B, G, M, d_v]
         reads = reads.reshape(b, g, num_src, self.num_heads, self.value_dim)
         out_norm, out_proj = (jax.lax.stop_gradient(p[...]) for p in (self.frozen_out_norm, self.frozen_out_proj))
-        normed = reads * jax.lax.rsqrt(jnp.mean(reads * reads, axis=-1, keepdims=True) + self.eps_target)
-        normed = normed * out_norm[:, None].astype(jnp.float32)
+        gate = None
         if self.frozen_gate_proj is not None:
             gate = jnp.einsum("bgld,ldc->bglc", inputs, jax.lax.stop_gradient(self.frozen_gate_proj[...]))
-            normed = normed * jax.nn.silu(gate.astype(jnp.float32)).reshape(normed.shape)
+            gate = gate.reshape(reads.shape)
+        normed = gated_rms_norm(reads, out_norm[:, None].astype(jnp.float32), self.eps_target, gate)
         return jnp.einsum("bglc,lcd->bgld", normed.astype(h.dtype).reshape(b, g, num_src, -1), out_proj)
 
     def __call__(self, h: jax.Array, states: jax.Array, impl: Impl = "xla") -> jax.Array:
