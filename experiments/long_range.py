@@ -562,8 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.long_range", __doc__)
     parser.add_argument("step", choices=("train", "ship", "evaluate", "cost", "demo"), help="what to do (see above)")
     parser.add_argument("--target", default=cli.repo_path("zoo", "long_range", "target"),
-                        help="train / ship: the trained long-range target (project format, with tokenizer; default: "
-                        "the shipped testbed's, which ship cannot replace by itself)")
+                        help="train / ship / cost: the trained long-range target (project format, with tokenizer; "
+                        "default: the shipped testbed's, which ship cannot replace by itself)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
     parser.add_argument("--runs", default=None, help="the drafters' runs (train, ship; evaluate: every run there "
                         "instead of the zoo's drafters)")
@@ -707,6 +707,13 @@ def evaluate_testbed(args, target: rj.Target, target_dir: Path, runs: Path | Non
         plot(result, window, args.plot)
 
 
+def step_target(args) -> Path:
+    """The target a step runs on: train and cost the one named; evaluate and demo the zoo's, which its drafters
+    were trained for (the named one when the zoo has none)."""
+    zoo_target = Path(args.zoo) / "target"
+    return Path(args.target) if args.step in ("train", "cost") or not zoo_target.exists() else zoo_target
+
+
 @cli.main
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
@@ -714,8 +721,7 @@ def main(argv=None) -> None:
     if args.step == "ship":
         ship(args, runs)
         return
-    target_dir = Path(args.target) if args.step == "train" or not (Path(args.zoo) / "target").exists() \
-        else Path(args.zoo) / "target"
+    target_dir = step_target(args)
     target = rj.Target.load(target_dir, dtype=jnp.float32)
     if args.step == "cost":
         cost(args, target)

@@ -342,6 +342,9 @@ def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
 
 def test_target_defaults_to_the_shipped_one_which_ship_does_not_copy_onto_itself(tmp_path):
     assert lr.build_parser().parse_args(["train"]).target == cli.repo_path("zoo", "long_range", "target")
+    named = ["--target", str(tmp_path / "other"), "--zoo", str(SHIPPED)]        # a zoo whose target exists
+    steps = {step: lr.step_target(lr.build_parser().parse_args([step, *named])) for step in ("cost", "evaluate")}
+    assert steps == {"cost": tmp_path / "other", "evaluate": SHIPPED / "target"}
     zoo = tmp_path / "zoo" / "long_range"
     with pytest.raises(SystemExit, match="name the target trained for it"):
         lr.main(["ship", "--runs", str(tmp_path / "runs"), "--target", str(zoo / "target"), "--zoo", str(zoo)])
