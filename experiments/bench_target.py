@@ -25,15 +25,7 @@ import ready_jax as rj
 from ready_jax import cli
 
 from .common import write_json
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from .timing import median_seconds
 
 
 def build_hf_model(args):
@@ -56,7 +48,7 @@ def bench_hf(model, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
 
     ids = torch.from_numpy(prompts).long()
     with torch.no_grad():
-        prefill = _median_seconds(lambda: model(input_ids=ids, use_cache=False), repeats)
+        prefill = median_seconds(lambda: model(input_ids=ids, use_cache=False), repeats)
 
         def decode():
             out = model(input_ids=ids, use_cache=True)
@@ -86,7 +78,7 @@ def bench_jax(target: rj.Target, prompts: np.ndarray, new_tokens: int, repeats: 
     start = time.perf_counter()
     out = prefill()
     prefill_first = time.perf_counter() - start
-    prefill_s = _median_seconds(prefill, repeats)
+    prefill_s = median_seconds(prefill, repeats)
 
     cache, token = out.cache, jnp.argmax(out.logits[:, -1], axis=-1)
     tokens, step_times, decode_first = [token], [], None
