@@ -19,7 +19,7 @@ Three parts, in one run:
   (draft + verify + commit + context append + reader prepare, replay rollback), with each kind's
   reader round as a fraction of it.
 * **query designs** (``--queries``): for the state reader's basis query and each other design
-  (``drafter_config.READER_DESIGNS``) at ``--rank``, its parameters, state numbers read and kept per round and
+  (``drafter_config.READER_DESIGNS``) at ``--rank`` (and ``--query-rank``), its parameters, state numbers read and kept per round and
   multiply-adds per draft position (``ReaderConfig.round_cost``, at the preset and at Qwen3.5-27B), and its
   reader round's median time and share of a round at the first ``--round-prompts`` length.
 
@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weights, caches and prompts")
     parser.add_argument("--queries", nargs="*", default=list(READER_DESIGNS), choices=tuple(READER_DESIGNS),
                         help="reader designs costed beside the basis reader")
+    parser.add_argument("--query-rank", type=int, default=None,
+                        help="the designs' query rank (ReaderConfig.query_rank; default: each design's own)")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     return parser
@@ -240,7 +242,8 @@ def query_designs(target: rj.Target, preset, args, dtype, rng, basis: rj.Drafter
     prompts = rng.integers(0, preset.target.vocab_size, size=(args.batch, length))
     out = {}
     for query in ("basis", *args.queries):
-        reader = rj.ReaderConfig(rank=args.rank, **({} if query == "basis" else READER_DESIGNS[query][1]))
+        reader = rj.ReaderConfig(rank=args.rank, **({} if query == "basis" else
+                                                     READER_DESIGNS[query][1] | {"query_rank": args.query_rank}))
         drafter = basis if query == "basis" else rj.Drafter.init(
             preset.target, preset.drafter(args.block_size, reader), seed=1, dtype=dtype)
         b = round_breakdown(target, drafter, prompts, args.repeats, rollbacks=("replay",))
