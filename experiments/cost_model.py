@@ -19,9 +19,9 @@ Three parts, in one run:
   (draft + verify + commit + context append + reader prepare, replay rollback), with each kind's
   reader round as a fraction of it.
 * **query designs** (``--queries``): for the state reader's basis query and each other design
-  (``drafter_config.READER_DESIGNS``) at ``--rank`` (and ``--query-rank``), its parameters, state numbers read and kept per round and
-  multiply-adds per draft position (``ReaderConfig.round_cost``, at the preset and at Qwen3.5-27B), and its
-  reader round's median time and share of a round at the first ``--round-prompts`` length.
+  (``drafter_config.READER_DESIGNS``) at ``--rank`` (and ``--query-rank``), its parameters, state numbers read
+  and kept per round and multiply-adds per draft position (``ReaderConfig.round_cost``, at the preset and at
+  Qwen3.5-27B), and its reader round's median time and share of a round at the first ``--round-prompts`` length.
 
 Default: the ``cpu`` preset (``experiments.presets``) (8 layers, hidden 512, 8 GDN value heads of 64 x 64,
 2 KV heads of dim 64; a random target and drafters), prefixes 128 ... 16384, round shares at prompts of

@@ -534,11 +534,14 @@ def load_drafters(runs: Path | None, zoo: Path, table: tuple[Arm, ...], seeds: l
                 else:
                     print(f"missing {path}: not evaluated")
     else:
-        for folder in ZOO_DRAFTERS:
-            if (zoo / folder).exists():
-                drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
-                found[run_name(reader_arm(drafter.config), seeds[0])] = drafter
+        found = {run_name(reader_arm(d.config), seeds[0]): d for d in zoo_drafters(zoo).values()}
     return found
+
+
+def zoo_drafters(zoo: Path) -> dict[str, rj.Drafter]:
+    """The shipped drafters under ``zoo`` by folder (those of :data:`ZOO_DRAFTERS` that are there)."""
+    return {folder: rj.Drafter.load(zoo / folder, dtype=jnp.float32) for folder in ZOO_DRAFTERS
+            if (zoo / folder).exists()}
 
 
 def zoo_arms(drafters: dict[str, rj.Drafter], window: int, state_dim: int, seed: int) -> tuple[Arm, ...]:
@@ -649,8 +652,7 @@ def demo(args, target: rj.Target, target_dir: Path) -> None:
     D = 2W and 8W (``--distances``), every output checked against AR; no timing, lookups or JSON."""
     tokenizer = Tokenizer.from_file(str(target_dir / data.MODEL_TOKENIZER))
     task = long_range_settings(target_dir)
-    drafters = {name: rj.Drafter.load(Path(args.zoo) / name, dtype=jnp.float32) for name in ZOO_DRAFTERS
-                if (Path(args.zoo) / name).exists()}
+    drafters = zoo_drafters(Path(args.zoo))
     readers = [name for name, d in drafters.items() if d.config.reader is not None]
     window = drafters["control"].config.context_window or args.window
     chosen = args.distances or [2 * window, 8 * window]
@@ -663,8 +665,8 @@ def demo(args, target: rj.Target, target_dir: Path) -> None:
         print(f"  {reader_label(drafters[name].config)} (zoo/long_range/{name}): source layers "
               f"{list(reader.source_layers)}, {reader.round_cost(target.config.hidden_size)['parameters']:,} "
               "trained reader parameters")
-    print(f"{'D':>6s} {'control tau':>12s}" + "".join(f" {reader_label(drafters[n].config) + ' tau':>18s} {'/ control':>10s}"
-                                               for n in readers) + "  same as AR")
+    headers = "".join(f" {reader_label(drafters[n].config) + ' tau':>18s} {'/ control':>10s}" for n in readers)
+    print(f"{'D':>6s} {'control tau':>12s}{headers}  same as AR")
     for distance, batch in prompts.items():
         ids = np.asarray([p["ids"] for p in batch], np.int32)
         new_tokens = len(batch[0]["reference"])
