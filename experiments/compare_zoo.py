@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (the fastest is kept)")
     parser.add_argument("--seed", type=int, default=0, help="which held-out prompts")
+    parser.add_argument("--dtype", choices=("saved", "float32", "bfloat16"), default="saved",
+                        help="compute dtype of the target and drafters (saved: the zoo's own, bfloat16)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     return parser
 
@@ -95,14 +97,15 @@ def main(argv=None) -> None:
     zoo = Path(args.zoo)
 
     start = time.perf_counter()
-    target = rj.Target.load(zoo / "target", dtype=jnp.float32)
+    # As saved (bf16): the dtype users load, where greedy speculative output must still equal AR's.
+    target = rj.Target.load(zoo / "target", dtype=None if args.dtype == "saved" else jnp.dtype(args.dtype))
     prompts = held_out_prompts(zoo / "target", args.prompts, args.prompt_tokens, args.seed)
     ids = np.asarray([p["ids"] for p in prompts], np.int32)               # [B, prompt_tokens]
     kinds = np.asarray([p["kind"] for p in prompts])
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "
           f"of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens each, greedy")
 
-    drafters = {name: rj.Drafter.load(zoo / folder, dtype=jnp.float32) for name, folder in DRAFTERS}
+    drafters = {name: rj.Drafter.load(zoo / folder, dtype=target.dtype) for name, folder in DRAFTERS}
     single = {}
     if args.batch1_prompts:
         single = batch_one(target, [ids[i:i + 1] for i in range(min(args.batch1_prompts, len(ids)))],

@@ -90,7 +90,7 @@ def load_target_dir(path: Path, dtype) -> rj.Target:
     """The project's target format (``format: ready-jax-target``) or an HF checkpoint directory."""
     if _format(path) == "ready-jax-target":
         return rj.Target.load(path, dtype=dtype)
-    return rj.Target.from_hf(path, dtype=dtype)
+    return rj.Target.from_hf(path, dtype=jnp.bfloat16 if dtype is None else dtype)
 
 
 def load_drafter_dir(path: Path, dtype) -> rj.Drafter:
@@ -412,11 +412,12 @@ def print_summary(summary: dict, with_baseline: bool) -> None:
 
 def load_models(args, dtype) -> tuple[rj.Target, rj.Drafter | None, Path]:
     """(the target, the drafter or None, the tokenizer's path): ``--target`` and ``--drafter`` in either format,
-    computed in ``dtype``."""
+    computed in ``dtype`` (None: as saved; an HF directory in bfloat16)."""
     target_dir = Path(args.target)
     try:
         target = load_target_dir(target_dir, dtype)
-        drafter = load_drafter_dir(Path(args.drafter), dtype) if args.drafter else None
+        # A drafter computes in the target's dtype unless one is asked for.
+        drafter = load_drafter_dir(Path(args.drafter), dtype or target.dtype) if args.drafter else None
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     tokenizer_path = Path(args.tokenizer or target_dir / "tokenizer.json")
@@ -478,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=cli.non_negative_float, default=0.0,
                         help="sampling temperature (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (plus the question id)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    parser.add_argument("--dtype", choices=("saved", "float32", "bfloat16"), default="saved",
+                        help="compute dtype (saved: a project checkpoint's own, bfloat16 for an HF directory)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question first")
     parser.add_argument("--with-ar", action="store_true", help="also run the AR baseline, question by question")
     parser.add_argument("--baseline", help="AR answers (Spec-Bench JSONL) of an earlier run to compare against")
@@ -513,7 +515,7 @@ def main(argv=None) -> None:
     if not questions:
         raise SystemExit(f"no questions selected from {args.questions}")
     baseline = read_answers(args.baseline) if args.baseline else None
-    dtype = jnp.dtype(args.dtype)
+    dtype = None if args.dtype == "saved" else jnp.dtype(args.dtype)
     target_dir = Path(args.target)
     target, drafter, tokenizer_path = load_models(args, dtype)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
@@ -543,6 +545,17 @@ def main(argv=None) -> None:
         "model_id": methods[0].model_id, "baseline": methods[1].model_id if args.with_ar else args.baseline,
         "settings": vars(args), "stop_ids": list(stops), "skipped_questions": skipped, "prompt_notes": notes,
         "compile_seconds": {m.model_id: m.compile_seconds for m in methods}, "categories": summary})
+    if args.with_ar and args.temperature == 0.0:
+        check_lossless(summary["overall"])
+
+
+def check_lossless(totals: dict) -> None:
+    """Greedy speculative answers must be the AR answers: exit 2 naming how many differ (after everything is
+    written, so the answers can be compared)."""
+    differing = totals["baseline_questions"] - totals["identical_to_baseline"]
+    if differing:
+        raise SystemExit(f"spec_bench: {differing} of {totals['baseline_questions']} greedy speculative answers "
+                         "differ from the AR answers (docs/numerics.md)")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ _PUBLIC = {
     "StepOutput": "target", "Target": "target", "TargetModel": "target",
     "shard_target": "target", "shard_drafter": "drafter",
 }
-_SUBMODULES = ("debug", "sharding")
+_SUBMODULES = ("debug", "numerics", "sharding")
 
 __all__ = sorted([*_PUBLIC, *_SUBMODULES])
 

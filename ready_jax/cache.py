@@ -170,10 +170,12 @@ def _per_sequence(fn, x: jax.Array, n: jax.Array) -> jax.Array:
     return jax.vmap(fn, in_axes=(1, 0), out_axes=1)(x, n)
 
 
-def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla") -> TargetCache:
+def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla",
+           batch_invariant: bool = False) -> TargetCache:
     """Keep the first ``n_accepted[b]`` block tokens of sequence b (0 <= n <= T): a pure selection.
 
-    (A ``replay`` candidate recomputes the kept tokens' state updates, with XLA or the Pallas kernel.)
+    (A ``replay`` candidate recomputes the kept tokens' state updates, with XLA or the Pallas kernel;
+    ``batch_invariant`` runs XLA's one token per loop iteration, rounding as a decode step does.)
     """
     n = jnp.asarray(n_accepted, jnp.int32)
     layers = []
@@ -183,7 +185,7 @@ def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla") -> Ta
             continue
         if isinstance(entry, DeltaNetReplay):
             block = entry.k.shape[2]
-            state = _replay_state(entry, n, impl)
+            state = _replay_state(entry, n, impl, batch_invariant)
         else:
             block = entry.states.shape[2] - 1
             state = _per_sequence(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
@@ -193,13 +195,14 @@ def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla") -> Ta
     return TargetCache(layers=tuple(layers), lengths=candidate.lengths + n)
 
 
-def _replay_state(entry: DeltaNetReplay, n: jax.Array, impl: str) -> jax.Array:
+def _replay_state(entry: DeltaNetReplay, n: jax.Array, impl: str, looped: bool) -> jax.Array:
     """Re-run the delta rule over the block with tokens >= n[b] given g = beta = 0 (which leave the
     state exactly unchanged), so the result is the state after the first n[b] tokens."""
     keep = (jnp.arange(entry.k.shape[2])[None, :] < n[:, None])[None, :, :, None]   # [1, B, T, 1]
     g, beta = jnp.where(keep, entry.g, 0.0), jnp.where(keep, entry.beta, 0.0)
     # The read-out o is not needed (XLA drops it); k stands in for q.
-    run = lambda k, v, g, beta, s: gated_delta.gated_delta_recurrent(k, k, v, g, beta, s, impl=impl)[1]  # noqa: E731
+    run = lambda k, v, g, beta, s: gated_delta.gated_delta_recurrent(k, k, v, g, beta, s, impl=impl,  # noqa: E731
+                                                                     looped=looped)[1]
     return jax.vmap(run)(entry.k, entry.v, g, beta, entry.state)
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from pallas_kernels import backend
 
-from . import debug, modes
+from . import debug, modes, numerics
 from . import drafter as drafter_lib
 from . import sharding as sharding_lib
 from .cache import TargetCache
@@ -116,11 +116,16 @@ MAX_COMPILED_PROGRAMS = 32  # each holds its machine code; a long-lived process 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
              temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
              capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
-             check_finite: bool = False, prompt_bucket: int = 1) -> GenerateOutput:
+             check_finite: bool = False, prompt_bucket: int = 1,
+             batch_invariant: bool | None = None) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
 
     prompt_ids: a [B, T] int array, or a list of 1-D int arrays of different lengths (ragged batch).
-    Greedy (``temperature=0``) output is identical with and without a drafter; with temperature > 0
+    Greedy (``temperature=0``) output is identical with and without a drafter, token for token in the dtype
+    the target is loaded in, when ``batch_invariant`` (the default on a CPU, where it is checked: a verify
+    block rounds every token as a decode step does; ``ready_jax.numerics``, docs/numerics.md). Off (the default
+    on an accelerator) verify runs each matmul over the whole block, faster, and greedy tokens can differ
+    where two logits tie within rounding; ``generate`` then warns. With temperature > 0
     speculative sampling is lossless (same distribution as the target's own sampling). Generation
     stops per sequence after an EOS (``eos_token_ids``, default: the target config's) or
     ``max_new_tokens``. ``capacity`` (default: just enough) sizes the caches. ``prompt_bucket = m``
@@ -140,7 +145,9 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     """
     program = prepare(target, prompt_ids, max_new_tokens, drafter, temperature, seed, eos_token_ids=eos_token_ids,
                       capacity=capacity, rollback=rollback, impl=impl, check_finite=check_finite,
-                      prompt_bucket=prompt_bucket)
+                      prompt_bucket=prompt_bucket, batch_invariant=batch_invariant)
+    numerics.warn_unless_invariant(program.settings.batch_invariant, program.settings.temperature == 0.0,
+                                   drafter is not None)
     compiled = compiled_program(program)
     start = time.perf_counter()
     outputs = jax.block_until_ready(compiled.executable(*program.args))
@@ -186,7 +193,7 @@ class Program:
 def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
             capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
-            check_finite: bool = False, prompt_bucket: int = 1) -> Program:
+            check_finite: bool = False, prompt_bucket: int = 1, batch_invariant: bool | None = None) -> Program:
     """Check :func:`generate`'s arguments and build its :class:`Program` (same arguments, same errors)."""
     prompt_bucket = check_int(prompt_bucket, "prompt_bucket", 1, INT32_MAX)
     prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size, prompt_bucket)
@@ -196,6 +203,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     modes.check(rollback, modes.ROLLBACKS, "rollback")
     modes.check(impl, modes.IMPLS, "impl")
     check_flag(check_finite, "check_finite")
+    batch_invariant = numerics.resolve(batch_invariant)
     if capacity is not None:
         capacity = check_int(capacity, "capacity", 1, INT32_MAX)
     drafter_config, drafter_params, drafter_def = None, None, None
@@ -220,7 +228,8 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
            else check_token_ids(eos_token_ids, "eos_token_ids", target.config.vocab_size))
     layout = target.layout
     settings = Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
-                         impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl))
+                         impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl),
+                         batch_invariant)
     shared = _shared_weights(target) if isinstance(drafter, Drafter) else None
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):
@@ -277,7 +286,7 @@ def compiled_program(program: Program) -> _Compiled:
     # (and a second compile of what should be one program shows up).
     print(f"compiling generate: {_describe(program)} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    _compiled[cache_key] = program.lower().compile()
+    _compiled[cache_key] = program.lower().compile(numerics.compiler_options(program.settings.batch_invariant))
     seconds = time.perf_counter() - start
     print(f"compiled generate in {seconds:.1f} s", file=sys.stderr, flush=True)
     while len(_compiled) > MAX_COMPILED_PROGRAMS:

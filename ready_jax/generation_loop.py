@@ -59,6 +59,8 @@ class Settings:
     # impl="pallas": the kernel family traced in (pallas_kernels.backend), so a program traced with one family
     # is never reused after the choice changes; "" for XLA.
     kernels: str = ""
+    # A token rounds the same in a verify block as in a decode step (target.extend's batch_invariant).
+    batch_invariant: bool = False
 
     @property
     def learned(self) -> bool:
@@ -140,7 +142,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
             step = target_lib.extend(target_def, target_params, carry.cache, anchor[:, None],
                                      jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl,
-                                     check_finite=s.check_finite, head=head)
+                                     check_finite=s.check_finite, head=head, batch_invariant=s.batch_invariant)
         n_accepted = jnp.zeros_like(anchor)
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
@@ -162,7 +164,8 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
             ver = target_lib.verify(target_def, target_params, carry.cache, block, hidden_layers=s.hidden_layers,
-                                    rollback=s.rollback, impl=s.impl, check_finite=s.check_finite, head=head)
+                                    rollback=s.rollback, impl=s.impl, check_finite=s.check_finite, head=head,
+                                    batch_invariant=s.batch_invariant)
         with jax.named_scope("accept"):
             if s.temperature == 0.0:
                 n_accepted, bonus = speculative.greedy_accept(draft_tokens, ver.logits)
@@ -176,7 +179,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
                                                      s.max_new_tokens, done)
         with jax.named_scope("commit"):
-            cache = cache_lib.commit(ver.cache, keep, s.impl)
+            cache = cache_lib.commit(ver.cache, keep, s.impl, s.batch_invariant)
             if s.learned:
                 context = drafter_lib.append_context(drafter_def, drafter_params, context, ver.hidden, keep)
         if s.has_reader:

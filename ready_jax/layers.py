@@ -6,6 +6,7 @@ Linear kernels are stored ``[in, out]`` (HF stores ``[out, in]``; the converters
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -32,6 +33,20 @@ def inverse_softplus(y):
 def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: bool = False) -> nnx.Linear:
     return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype,
                       kernel_init=_normal, rngs=rngs)
+
+
+def per_position(fn, batch_invariant: bool, *blocks: jax.Array) -> jax.Array:
+    """``fn(*blocks)`` for blocks [B, T, ...] of one length T; with ``batch_invariant``, one block position at a
+    time, each at a decode step's shape [B, 1, ...], so that a token's result does not depend on how many rows
+    share the call.
+
+    A matmul's result for one row depends on the number of rows: the library picks its kernel, blocking and
+    reduction order by shape (docs/numerics.md). Run per position, verify's rows round exactly as decode's,
+    which greedy speculative decoding needs to give autoregressive decoding's tokens.
+    """
+    if not batch_invariant or blocks[0].shape[1] == 1:
+        return fn(*blocks)
+    return jnp.concatenate([fn(*(x[:, t:t + 1] for x in blocks)) for t in range(blocks[0].shape[1])], axis=1)
 
 
 class RMSNorm(nnx.Module):
@@ -152,23 +167,26 @@ class GatedAttention(nnx.Module):
         self.rotary_dim, self.rope_theta = config.rotary_dim, config.rope_theta
 
     def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array,
-                 group: jax.Array | None = None, window: jax.Array | None = None) -> tuple[jax.Array, AttentionCache]:
+                 group: jax.Array | None = None, window: jax.Array | None = None, *,
+                 batch_invariant: bool = False) -> tuple[jax.Array, AttentionCache]:
         """x: [B, T, D]; the block sits at positions ``starts[b] + t``. ``cache`` holds every group's
         buffers (k, v: [G, B, S, H_kv, D]) and this layer is group ``group``, or (``group=None``) just
         this layer's [B, S, H_kv, D]. Returns the output and the buffers with the block's K/V written at
         those slots: only T slots are written, so a donated cache is updated in place, not copied.
         ``window`` [B]: row b's queries see only the last ``window[b]`` positions, their own included (a
-        training-time restriction, see ``training.target_recipe.attention_windows``; None: every earlier position)."""
+        training-time restriction, see ``training.target_recipe.attention_windows``; None: every earlier position).
+        ``batch_invariant``: every matmul one block position at a time (:func:`per_position`)."""
         if group is None:
-            out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window)
+            out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window,
+                                batch_invariant=batch_invariant)
             return out, jax.tree.map(lambda a: a[0], stacked)
         b, t, _ = x.shape
         hd = self.head_dim
-        query_gate = self.q_proj(x).reshape(b, t, self.num_heads, 2 * hd)
-        query, gate = query_gate[..., :hd], query_gate[..., hd:].reshape(b, t, self.num_heads * hd)
-        key = self.k_proj(x).reshape(b, t, self.num_kv_heads, hd)
-        value = self.v_proj(x).reshape(b, t, self.num_kv_heads, hd)
         positions = starts[:, None] + jnp.arange(t)[None, :]                   # [B, T]
+        query_gate = per_position(self.q_proj, batch_invariant, x).reshape(b, t, self.num_heads, 2 * hd)
+        query, gate = query_gate[..., :hd], query_gate[..., hd:].reshape(b, t, self.num_heads * hd)
+        key = per_position(self.k_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
+        value = per_position(self.v_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
         query = apply_rope(self.q_norm(query), positions, self.rotary_dim, self.rope_theta)
         key = apply_rope(self.k_norm(key), positions, self.rotary_dim, self.rope_theta)
 
@@ -180,18 +198,25 @@ class GatedAttention(nnx.Module):
         k_all = jax.lax.dynamic_index_in_dim(k_cache, group, keepdims=False)   # [B, S, H_kv, D]
         v_all = jax.lax.dynamic_index_in_dim(v_cache, group, keepdims=False)
 
-        rep = self.num_heads // self.num_kv_heads
-        q = query.reshape(b, t, self.num_kv_heads, rep, hd)
-        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k_all).astype(jnp.float32) * hd**-0.5
         slots = jnp.arange(k_all.shape[1])
         visible = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
         if window is not None:
             visible &= slots[None, None, :] > positions[:, :, None] - window[:, None, None]
-        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_all).reshape(b, t, self.num_heads * hd)
+        attend = lambda query, visible: self._attend(query, visible, k_all, v_all)  # noqa: E731
+        out = per_position(attend, batch_invariant, query, visible)           # [B, T, H * D]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out), AttentionCache(k=k_cache, v=v_cache)
+        return per_position(self.o_proj, batch_invariant, out), AttentionCache(k=k_cache, v=v_cache)
+
+    def _attend(self, query: jax.Array, visible: jax.Array, k_all: jax.Array, v_all: jax.Array) -> jax.Array:
+        """Softmax attention of query [B, T, H, D] over the buffers k_all, v_all [B, S, H_kv, D] at the slots
+        ``visible`` [B, T, S] -> [B, T, H * D]."""
+        b, t = query.shape[:2]
+        hd, rep = self.head_dim, self.num_heads // self.num_kv_heads
+        q = query.reshape(b, t, self.num_kv_heads, rep, hd)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k_all).astype(jnp.float32) * hd**-0.5
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(query.dtype)
+        return jnp.einsum("bgrts,bsgd->btgrd", probs, v_all).reshape(b, t, self.num_heads * hd)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -221,18 +246,18 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)
         self.out_proj = linear(c.linear_value_dim, c.hidden_size, rngs=rngs, dtype=dtype)
 
-    def decay(self, x: jax.Array) -> jax.Array:
+    def decay(self, x: jax.Array, batch_invariant: bool = False) -> jax.Array:
         """g = log of the share of the state each token of x [B, T, D] keeps: [B, T, H_v] float32, <= 0."""
-        a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        a = per_position(self.in_proj_a, batch_invariant, x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
 
-    def delta_inputs(self, x: jax.Array, conv: jax.Array) -> tuple[jax.Array, ...]:
+    def delta_inputs(self, x: jax.Array, conv: jax.Array, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
         """The delta rule's q, k ``[B, T, H_k, d_k]`` and v ``[B, T, H_v, d_v]`` for the new tokens x [B, T, D]
         (before the rule's L2 norm of q and k), after the projections of the ``K-1`` tokens before them,
         ``conv`` [B, K-1, C] (zeros at a sequence's start), through the causal conv and SiLU; and the conv
-        window [B, K-1+T, C] the cache keeps its last K-1 rows of."""
+        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``batch_invariant``: see :func:`per_position`."""
         b, t, _ = x.shape
-        window = jnp.concatenate([conv, self.in_proj_qkv(x).astype(conv.dtype)], axis=1)
+        window = jnp.concatenate([conv, per_position(self.in_proj_qkv, batch_invariant, x).astype(conv.dtype)], axis=1)
         w = self.conv_weight[...]
         mixed = jax.nn.silu(sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size)))
         mixed = mixed.astype(x.dtype)                                          # [B, T, C]
@@ -243,7 +268,8 @@ class GatedDeltaNet(nnx.Module):
         return q, k, v, window
 
     def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
-                 form: str, impl: Impl = "xla") -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
+                 form: str, impl: Impl = "xla",
+                 batch_invariant: bool = False) -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
         """x: [B, T, D] new tokens after the committed ones (one group's cache slice).
 
         ``form="chunked"`` or ``"recurrent"``: advance by ``num_new[b]`` tokens (the rest of the row is
@@ -252,20 +278,22 @@ class GatedDeltaNet(nnx.Module):
         position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
         ``impl`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
-        ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others).
+        ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others). ``batch_invariant``: a token
+        rounds the same in a block as alone (:func:`per_position`, and the recurrence one token per iteration).
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
-        q, k, v, window = self.delta_inputs(x, cache.conv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))          # [B, T, H_v]
-        g = self.decay(x)
+        q, k, v, window = self.delta_inputs(x, cache.conv, batch_invariant)
+        beta = jax.nn.sigmoid(per_position(self.in_proj_b, batch_invariant, x).astype(jnp.float32))  # [B, T, H_v]
+        g = self.decay(x, batch_invariant)
+        recurrent = functools.partial(gated_delta.gated_delta_recurrent, impl=impl, looped=batch_invariant)
 
         if form == "candidates":
-            o, states = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
-                                                       include_initial_state=True, impl=impl)  # [B, T+1, H_v, d_k, d_v]
+            o, states = recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
+                                  include_initial_state=True)                  # [B, T+1, H_v, d_k, d_v]
             new_cache = DeltaNetCandidate(states=states, conv_window=window)
         elif form == "replay":
-            o, _ = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
+            o, _ = recurrent(q, k, v, g, beta, cache.state)
             new_cache = DeltaNetReplay(state=cache.state, k=k, v=v, g=g, beta=beta, conv_window=window)
         else:
             if num_new is not None:
@@ -274,10 +302,10 @@ class GatedDeltaNet(nnx.Module):
             if form == "chunked":
                 o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, cache.state, impl=impl)
             else:
-                o, state = gated_delta.gated_delta_recurrent(q, k, v, g, beta, cache.state, impl=impl)
+                o, state = recurrent(q, k, v, g, beta, cache.state)
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
             new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
 
-        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        z = per_position(self.in_proj_z, batch_invariant, x).reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(o, z).reshape(b, t, self.num_v_heads * self.head_v_dim)
-        return self.out_proj(out), new_cache
+        return per_position(self.out_proj, batch_invariant, out), new_cache

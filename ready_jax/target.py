@@ -32,12 +32,12 @@ import numpy as np
 from flax import nnx
 
 from . import cache as cache_lib
-from . import checkpoint, debug, hf_format, modes
+from . import checkpoint, debug, hf_format, modes, numerics
 from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
 from .checks import check_counts, check_flag, check_int, int_array, is_int
 from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
-from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
+from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, per_position
 from .modes import Form, Impl, Rollback
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
@@ -61,16 +61,19 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, impl="xla", attention_window=None):
+    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, impl="xla", attention_window=None,
+                 batch_invariant: bool = False):
         """``layer_cache``: this group's entry, or for attention with ``group`` given every group's KV
-        buffers (written at ``group``). ``attention_window`` [B]: see :func:`extend`."""
+        buffers (written at ``group``). ``attention_window`` [B], ``batch_invariant``: see :func:`extend`."""
         x = self.input_layernorm(h)
         if self.is_attention:
-            mixed, layer_cache = self.self_attn(x, layer_cache, starts, group, attention_window)
+            mixed, layer_cache = self.self_attn(x, layer_cache, starts, group, attention_window,
+                                                batch_invariant=batch_invariant)
         else:
-            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl)
+            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl,
+                                                  batch_invariant=batch_invariant)
         h = h + mixed
-        return h + self.mlp(self.post_attention_layernorm(h)), layer_cache
+        return h + per_position(self.mlp, batch_invariant, self.post_attention_layernorm(h)), layer_cache
 
 
 class LayerGroup(nnx.Module):
@@ -100,12 +103,15 @@ class TargetModel(nnx.Module):
     def dtype(self):
         return self.embed_tokens.embedding.dtype
 
-    def logits(self, h: jax.Array, head: jax.Array | None = None) -> jax.Array:
+    def logits(self, h: jax.Array, head: jax.Array | None = None, batch_invariant: bool = False) -> jax.Array:
         """Final norm and LM head (tied to the embedding when the config says so). [.., D] -> [.., V]
 
         ``head`` [D, V]: the same LM head laid out for a plain matmul, used instead of the model's own (a
         tied embedding transposed once before generation's loop: see ``generation.transposes_tied_head``).
+        ``batch_invariant`` (h [B, T, D]): one position at a time (``layers.per_position``).
         """
+        if batch_invariant:
+            return per_position(lambda h: self.logits(h, head), True, h)
         h = self.norm(h)
         if head is not None:
             return jnp.einsum("...d,dv->...v", h, head.astype(h.dtype))
@@ -114,7 +120,8 @@ class TargetModel(nnx.Module):
         return self.lm_head(h)
 
     def run_layers(self, h, layers_cache, starts, num_new, *, form: Form, hidden_layers: Sequence[int],
-                   impl: Impl = "xla", check_finite: bool = False, attention_window: jax.Array | None = None):
+                   impl: Impl = "xla", check_finite: bool = False, attention_window: jax.Array | None = None,
+                   batch_invariant: bool = False):
         """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D]).
 
         Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
@@ -125,7 +132,7 @@ class TargetModel(nnx.Module):
         XLA may copy the small GDN states and conv windows once in a standalone step (it reads the next
         group's slice from the original buffer), never the KV buffers, and nothing inside generate's loop.
         ``check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
-        ``attention_window`` [B]: see :func:`extend`.
+        ``attention_window`` [B], ``batch_invariant``: see :func:`extend`.
         """
         cfg = self.config
         p, num_hidden = cfg.group_size, len(hidden_layers)
@@ -149,7 +156,7 @@ class TargetModel(nnx.Module):
                     entry = carried[j]
                 with jax.named_scope(f"layer_{j}"):
                     h, entry = layer(h, entry, starts, num_new, g, form=form, impl=impl,
-                                     attention_window=attention_window)
+                                     attention_window=attention_window, batch_invariant=batch_invariant)
                 if check_finite:
                     if not layer.is_attention:
                         for x in jax.tree.leaves(entry):
@@ -249,7 +256,8 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
            form: Form = "chunked", hidden_layers: Sequence[int] = (), impl: Impl = "xla",
            check_finite: bool = False, logits_at: jax.Array | None = None,
-           attention_window: jax.Array | None = None, head: jax.Array | None = None) -> StepOutput:
+           attention_window: jax.Array | None = None, head: jax.Array | None = None,
+           batch_invariant: bool = False) -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
@@ -265,6 +273,9 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     positions; a training-time restriction (``training.target_recipe.attention_windows``) that makes the Gated DeltaNet
     states carry what lies further back. None: full attention, the architecture as it is.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
+    ``batch_invariant``: each token's result does not depend on how many rows share the step: every matmul runs
+    one block position at a time and the Gated DeltaNet recurrence one token per loop iteration, so a decode
+    step and a verify block round alike (``layers.per_position``, docs/numerics.md). Costs verify speed.
     """
     model = nnx.merge(graphdef, params)
     if check_finite:
@@ -277,11 +288,11 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
         debug.check_finite(h, "token embeddings")
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
                                          hidden_layers=hidden_layers, impl=impl, check_finite=check_finite,
-                                         attention_window=attention_window)
+                                         attention_window=attention_window, batch_invariant=batch_invariant)
     with jax.named_scope("lm_head"):
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]
-        logits = model.logits(h, head).astype(jnp.float32)
+        logits = model.logits(h, head, batch_invariant).astype(jnp.float32)
     if check_finite:
         debug.check_finite(logits, "target logits")
     n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
@@ -290,7 +301,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
 
 def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_layers: Sequence[int] = (),
            rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False,
-           head: jax.Array | None = None) -> StepOutput:
+           head: jax.Array | None = None, batch_invariant: bool = False) -> StepOutput:
     """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
 
     ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
@@ -298,6 +309,7 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
     commit selects one; with ``"replay"`` it holds the state before the block and the block's
     delta-rule inputs, and commit recomputes the kept tokens' updates. Both give the same cache.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
+    ``batch_invariant``: as in :func:`extend`; with it each block position's logits equal a decode step's.
     """
     modes.check(rollback, modes.ROLLBACKS, "rollback")
     model = nnx.merge(graphdef, params)
@@ -308,8 +320,9 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
         debug.check_finite(h, "token embeddings")
     form = "candidates" if rollback == "checkpoint" else "replay"
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
-                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite)
-    logits = model.logits(h, head).astype(jnp.float32)
+                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite,
+                                         batch_invariant=batch_invariant)
+    logits = model.logits(h, head, batch_invariant).astype(jnp.float32)
     if check_finite:
         debug.check_finite(logits, "target logits")
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
@@ -467,27 +480,28 @@ class Target:
 
     @functools.cached_property
     def _extend(self):
-        def run(params, cache, tokens, num_new, *, form, hidden_layers, impl, check_finite):
+        def run(params, cache, tokens, num_new, *, form, hidden_layers, impl, check_finite, batch_invariant):
             step = functools.partial(extend, self.graphdef, form=form, hidden_layers=hidden_layers, impl=impl,
-                                     check_finite=check_finite)
+                                     check_finite=check_finite, batch_invariant=batch_invariant)
             return self._run_step(step, check_finite, params, cache, tokens, num_new)
 
-        return jax.jit(run, static_argnames=("form", "hidden_layers", "impl", "check_finite"),
-                       donate_argnames=("cache",))
+        return jax.jit(run, static_argnames=("form", "hidden_layers", "impl", "check_finite", "batch_invariant"),
+                       donate_argnames=("cache",), compiler_options=numerics.compiler_options(True))
 
     @functools.cached_property
     def _verify(self):
-        def run(params, donated, kept, lengths, block, *, hidden_layers, rollback, impl, check_finite):
+        def run(params, donated, kept, lengths, block, *, hidden_layers, rollback, impl, check_finite,
+                batch_invariant):
             def step(params, donated, kept, lengths, block):
                 cache = TargetCache(layers=_merge_layers(donated, kept), lengths=lengths)
                 return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback,
-                              impl=impl, check_finite=check_finite)
+                              impl=impl, check_finite=check_finite, batch_invariant=batch_invariant)
 
             return self._run_step(step, check_finite, params, donated, kept, lengths, block)
 
         # Only what keeps its shape through verify is donated (see _split_layers).
-        return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl", "check_finite"),
-                       donate_argnums=(1,))
+        return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl", "check_finite", "batch_invariant"),
+                       donate_argnums=(1,), compiler_options=numerics.compiler_options(True))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
                 impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
@@ -502,11 +516,13 @@ class Target:
         if num_new is not None:
             num_new = check_counts(num_new, cache.batch_size, tokens.shape[1], "num_new", "prompt tokens per row")
         return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked", hidden_layers=layers,
-                                     impl=impl, check_finite=check_finite))
+                                     impl=impl, check_finite=check_finite, batch_invariant=False))
 
     def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = (),
-               impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
-        """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]."""
+               impl: Impl = "xla", check_finite: bool = False, batch_invariant: bool | None = None) -> StepOutput:
+        """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]. ``batch_invariant`` (here, in :meth:`verify`
+        and :meth:`commit`; None: ``numerics.resolve``): round as a verify block does (:func:`extend`)."""
+        batch_invariant = numerics.resolve(batch_invariant)
         layers = self._check_step(cache, hidden_layers, impl, check_finite)
         tokens = int_array(tokens, "tokens")
         if tokens.shape not in ((cache.batch_size,), (cache.batch_size, 1)):
@@ -514,20 +530,24 @@ class Target:
                              f"{tokens.shape}")
         tokens = self._check_tokens(tokens.reshape(-1, 1), cache)
         return _checked(self._extend(self.params, cache, tokens, None, form="recurrent", hidden_layers=layers,
-                                     impl=impl, check_finite=check_finite))
+                                     impl=impl, check_finite=check_finite, batch_invariant=batch_invariant))
 
     def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),
-               rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
+               rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False,
+               batch_invariant: bool | None = None) -> StepOutput:
+        batch_invariant = numerics.resolve(batch_invariant)
         layers = self._check_step(cache, hidden_layers, impl, check_finite)
         modes.check(rollback, modes.ROLLBACKS, "rollback")
         block = self._check_tokens(block, cache, "block")
         donated, kept = _split_layers(cache.layers, states=rollback == "replay")
         return _checked(self._verify(self.params, donated, kept, cache.lengths, block, hidden_layers=layers,
-                                     rollback=rollback, impl=impl, check_finite=check_finite))
+                                     rollback=rollback, impl=impl, check_finite=check_finite,
+                                     batch_invariant=batch_invariant))
 
     @staticmethod
-    def commit(candidate: Candidate, n_accepted) -> TargetCache:
+    def commit(candidate: Candidate, n_accepted, *, batch_invariant: bool | None = None) -> TargetCache:
         """Keep the first ``n_accepted[b]`` (0..T) block tokens of each row of a verify ``candidate``."""
+        batch_invariant = numerics.resolve(batch_invariant)
         if not isinstance(candidate, Candidate):
             raise TypeError(f"commit takes the Candidate that Target.verify returned (its .cache), got "
                             f"{type(candidate).__name__}")
@@ -535,7 +555,8 @@ class Target:
         n_accepted = check_counts(n_accepted, candidate.batch_size, candidate.block_length, "n_accepted",
                                   "verified block tokens")
         donated, kept = _split_layers(candidate.layers, states=True)
-        return _commit_jit(donated, kept, candidate.lengths, jnp.asarray(n_accepted, jnp.int32))
+        return _commit_program()(donated, kept, candidate.lengths, jnp.asarray(n_accepted, jnp.int32),
+                                 batch_invariant=batch_invariant)
 
     def forward(self, input_ids) -> jax.Array:
         """Full-sequence logits [B, T, V] from an empty cache (no padding)."""
@@ -637,6 +658,14 @@ def _merge_layers(donated, kept):
     return tuple(merge(d, k) for d, k in zip(donated, kept, strict=True))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _commit_jit(donated, kept, lengths, n_accepted):
-    return cache_lib.commit(Candidate(_merge_layers(donated, kept), lengths), n_accepted)
+def _commit(donated, kept, lengths, n_accepted, *, batch_invariant: bool):
+    return cache_lib.commit(Candidate(_merge_layers(donated, kept), lengths), n_accepted,
+                            batch_invariant=batch_invariant)
+
+
+@functools.cache
+def _commit_program():
+    """``_commit`` jitted, built on first use: its compiler options depend on the backend, which must not start
+    when ``ready_jax`` is imported."""
+    return jax.jit(_commit, donate_argnums=(0,), static_argnames=("batch_invariant",),
+                   compiler_options=numerics.compiler_options(True))

@@ -106,8 +106,8 @@ def _donation_cases(target):
         candidate = jax.eval_shape(lambda r=rollback: target_lib.verify(target.graphdef, params, cache, block,
                                                                         rollback=r)).cache
         donated, kept = target_lib._split_layers(candidate.layers, states=True)
-        cases.append((f"commit_{rollback}", target_lib._commit_jit.lower(donated, kept, candidate.lengths, n).compile(),
-                      donated))
+        commit = target_lib._commit_program().lower(donated, kept, candidate.lengths, n, batch_invariant=True)
+        cases.append((f"commit_{rollback}", commit.compile(), donated))
     return cache, cases
 
 

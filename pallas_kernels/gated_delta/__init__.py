@@ -31,12 +31,15 @@ def gated_delta_recurrent(
     include_initial_state: bool = False,
     impl: str = "xla",
     config=None,
+    looped: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Gated DeltaNet over a few tokens (decode / verify): ``reference.gated_delta_recurrent``.
 
     Returns o ``[B, T, H_v, d_v]`` and the fp32 final state ``[B, H_v, d_k, d_v]``, or with output_all_states
     the state after every token ``[B, T, H_v, d_k, d_v]``; ``include_initial_state`` (with output_all_states)
-    puts the state before the first token first: ``[B, T + 1, H_v, d_k, d_v]``.
+    puts the state before the first token first: ``[B, T + 1, H_v, d_k, d_v]``. ``looped``: XLA runs one
+    token per loop iteration, so a token rounds the same in a call of any length (the reference's
+    ``looped``); the kernels always step token by token, and ignore it.
     """
     backend.check_impl(impl)
     if include_initial_state and not output_all_states:
@@ -48,7 +51,8 @@ def gated_delta_recurrent(
         return kernels.gdn_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
                                      include_initial_state=include_initial_state, interpret=target.interpret,
                                      config=config)
-    o, states = reference.gated_delta_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states)
+    o, states = reference.gated_delta_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
+                                                looped=looped)
     if include_initial_state:  # the kernels write this layout directly; here every state is copied once more
         first = jnp.zeros_like(states[:, 0]) if initial_state is None else initial_state.astype(jnp.float32)
         states = jnp.concatenate([first[:, None], states], axis=1)

@@ -154,6 +154,7 @@ def gated_delta_recurrent(
     *,
     output_all_states: bool = False,
     chunk_size: int | None = None,
+    looped: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode / verify form for short T (<= ~16): the recurrence unrolled over the static T.
 
@@ -161,8 +162,15 @@ def gated_delta_recurrent(
     ``gated_delta_chunked`` for long sequences. With ``output_all_states=True`` it returns the state after
     every token, from which speculative verification commits the accepted prefix. ``chunk_size`` is ignored;
     it is accepted only so that all three forms share one signature.
+
+    ``looped=True`` runs one token per iteration of a while loop whose trip count XLA cannot see, so every
+    token's update is compiled once, apart from its neighbours, and rounds the same whether the call holds
+    one token (decode) or a block (verify). Unrolled, XLA's CPU fusion recomputes a chain of states inside
+    one fused kernel, and how it contracts multiply-adds there depends on the chain (docs/numerics.md).
     """
     q, k, v32, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    if looped:
+        return _looped_recurrence(q, k, v32, g, beta, state, output_all_states, v.dtype)
     outputs, states = [], []
     for t in range(q.shape[1]):
         state, o_t = _delta_step(state, q[:, t], k[:, t], v32[:, t], g[:, t], beta[:, t])
@@ -171,6 +179,26 @@ def gated_delta_recurrent(
             states.append(state)
     o = jnp.stack(outputs, axis=1).astype(v.dtype)  # [B, T, H, d_v]
     return o, (jnp.stack(states, axis=1) if output_all_states else state)
+
+
+def _looped_recurrence(q, k, v32, g, beta, state, output_all_states: bool, out_dtype):
+    """The recurrence as ``lax.fori_loop`` over tokens, the trip count hidden behind an optimisation barrier
+    (a visible trip count of 1 would be inlined into the caller, and fused with it)."""
+    o = jnp.zeros(v32.shape, jnp.float32)                                      # [B, T, H, d_v]
+    states = jnp.zeros((state.shape[0], q.shape[1], *state.shape[1:]), jnp.float32) if output_all_states else None
+
+    def token(t, carry):
+        state, o, states = carry
+        at_t = lambda x: lax.dynamic_index_in_dim(x, t, axis=1, keepdims=False)  # noqa: E731
+        state, o_t = _delta_step(state, at_t(q), at_t(k), at_t(v32), at_t(g), at_t(beta))
+        o = lax.dynamic_update_index_in_dim(o, o_t, t, axis=1)
+        if states is not None:
+            states = lax.dynamic_update_index_in_dim(states, state, t, axis=1)
+        return state, o, states
+
+    num_tokens = lax.optimization_barrier(jnp.int32(q.shape[1]))
+    state, o, states = lax.fori_loop(0, num_tokens, token, (state, o, states))
+    return o.astype(out_dtype), (states if output_all_states else state)
 
 
 @jax.custom_vjp

@@ -1,0 +1,47 @@
+"""Batch invariance: when a token's logits do not depend on how many rows share its step.
+
+Greedy speculative decoding gives autoregressive decoding's tokens only if a verify block (T rows per
+sequence) rounds every token exactly as a decode step (one row) does; in bf16 a logit margin of one rounding
+step is common, so one differing last bit changes a token. Two things break that on XLA's CPU backend
+(docs/numerics.md): a matmul's per-row result depends on its row count, and XLA's fusion recomputes a chain
+of Gated DeltaNet states inside one kernel, contracting multiply-adds differently by context. The target's
+``batch_invariant`` steps avoid both (``layers.per_position``, the recurrence's ``looped`` form), and compile
+with the options below, which keep the CPU's YNNPACK from fusing a matmul with its neighbours.
+
+On a GPU or TPU the same steps run but are not checked here (no device), and cost verify its batching: there
+the default is off, and ``generate`` says once that greedy output may differ from the autoregressive one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+
+from .checks import check_flag
+
+# XLA's YNNPACK fusions on a CPU fuse a matmul with its producers and consumers, and round by the fused graph.
+# Excess precision lets XLA skip a bf16 rounding between fused ops in one program and not in another.
+CPU_COMPILER_OPTIONS: dict[str, str | bool] = {"xla_cpu_experimental_ynn_fusion_type": "",
+                                               "xla_allow_excess_precision": False}
+
+
+def resolve(batch_invariant: bool | None) -> bool:
+    """``batch_invariant`` as given, or where None the default of this machine's backend: on for a CPU (where it
+    is checked), off on an accelerator (where it is not, and costs verify speed)."""
+    if batch_invariant is None:
+        return jax.default_backend() == "cpu"
+    return check_flag(batch_invariant, "batch_invariant")
+
+
+def compiler_options(batch_invariant: bool) -> dict[str, str | bool]:
+    """The XLA options a batch-invariant program compiles with on this backend (none elsewhere)."""
+    return dict(CPU_COMPILER_OPTIONS) if batch_invariant and jax.default_backend() == "cpu" else {}
+
+
+def warn_unless_invariant(batch_invariant: bool, greedy: bool, speculative: bool) -> None:
+    """One line when greedy speculative output is not guaranteed to equal the autoregressive output."""
+    if greedy and speculative and not batch_invariant:
+        warnings.warn(f"greedy speculative output may differ from autoregressive output where two logits tie "
+                      f"within rounding: verify runs batched on {jax.default_backend()} (batch_invariant=False; "
+                      f"docs/numerics.md)", stacklevel=3)
