@@ -32,7 +32,7 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli
+from ready_jax import cli, numerics
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 
@@ -115,20 +115,23 @@ def matmul_bound(counts: dict, matmul: list[dict], rows: int) -> dict:
 
 def target_components(target: rj.Target, prompt: np.ndarray, gammas: list[int], repeats: int) -> dict:
     """Median seconds of the AR decode step, verify of gamma + 1 tokens for each gamma (generate's replay
-    rollback) and commit, each jitted alone (decode with its cache donated, as in the loop), timed in turn."""
+    rollback) and commit, each jitted alone (decode with its cache donated, as in the loop), timed in turn, with
+    the numerics generate uses here (``ready_jax.numerics``)."""
     capacity = prompt.shape[1] + max(gammas) + 2
     pre = target.prefill(target.init_cache(1, capacity), jnp.asarray(prompt))
     token = jnp.argmax(pre.logits[:, -1], axis=-1)[:, None]                 # [1, 1]
+    invariant = numerics.resolve(None)
+    options = numerics.compiler_options(invariant)
 
-    @functools.partial(jax.jit, donate_argnums=1)
+    @functools.partial(jax.jit, donate_argnums=1, compiler_options=options)
     def decode(params, cache, tokens):
-        return target_lib.extend(target.graphdef, params, cache, tokens, form="recurrent")
+        return target_lib.extend(target.graphdef, params, cache, tokens, form="recurrent", batch_invariant=invariant)
 
-    @jax.jit  # a candidate does not keep the cache's shapes: nothing to donate
+    @functools.partial(jax.jit, compiler_options=options)  # a candidate does not keep the cache's shapes: no donation
     def verify(params, cache, block):
-        return target_lib.verify(target.graphdef, params, cache, block, rollback="replay")
+        return target_lib.verify(target.graphdef, params, cache, block, rollback="replay", batch_invariant=invariant)
 
-    commit = jax.jit(cache_lib.commit)
+    commit = jax.jit(functools.partial(cache_lib.commit, batch_invariant=invariant), compiler_options=options)
     copies = functools.partial(jax.tree.map, jnp.copy)
     fns = {"copy": lambda: copies(pre.cache),  # subtracted from the donated decode step's fresh copy
            "ar_step": lambda: decode(target.params, copies(pre.cache), token)}

@@ -146,13 +146,14 @@ def program_tracers(geo: Geometry, impl: str, rollback: str) -> dict[str, Callab
         return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback, impl=impl)
 
     def commit(candidate, n_accepted_b):
-        return cache_lib.commit(candidate, n_accepted_b, impl)
+        return cache_lib.commit(candidate, n_accepted_b, impl, batch_invariant=False)  # an accelerator's default
 
     # The candidate's shapes do not depend on the impl: take them from XLA's, which traces no kernel.
     candidate = jax.eval_shape(lambda p, c, b: verify(p, c, b, impl="xla"), params, cache, block_bt).cache
     # Built here, outside any lowering context: prepare makes its (small) concrete inputs on this machine.
+    # As an accelerator runs it by default: verify batched (ready_jax.numerics).
     program = generation.prepare(target, np.zeros((batch, geo.prompt), np.int32), geo.max_new_tokens, drafter,
-                                 rollback=rollback, impl=impl)
+                                 rollback=rollback, impl=impl, batch_invariant=False)
     return {
         "prefill": lambda: jax.jit(prefill).trace(params, cache, prompts_bt, lengths_b),
         "decode": lambda: jax.jit(decode).trace(params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32)),

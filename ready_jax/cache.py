@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gated_delta
 
+from . import numerics
 from .config import FULL_ATTENTION, TargetConfig
 
 
@@ -171,12 +172,14 @@ def _per_sequence(fn, x: jax.Array, n: jax.Array) -> jax.Array:
 
 
 def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla",
-           batch_invariant: bool = False) -> TargetCache:
+           batch_invariant: bool | None = None) -> TargetCache:
     """Keep the first ``n_accepted[b]`` block tokens of sequence b (0 <= n <= T): a pure selection.
 
     (A ``replay`` candidate recomputes the kept tokens' state updates, with XLA or the Pallas kernel;
-    ``batch_invariant`` runs XLA's one token per loop iteration, rounding as a decode step does.)
+    ``batch_invariant`` runs XLA's one token per loop iteration, rounding as a decode step does; None:
+    ``numerics.resolve``.)
     """
+    batch_invariant = numerics.resolve(batch_invariant)
     n = jnp.asarray(n_accepted, jnp.int32)
     layers = []
     for entry in candidate.layers:

@@ -518,10 +518,12 @@ class Target:
         return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked", hidden_layers=layers,
                                      impl=impl, check_finite=check_finite, batch_invariant=False))
 
-    def decode(self, cache: TargetCache, tokens, *, hidden_layers: Sequence[int] = (),
+    def decode(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
                impl: Impl = "xla", check_finite: bool = False, batch_invariant: bool | None = None) -> StepOutput:
-        """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]. ``batch_invariant`` (here, in :meth:`verify`
-        and :meth:`commit`; None: ``numerics.resolve``): round as a verify block does (:func:`extend`)."""
+        """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]; ``num_new[b]`` 0 leaves row b's cache as it
+        was (None: every row advances), as generate does for a finished sequence. ``batch_invariant`` (here, in
+        :meth:`verify` and :meth:`commit`; None: ``numerics.resolve``): round as a verify block does
+        (:func:`extend`)."""
         batch_invariant = numerics.resolve(batch_invariant)
         layers = self._check_step(cache, hidden_layers, impl, check_finite)
         tokens = int_array(tokens, "tokens")
@@ -529,7 +531,9 @@ class Target:
             raise ValueError(f"decode takes one token per row: tokens must be [B={cache.batch_size}], got shape "
                              f"{tokens.shape}")
         tokens = self._check_tokens(tokens.reshape(-1, 1), cache)
-        return _checked(self._extend(self.params, cache, tokens, None, form="recurrent", hidden_layers=layers,
+        if num_new is not None:
+            num_new = check_counts(num_new, cache.batch_size, 1, "num_new", "tokens per row")
+        return _checked(self._extend(self.params, cache, tokens, num_new, form="recurrent", hidden_layers=layers,
                                      impl=impl, check_finite=check_finite, batch_invariant=batch_invariant))
 
     def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),

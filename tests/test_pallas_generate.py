@@ -1,5 +1,6 @@
 """``rj.generate`` with the fused Pallas kernels (interpreted on the CPU) equals the XLA path."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
@@ -32,3 +33,21 @@ def test_generate_pallas_equals_xla():
         np.testing.assert_array_equal(pallas.tokens, xla.tokens)
         np.testing.assert_array_equal(pallas.accept_lengths, xla.accept_lengths)
         np.testing.assert_array_equal(xla.tokens, ar.tokens)
+
+
+def test_greedy_speculation_with_the_pallas_kernels_equals_ar_in_bf16():
+    """In bfloat16 the kernels' speculative tokens are their own AR tokens (batch-invariant steps:
+    docs/numerics.md)."""
+    target = rj.Target.init(tiny_config(), seed=0, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, 7), rng.integers(0, 97, 3)]
+    ar = rj.generate(target, prompts, 10, impl="pallas")
+    reader = rj.ReaderConfig(source_layers=(1, 5), rank=8)
+    drafter = rj.Drafter.init(target.config, rj.DrafterConfig(block_size=3, num_layers=1, markov_rank=8,
+                                                              num_attention_heads=2, num_key_value_heads=1,
+                                                              head_dim=8, intermediate_size=32, reader=reader),
+                              seed=1, dtype=jnp.bfloat16)
+    scripted = rj.ScriptedDrafter(np.maximum(ar.tokens, 0), block_size=3, error_rate=0.3)
+    for d, rollback in ((drafter, "checkpoint"), (scripted, "replay")):
+        out = rj.generate(target, prompts, 10, drafter=d, rollback=rollback, impl="pallas")
+        np.testing.assert_array_equal(out.tokens, ar.tokens)

@@ -238,3 +238,25 @@ def test_the_default_questions_file_resolves_against_the_repository_from_any_dir
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert spec_bench.QUESTIONS.is_absolute() and str(spec_bench.QUESTIONS) in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_greedy_answer_that_differs_from_ar_fails_the_run_after_writing_everything(tmp_path, monkeypatch):
+    """``--with-ar`` at temperature 0 checks the promise: a differing answer ends the run with a message naming
+    how many differ, once the answers and summary are on disk to compare."""
+    real = spec_bench.summarize
+
+    def one_differs(answers, tokenizer, baseline=None):
+        summary = real(answers, tokenizer, baseline)
+        summary["overall"]["identical_to_baseline"] -= 1
+        return summary
+
+    monkeypatch.setattr(spec_bench, "summarize", one_differs)
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    with pytest.raises(SystemExit, match="1 of 1 greedy speculative answers differ from the AR answers"):
+        spec_bench.main(["--target", str(ZOO / "target"), "--drafter", str(ZOO / "ready"), "--with-ar",
+                         "--questions", str(questions), "--chat-template", "none", "--max-new-tokens", "6",
+                         "--warmup", "0", "--max-prompt-tokens", "24", "--too-long", "truncate",
+                         "--out-dir", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "target-ready-temp-0.0-summary.json").is_file()
+    assert (tmp_path / "out" / "target-ar-temp-0.0.jsonl").is_file()

@@ -9,6 +9,7 @@ by default, the rest are marked slow."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ATTN, GDN, tiny_config
@@ -70,7 +71,7 @@ def _drafter(target: rj.Target, block_size: int, reader: rj.ReaderConfig | None)
     state read changes the drafts."""
     config = rj.DrafterConfig(block_size=block_size, num_layers=1, markov_rank=8, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=8, intermediate_size=32, reader=reader)
-    drafter = rj.Drafter.init(target.config, config, seed=1)
+    drafter = rj.Drafter.init(target.config, config, seed=1, dtype=target.dtype)
     if reader is None:
         return drafter
     flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
@@ -99,3 +100,18 @@ def test_generate_with_the_tpu_kernels_equals_xla(shape, drafter, rollback):
     xla, pallas = run(), run(impl="pallas")
     np.testing.assert_array_equal(pallas.tokens, xla.tokens)
     np.testing.assert_array_equal(pallas.accept_lengths, xla.accept_lengths)
+
+
+@SLOW
+@pytest.mark.parametrize("drafter, rollback", [("ready", "checkpoint"), ("scripted", "replay")])
+def test_greedy_speculation_with_the_tpu_kernels_equals_ar_in_bf16(drafter, rollback):
+    """In bfloat16 the kernels' speculative tokens are their own AR tokens (batch-invariant steps:
+    docs/numerics.md); the XLA path's tokens may differ from theirs by rounding, so they are not compared."""
+    target = rj.Target.init(tiny_config(), seed=0, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, 7), rng.integers(0, 97, 3)]
+    ar = rj.generate(target, prompts, MAX_NEW_TOKENS, impl="pallas")
+    proposer = (rj.ScriptedDrafter(np.maximum(ar.tokens, 0), block_size=3, error_rate=0.3) if drafter == "scripted"
+                else _drafter(target, 3, rj.ReaderConfig(source_layers=(1, 5), rank=8)))
+    out = rj.generate(target, prompts, MAX_NEW_TOKENS, drafter=proposer, rollback=rollback, impl="pallas")
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
