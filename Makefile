@@ -11,7 +11,7 @@ comma := ,
 # The stamp of an install with the extras $(1) ("core": none).
 stamp = $(VENV)/.installed-$(or $(subst $(comma),-,$(1)),core)
 
-.PHONY: setup demo test lint gpu-bench tpu-bench
+.PHONY: setup demo test lint compile-check gpu-bench tpu-bench
 setup: $(call stamp,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -30,6 +30,16 @@ TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# Every program compiled for TPU v5e, v5p, v6e and 7x with no TPU attached (libtpu from the tpu extra runs Mosaic's
+# passes, which lowering skips): the zoo and the Qwen3.5-27B geometry, reports in results/ (docs/kernels.md).
+# The kernels alone, at the test and zoo shapes, compile in `make test` (tests/test_tpu_compile.py).
+compile-check: setup
+	$(PY) -m pip install -q -e ".[tpu]"
+	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --platform tpu --preset zoo --compile all \
+		--out results/compile_tpu_zoo.json
+	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --platform tpu --preset qwen3.5-27b --compile all \
+		--out results/compile_tpu_qwen3.5-27b.json
 
 lint: setup
 	$(PY) -m pip install -q ruff

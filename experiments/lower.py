@@ -12,8 +12,12 @@ leaves: no parameter is allocated), traces five programs and lowers each for the
 * ``commit``: keeping each sequence's accepted block tokens (``cache.commit``);
 * ``generate``: the whole speculative loop with the ReaDy drafter (``generation.prepare(...).trace()``).
 
-Nothing is compiled: lowering stops at StableHLO, where each Pallas kernel is one custom call carrying its kernel
-(Mosaic IR in a ``tpu_custom_call``; Triton IR in a ``__gpu$xla.gpu.triton`` call, or a Mosaic GPU module).
+Lowering stops at StableHLO, where each Pallas kernel is one custom call carrying its kernel (Mosaic IR in a
+``tpu_custom_call``; Triton IR in a ``__gpu$xla.gpu.triton`` call, or a Mosaic GPU module). ``--compile v5e,v6e``
+(TPU only; needs libtpu, the ``tpu`` extra) then compiles every program for one chip of each generation with no
+TPU attached, which runs Mosaic's own passes (``experiments.deviceless``), and reports per program the compile
+seconds, XLA's memory analysis (arguments, outputs, temporaries; whether they fit the chip's HBM) and cost
+analysis (flops, bytes accessed); ``--out`` writes them as JSON with the environment.
 Each program's line gives the kernels one run of it launches, by kernel name, a loop body (the scan over layer
 groups, the rounds' while loop) counted once: a prefill of the stacked target launches one chunked kernel per
 Gated DeltaNet layer of a layer group.
@@ -52,6 +56,8 @@ from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.modes import IMPLS, ROLLBACKS
 
+from . import deviceless
+from .common import write_json
 from .presets import PRESETS
 
 PLATFORMS = ("tpu", "cuda")
@@ -284,6 +290,42 @@ def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
     return results
 
 
+def compile_all(preset: str, impl: str, rollback: str, generations: list[str],
+                programs: tuple[str, ...] = PROGRAMS) -> dict:
+    """Compile ``programs`` of ``preset`` for one chip of each TPU generation, printing one line per program;
+    {generation: {program: deviceless.Compiled as a dict, with ``fits_hbm``}}."""
+    tracers = program_tracers(geometry(preset), impl, rollback)
+    report = {}
+    for chip in generations:
+        hbm = deviceless.TPU_HBM_BYTES[chip]
+        report[chip] = {}
+        for name in programs:
+            with lowering_context("tpu"):
+                result = deviceless.compile_for_tpu(tracers[name], chip)
+            report[chip][name] = {**dataclasses.asdict(result), "fits_hbm": result.fits(hbm),
+                                  "out_of_memory": result.out_of_memory}
+            if result.out_of_memory:
+                detail = f"does NOT fit one chip: {result.error}"
+            elif result.error:
+                detail = f"FAILED: {result.error}"
+            else:
+                fit = "fits" if result.fits(hbm) else "does NOT fit"
+                moved = result.cost["bytes_accessed"] / 1e9
+                detail = (f"{result.memory['total_bytes'] / 1e9:7.2f} GB of {hbm / 1e9:.1f} ({fit}), "
+                          f"{result.cost['flops'] / 1e9:9.2f} GFLOP, {moved:7.2f} GB moved")
+            print(f"{chip:4s} {name:9s} compiled in {result.seconds:6.1f} s  {detail}", flush=True)
+    return report
+
+
+def _generations(text: str) -> list[str]:
+    names = list(deviceless.TPU_TOPOLOGIES) if text == "all" else [g for g in text.split(",") if g]
+    unknown = [g for g in names if g not in deviceless.TPU_TOPOLOGIES]
+    if unknown or not names:
+        raise SystemExit(f"--compile takes TPU generations from {sorted(deviceless.TPU_TOPOLOGIES)} or 'all', "
+                         f"got {text!r}")
+    return names
+
+
 @cli.main
 def main(argv=None) -> list[Lowered]:
     parser = cli.parser("experiments.lower", __doc__)
@@ -292,7 +334,15 @@ def main(argv=None) -> list[Lowered]:
     parser.add_argument("--impl", choices=IMPLS, default="pallas", help="who runs the fused ops")
     parser.add_argument("--rollback", choices=ROLLBACKS, default="replay",
                         help="verify's and commit's rollback strategy (generate's default: replay)")
+    parser.add_argument("--compile", metavar="GENERATIONS",
+                        help="then compile every program for these TPU generations (comma-separated, or all)")
+    parser.add_argument("--out", help="write the lowering (and compile) report here as JSON")
     args = parser.parse_args(argv)
+    generations = _generations(args.compile) if args.compile else []
+    if generations and args.platform != "tpu":
+        parser.error("--compile compiles for a TPU only (--platform tpu)")
+    if generations and not deviceless.has_libtpu():
+        raise SystemExit("--compile needs libtpu: pip install -e '.[tpu]'")
     geo = geometry(args.preset)
     print(f"lowering for {args.platform}: preset {args.preset} ({geo.target.num_hidden_layers} layers, hidden "
           f"{geo.target.hidden_size}, {geo.dtype.name}; batch {geo.batch}, prompt {geo.prompt}, "
@@ -303,9 +353,16 @@ def main(argv=None) -> list[Lowered]:
     failed = [r for r in results if r.error]
     print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
-    if failed:
+    compiled = compile_all(args.preset, args.impl, args.rollback, generations) if generations else {}
+    write_json(args.out, {"settings": vars(args), "lowered": [dataclasses.asdict(r) for r in results],
+                          "compiled": compiled})
+    failed_compiles = [f"{g} {name}: {r['error']}" for g, programs in compiled.items()
+                       for name, r in programs.items() if r["error"] and not r["out_of_memory"]]
+    if failed or failed_compiles:
         for r in failed:
             print(f"error: {r.program}: {r.error}", file=sys.stderr)
+        for line in failed_compiles:
+            print(f"error: compile {line}", file=sys.stderr)
         raise SystemExit(1)
     return results
 

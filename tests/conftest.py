@@ -14,6 +14,11 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *runtime.CP
 # Scripts run in-process (their main) or as subprocesses turn on JAX's persistent compilation cache
 # (ready_jax.runtime): tests must neither write to the user's cache nor depend on what it holds.
 os.environ["READY_JAX_COMPILE_CACHE"] = "0"
+# The tests run on the CPU. With libtpu installed (the tpu extra, for tests/test_tpu_compile.py) jax would also try
+# to start a TPU backend and print its failure; the deviceless compiles load libtpu themselves, one copy per
+# xdist worker (libtpu otherwise refuses a second process: /tmp/libtpu_lockfile).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import gc  # noqa: E402
 

@@ -95,3 +95,18 @@ def test_the_27b_geometry_is_abstract():
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(np.prod(x.shape) for x in leaves) > 25e9
     assert target.config == rj.TargetConfig.qwen3_5_27b()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--platform", "tpu", "--compile", "v9"], "--compile takes TPU generations from"),
+    (["--platform", "tpu", "--compile", ","], "--compile takes TPU generations from"),
+])
+def test_compile_names_unknown_generations_before_any_work(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        lower.main(argv)
+
+
+def test_compile_is_for_a_tpu_only(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lower.main(["--platform", "cuda", "--compile", "v5e"])
+    assert exit_info.value.code == 2 and "--compile compiles for a TPU only" in capsys.readouterr().err

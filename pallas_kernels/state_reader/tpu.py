@@ -157,6 +157,17 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def _lane_block(index, size: int, count: int):
+    """Columns ``[index * size, (index + 1) * size)`` of a lane axis cut into ``count`` blocks of ``size``.
+
+    Mosaic proves a dynamic lane offset aligned only when it is a multiple of 128, and every block count > 1 here
+    comes from block sizes that are (``q_blocks``, ``out_blocks``); one block spans the axis, and is sliced
+    statically whatever its width."""
+    if count == 1:
+        return pl.ds(0, size)
+    return pl.ds(pl.multiple_of(index * size, LANES), size)
+
+
 def _dot(a: jax.Array, b: jax.Array, dims=_NN) -> jax.Array:
     """An MXU product in fp32: bf16 operands in one pass (exact products, fp32 sums), fp32 ones at HIGHEST."""
     precision = _HIGHEST if _F32 in (a.dtype, b.dtype) else None
@@ -527,16 +538,20 @@ def _read_rotations(a: jax.Array, coef_ref, *, rank: int, draft_padded: int) -> 
     rows, width = a.shape
     batch = coef_ref.shape[0]
     column = lax.broadcasted_iota(jnp.int32, (1, width), 1) % rank    # s: the lane's column within its pair
-
-    def term(k, y):
-        ahead = pltpu.roll(a, (width - k) % width, axis=1)            # a[j + k]
-        behind = pltpu.roll(a, rank - k, axis=1)                       # a[j + k - r]
-        rotated = jnp.where(column + k < rank, ahead, behind)
-        coef = coef_ref[:, pl.ds(k, 1), :]                             # [B, 1, bq], one row per sequence
+    y = jnp.zeros_like(a)
+    # Unrolled in Python (r < 128 terms): static roll amounts and row indices, which every libtpu compiles; a
+    # dynamic roll of a row that is not a multiple of 128 lanes wide fails in older ones.
+    for k in range(rank):
+        if k == 0:
+            rotated = a
+        else:
+            ahead = pltpu.roll(a, width - k, axis=1)                   # a[j + k]
+            behind = pltpu.roll(a, rank - k, axis=1)                   # a[j + k - r]
+            rotated = jnp.where(column + k < rank, ahead, behind)
+        coef = coef_ref[:, k:k + 1, :]                                 # [B, 1, bq], one row per sequence
         coef = jnp.broadcast_to(coef, (batch, draft_padded, width)).reshape(rows, width)
-        return y + rotated * coef
-
-    return lax.fori_loop(0, rank, term, jnp.zeros_like(a), unroll=min(rank, 8))
+        y = y + rotated * coef
+    return y
 
 
 def _read_mxu(a: jax.Array, c_ref, *, rank: int, draft_padded: int) -> jax.Array:
@@ -572,7 +587,7 @@ def _reader_kernel(h_ref, wq_ref, c_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_
         a = _dot(h, wq_ref[...].astype(s.q_dtype)).astype(s.q_dtype).astype(_F32)      # [rows, bq]
         read = _read_mxu if s.mxu_read else _read_rotations
         y = read(a, c_ref, rank=s.rank, draft_padded=draft_padded).astype(s.h_dtype)  # rounded as the reference
-        y_ref[:, pl.ds(pl.multiple_of(step * block_q, block_q), block_q)] = y
+        y_ref[:, _lane_block(step, block_q, num_q_steps)] = y
         y32 = y.astype(_F32)
         ss_ref[...] += jnp.sum(y32 * y32, axis=1, keepdims=True)
 
@@ -593,7 +608,7 @@ def _norm_and_out(out_step, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *
         inv_rms = lax.rsqrt(ss_ref[...] / y_ref.shape[1] + eps)                       # [rows, 1]
 
         def block(c, carry):
-            cols = pl.ds(pl.multiple_of(c * block_q, block_q), block_q)
+            cols = _lane_block(c, block_q, num_q_steps)
             normed = (y_ref[:, cols].astype(_F32) * inv_rms).astype(h_dtype).astype(_F32)
             weight = w_ref[:, cols].astype(h_dtype).astype(_F32)
             z_ref[:, cols] = (weight * normed).astype(h_dtype).astype(o_dtype)
@@ -603,9 +618,8 @@ def _norm_and_out(out_step, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *
 
     @pl.when(out_step >= 0)
     def _out():
-        col0 = pl.multiple_of(out_step * block_out, block_out)
         out = _dot(z_ref[...], wo_ref[...].astype(o_dtype)).astype(o_dtype).astype(_F32)       # [rows, bo]
-        h = h_ref[:, :, pl.ds(col0, block_out)].astype(_F32)
+        h = h_ref[:, :, _lane_block(out_step, block_out, h_ref.shape[2] // block_out)].astype(_F32)
         o_ref[...] = (h + out.reshape(batch, draft_padded, block_out)).astype(o_ref.dtype)
 
 
@@ -914,11 +928,11 @@ def _content_kernel(h_ref, q_ref, pt_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss
 
     @pl.when(step < num_q_steps)
     def _read():
-        col0 = pl.multiple_of(step * block_q, block_q)
+        cols = _lane_block(step, block_q, num_q_steps)
         for b, y in enumerate(_read_step(step, q_ref, pt_ref, shapes=s, block_q=block_q, key_heads=key_heads)):
             y = y.astype(s.y_dtype)                                      # rounded as the reference
             rows = slice(b * s.draft_padded, (b + 1) * s.draft_padded)
-            y_ref[rows, pl.ds(col0, block_q)] = y
+            y_ref[rows, cols] = y
             y32 = y.astype(_F32)
             ss_ref[rows] += jnp.sum(y32 * y32, axis=1, keepdims=True)
 

@@ -1,0 +1,105 @@
+"""Compiling for a TPU this machine does not have: a topology from libtpu, and a program compiled for its chip.
+
+Lowering (``experiments.lower``) stops at StableHLO, where a Mosaic kernel is serialised IR; Mosaic's own passes
+(memref and vector layout inference, applying the layouts, lowering to LLO) run only when libtpu compiles it.
+libtpu from PyPI (the ``tpu`` extra: ``jax[tpu]``) compiles on a CPU host: ``get_topology_desc`` describes a
+slice, and a program traced here and lowered for ``tpu`` compiles for its first chip under ``default_device``.
+Shapes Mosaic cannot prove aligned (a dynamic lane offset that is not a multiple of 128, ...) compile in the
+interpreter and fail here.
+
+libtpu takes a lock file per process (``/tmp/libtpu_lockfile``); several processes (pytest -n 2) need
+``ALLOW_MULTIPLE_LIBTPU_LOAD=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import time
+from collections.abc import Callable
+
+import jax
+
+# The smallest slice libtpu 0.0.42 and 0.0.50 both describe, per generation (0.0.42 refuses a 1x1 v5e).
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "7x": "tpu7x:2x2x1"}
+# HBM of one device (a chip; a 7x chip is two devices), bytes: what XLA's out-of-memory error names as available for
+# v5e (15.75 of 16 GiB) and 7x (94.75 of 96 GiB), the chip's HBM for v5p (95 GiB) and v6e (32 GiB); and the chip's
+# HBM bandwidth, bytes/s.
+TPU_HBM_BYTES = {"v5e": int(15.75 * 2**30), "v5p": 95 * 2**30, "v6e": 32 * 2**30, "7x": int(94.75 * 2**30)}
+TPU_HBM_BYTES_PER_S = {"v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9, "7x": 7380e9}
+
+
+def has_libtpu() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.cache
+def tpu_topology(generation: str, topology_name: str | None = None):
+    """libtpu's description of a slice of ``generation`` (``TPU_TOPOLOGIES``'s, or ``topology_name``)."""
+    from jax.experimental import topologies
+
+    if generation not in TPU_TOPOLOGIES:
+        raise ValueError(f"unknown TPU generation {generation!r}; choose from {sorted(TPU_TOPOLOGIES)}")
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology_name or TPU_TOPOLOGIES[generation])
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One program compiled for one chip: seconds, and XLA's memory and cost analyses (None if it failed)."""
+
+    seconds: float
+    memory: dict | None = None
+    cost: dict | None = None
+    error: str | None = None
+
+    @property
+    def out_of_memory(self) -> bool:
+        """The compile failed because the program needs more HBM than one chip has: a finding, not a bug."""
+        return self.error is not None and "RESOURCE_EXHAUSTED" in self.error and "HBM" in self.error
+
+    def fits(self, hbm_bytes: int) -> bool | None:
+        if self.out_of_memory:
+            return False
+        if self.memory is None:
+            return None
+        return self.memory["total_bytes"] <= hbm_bytes
+
+
+def compile_for_tpu(trace: Callable[[], jax.stages.Traced], generation: str) -> Compiled:
+    """Trace with ``trace()`` and compile for one chip of ``generation``; a failure is returned, not raised."""
+    device = tpu_topology(generation).devices[0]
+    # Compiled afresh, never loaded from JAX's persistent cache: the seconds are the compile's own.
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    start = time.perf_counter()
+    try:
+        with jax.default_device(device):
+            compiled = trace().lower(lowering_platforms=("tpu",)).compile()
+    except Exception as e:  # noqa: BLE001 - a failed compile is a result here
+        return Compiled(time.perf_counter() - start, error=_first_line(e))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
+    return Compiled(time.perf_counter() - start, _memory(compiled), _cost(compiled))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    code = next((line.strip() for line in text.splitlines() if "E2" in line and "Mosaic" in line), None)
+    return f"{type(error).__name__}: {code or (text.splitlines()[0] if text else '')}"[:400]
+
+
+def _memory(compiled) -> dict:
+    stats = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
+              "generated_code_size_in_bytes")
+    memory = {name.replace("_size_in_bytes", "_bytes"): int(getattr(stats, name)) for name in fields}
+    memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
+                             - memory["alias_bytes"])
+    return memory
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
