@@ -39,7 +39,7 @@ compile-check: setup
 	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --platform tpu --preset zoo --compile all \
 		--out results/compile_tpu_zoo.json
 	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --platform tpu --preset qwen3.5-27b --compile all \
-		--out results/compile_tpu_qwen3.5-27b.json
+		--mesh v5e:2x2 --mesh v5e:2x4 --mesh v5p:2x2x1 --out results/compile_tpu_qwen3.5-27b.json
 
 lint: setup
 	$(PY) -m pip install -q ruff

@@ -51,7 +51,7 @@ from flax import nnx
 import ready_jax as rj
 from pallas_kernels import backend, triton_common
 from ready_jax import cache as cache_lib
-from ready_jax import cli, generation
+from ready_jax import cli, generation, sharding
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.modes import IMPLS, ROLLBACKS
@@ -317,6 +317,39 @@ def compile_all(preset: str, impl: str, rollback: str, generations: list[str],
     return report
 
 
+def compile_on_mesh(preset: str, topology_name: str, model: int | None = None) -> dict:
+    """Compile ``preset``'s whole ``generate`` program for every device of a TPU slice (``v5e:2x4``, ...), the
+    weights placed by the project's tensor-parallel rules (``ready_jax.sharding``: a ``data x model`` mesh,
+    ``model`` = every device unless given), with XLA's ops: the Mosaic kernels are not partitioned (jax asks
+    for a ``shard_map`` around each, which the kernels do not have yet). Memory per device; one line printed."""
+    chip = topology_name.split(":")[0].removeprefix("tpu")
+    if chip not in deviceless.TPU_TOPOLOGIES:
+        raise SystemExit(f"--mesh takes a slice of {sorted(deviceless.TPU_TOPOLOGIES)}, e.g. v5e:2x4; got "
+                         f"{topology_name!r}")
+    devices = deviceless.tpu_topology(chip, topology_name).devices
+    model = model or len(devices)
+    if len(devices) % model:
+        raise SystemExit(f"--model {model} does not divide the {len(devices)} devices of {topology_name}")
+    geo = geometry(preset)
+    layout = sharding.Layout(sharding.make_mesh(data=len(devices) // model, model=model, devices=devices))
+    target, drafter = abstract_models(geo)
+    target = target_lib.shard_target(target, layout)
+    drafter = drafter_lib.shard_drafter(drafter, layout)
+    prompts = np.zeros((geo.batch * (len(devices) // model), geo.prompt), np.int32)
+    program = generation.prepare(target, prompts, geo.max_new_tokens, drafter, impl="xla", batch_invariant=False)
+    result = deviceless.compile_for_tpu(program.trace, chip)
+    hbm = deviceless.TPU_HBM_BYTES[chip]
+    record = {"topology": topology_name, "devices": len(devices), "model": model, "data": len(devices) // model,
+              "batch": int(prompts.shape[0]), **dataclasses.asdict(result), "fits_hbm": result.fits(hbm),
+              "out_of_memory": result.out_of_memory}
+    per_device = ("" if result.memory is None else
+                  f"{result.memory['total_bytes'] / 1e9:.2f} GB per device of {hbm / 1e9:.1f}, ")
+    status = result.error if result.error else ("fits" if result.fits(hbm) else "does NOT fit")
+    print(f"{topology_name} ({len(devices) // model} x {model} data x model) generate compiled in "
+          f"{result.seconds:.1f} s: {per_device}{status}", flush=True)
+    return record
+
+
 def _generations(text: str) -> list[str]:
     names = list(deviceless.TPU_TOPOLOGIES) if text == "all" else [g for g in text.split(",") if g]
     unknown = [g for g in names if g not in deviceless.TPU_TOPOLOGIES]
@@ -336,13 +369,20 @@ def main(argv=None) -> list[Lowered]:
                         help="verify's and commit's rollback strategy (generate's default: replay)")
     parser.add_argument("--compile", metavar="GENERATIONS",
                         help="then compile every program for these TPU generations (comma-separated, or all)")
+    parser.add_argument("--mesh", metavar="SLICE", action="append", default=[],
+                        help="also compile generate for every device of this TPU slice (v5e:2x2, v5e:2x4, "
+                             "v5p:2x2x1, ...) with the tensor-parallel layout; repeatable")
+    parser.add_argument("--model", type=cli.positive_int, help="--mesh's model axis (default: every device)")
     parser.add_argument("--out", help="write the lowering (and compile) report here as JSON")
     args = parser.parse_args(argv)
+    if args.mesh and args.platform != "tpu":
+        parser.error("--mesh compiles for a TPU only (--platform tpu)")
+    if (args.compile or args.mesh) and not deviceless.has_libtpu():
+        raise SystemExit("--compile and --mesh need libtpu: pip install -e '.[tpu]'")
     generations = _generations(args.compile) if args.compile else []
     if generations and args.platform != "tpu":
         parser.error("--compile compiles for a TPU only (--platform tpu)")
-    if generations and not deviceless.has_libtpu():
-        raise SystemExit("--compile needs libtpu: pip install -e '.[tpu]'")
+
     geo = geometry(args.preset)
     print(f"lowering for {args.platform}: preset {args.preset} ({geo.target.num_hidden_layers} layers, hidden "
           f"{geo.target.hidden_size}, {geo.dtype.name}; batch {geo.batch}, prompt {geo.prompt}, "
@@ -354,10 +394,13 @@ def main(argv=None) -> list[Lowered]:
     print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     compiled = compile_all(args.preset, args.impl, args.rollback, generations) if generations else {}
+    meshes = [compile_on_mesh(args.preset, name, args.model) for name in args.mesh]
     write_json(args.out, {"settings": vars(args), "lowered": [dataclasses.asdict(r) for r in results],
-                          "compiled": compiled})
+                          "compiled": compiled, "meshes": meshes})
     failed_compiles = [f"{g} {name}: {r['error']}" for g, programs in compiled.items()
                        for name, r in programs.items() if r["error"] and not r["out_of_memory"]]
+    failed_compiles += [f"{m['topology']} generate: {m['error']}" for m in meshes
+                        if m["error"] and not m["out_of_memory"]]
     if failed or failed_compiles:
         for r in failed:
             print(f"error: {r.program}: {r.error}", file=sys.stderr)

@@ -348,8 +348,12 @@ def _shared_weights(target: Target) -> SharedWeights:
 
 def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
     """The program's inputs on the target's mesh: prompts (and a scripted drafter's reference) split over
-    ``data``, a learned drafter placed by the parameter rules (a no-op when it already is)."""
+    ``data``, a learned drafter placed by the parameter rules (a no-op when it already is). For an abstract
+    target (``ShapeDtypeStruct`` weights, e.g. on a TPU topology this machine does not have: ``Program.trace``)
+    the inputs become abstract too, their shardings attached."""
     target_params, drafter_params, shared, prompts, lengths, key = args
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(target_params)):
+        prompts, lengths, key = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (prompts, lengths, key))
     if isinstance(drafter, Drafter):
         drafter_params = sharding_lib.place(drafter_params,
                                             sharding_lib.param_shardings(drafter_params, layout, drafter.config))
