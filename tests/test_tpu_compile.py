@@ -150,3 +150,10 @@ def test_a_dynamic_lane_offset_off_the_128_grid_fails_to_compile():
         lambda: jax.jit(functools.partial(_dynamic_lane_block, width=32)).trace(misaligned), GENERATION)
     assert result.error is not None and "Mosaic" in result.error
     _compiles(_dynamic_lane_block, S((8, 512), F32), width=128)
+
+
+@pytest.mark.slow
+def test_the_zoos_generate_compiles_on_a_v5e_slice_with_the_tensor_parallel_layout():
+    """The whole program on every device of v5e:2x2, weights split by ready_jax.sharding's rules (XLA's ops)."""
+    record = lower.compile_on_mesh("zoo", "v5e:2x2")
+    assert record["error"] is None and record["fits_hbm"] and record["devices"] == 4 and record["model"] == 4
