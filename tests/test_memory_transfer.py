@@ -96,8 +96,9 @@ def _donation_cases(target):
     params, lengths = target.params, cache.lengths
     prompt, block, n = jnp.zeros((BATCH, 5), jnp.int32), jnp.zeros((BATCH, 4), jnp.int32), jnp.zeros((BATCH,),
                                                                                                          jnp.int32)
-    static = dict(hidden_layers=(), impl="xla", check_finite=False)
-    cases = [(form, target._extend.lower(params, cache, tokens, None, form=form, **static).compile(), cache)
+    static = dict(hidden_layers=(), impl="xla", check_finite=False, batch_invariant=True)  # decode, verify on a CPU
+    cases = [(form, target._extend.lower(params, cache, tokens, None, form=form,
+                                         **{**static, "batch_invariant": form == "recurrent"}).compile(), cache)
              for form, tokens in (("chunked", prompt), ("recurrent", prompt[:, :1]))]
     for rollback in ("replay", "checkpoint"):
         donated, kept = target_lib._split_layers(cache.layers, states=rollback == "replay")
