@@ -157,3 +157,15 @@ def test_the_zoos_generate_compiles_on_a_v5e_slice_with_the_tensor_parallel_layo
     """The whole program on every device of v5e:2x2, weights split by ready_jax.sharding's rules (XLA's ops)."""
     record = lower.compile_on_mesh("zoo", "v5e:2x2")
     assert record["error"] is None and record["fits_hbm"] and record["devices"] == 4 and record["model"] == 4
+
+
+def test_the_roofline_estimate_of_the_zoo_adds_up():
+    """experiments.roofline on the zoo: every piece compiles for v5e; the round is its pieces' sum and costs more
+    than one decode step but under the block's 8; the reader's share lies in (0, 1)."""
+    from experiments import roofline
+
+    result = roofline.estimate("zoo", "v5e")
+    t = {name: row["roofline_s"] for name, row in result["pieces"].items()}
+    assert all(seconds > 0 for seconds in t.values())
+    assert result["round_s"] == pytest.approx(t["draft"] + t["verify"] + t["commit"] + t["reader_prepare"])
+    assert 1 < result["round_over_decode"] < 8 and 0 < result["reader_share"] < 1
