@@ -36,9 +36,9 @@ test: setup
 # The kernels alone, at the test and zoo shapes, compile in `make test` (tests/test_tpu_compile.py).
 compile-check: setup
 	$(PY) -m pip install -q -e ".[tpu]"
-	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --platform tpu --preset zoo --compile all \
+	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --no-compile-cache --platform tpu --preset zoo --compile all \
 		--out results/compile_tpu_zoo.json
-	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --platform tpu --preset qwen3.5-27b --compile all \
+	JAX_PLATFORMS=cpu $(PY) -m experiments.lower --no-compile-cache --platform tpu --preset qwen3.5-27b --compile all \
 		--mesh v5e:2x2 --mesh v5e:2x4 --mesh v5p:2x2x1 --out results/compile_tpu_qwen3.5-27b.json
 
 lint: setup

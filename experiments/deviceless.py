@@ -1,4 +1,4 @@
-"""Compiling for a TPU this machine does not have: a topology from libtpu, and a program compiled for its chip.
+"""Compiling for a TPU or GPU this machine does not have: a topology, and a program compiled for its chip.
 
 Lowering (``experiments.lower``) stops at StableHLO, where a Mosaic kernel is serialised IR; Mosaic's own passes
 (memref and vector layout inference, applying the layouts, lowering to LLO) run only when libtpu compiles it.
@@ -8,7 +8,13 @@ Shapes Mosaic cannot prove aligned (a dynamic lane offset that is not a multiple
 interpreter and fail here.
 
 libtpu takes a lock file per process (``/tmp/libtpu_lockfile``); several processes (pytest -n 2) need
-``ALLOW_MULTIPLE_LIBTPU_LOAD=1``.
+``ALLOW_MULTIPLE_LIBTPU_LOAD=1``. Scripts that report compile seconds run with ``--no-compile-cache``: a program
+loaded from JAX's persistent cache would report the load.
+
+GPUs the same way: ``jax-cuda12-plugin`` (at the installed jax's version; it needs no CUDA library to compile)
+describes one GPU from an XLA ``GpuTargetConfigProto`` in text, shipped here per GPU (``gpu_targets/*.txtpb``),
+and compiles for it, Triton kernels to cubins included; ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` lets it start
+without a driver.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import functools
 import importlib.util
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 
@@ -30,8 +37,27 @@ TPU_HBM_BYTES = {"v5e": int(15.75 * 2**30), "v5p": 95 * 2**30, "v6e": 32 * 2**30
 TPU_HBM_BYTES_PER_S = {"v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9, "7x": 7380e9}
 
 
+GPU_TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}  # in gpu_targets/, beside this module
+GPU_HBM_BYTES = {"h100": 84942979072, "h200": 150754820096}
+
+
 def has_libtpu() -> bool:
     return importlib.util.find_spec("libtpu") is not None
+
+
+def has_cuda_plugin() -> bool:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+@functools.cache
+def gpu_topology(gpu: str):
+    """One GPU of kind ``gpu`` (``GPU_TARGETS``), described by its shipped target config."""
+    from jax.experimental import topologies
+
+    if gpu not in GPU_TARGETS:
+        raise ValueError(f"unknown GPU {gpu!r}; choose from {sorted(GPU_TARGETS)}")
+    config = (Path(__file__).parent / "gpu_targets" / GPU_TARGETS[gpu]).read_text()
+    return topologies.get_topology_desc(platform="cuda", topology_name="", topology="1x1x1", target_config=config)
 
 
 @functools.cache
@@ -68,18 +94,21 @@ class Compiled:
 
 def compile_for_tpu(trace: Callable[[], jax.stages.Traced], generation: str) -> Compiled:
     """Trace with ``trace()`` and compile for one chip of ``generation``; a failure is returned, not raised."""
-    device = tpu_topology(generation).devices[0]
-    # Compiled afresh, never loaded from JAX's persistent cache: the seconds are the compile's own.
-    cache_was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    return _compile_on(trace, tpu_topology(generation).devices[0], "tpu")
+
+
+def compile_for_gpu(trace: Callable[[], jax.stages.Traced], gpu: str) -> Compiled:
+    """Trace with ``trace()`` and compile for one GPU of kind ``gpu``; a failure is returned, not raised."""
+    return _compile_on(trace, gpu_topology(gpu).devices[0], "cuda")
+
+
+def _compile_on(trace: Callable[[], jax.stages.Traced], device, platform: str) -> Compiled:
     start = time.perf_counter()
     try:
         with jax.default_device(device):
-            compiled = trace().lower(lowering_platforms=("tpu",)).compile()
+            compiled = trace().lower(lowering_platforms=(platform,)).compile()
     except Exception as e:  # noqa: BLE001 - a failed compile is a result here
         return Compiled(time.perf_counter() - start, error=_first_line(e))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was)
     return Compiled(time.perf_counter() - start, _memory(compiled), _cost(compiled))
 
 
@@ -99,7 +128,10 @@ def _memory(compiled) -> dict:
     return memory
 
 
-def _cost(compiled) -> dict:
+def _cost(compiled) -> dict | None:
+    """XLA's flops and bytes accessed; None where the backend gives no cost analysis (a deviceless GPU)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
+    if not cost:
+        return None
     return {"flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}

@@ -14,10 +14,12 @@ leaves: no parameter is allocated), traces five programs and lowers each for the
 
 Lowering stops at StableHLO, where each Pallas kernel is one custom call carrying its kernel (Mosaic IR in a
 ``tpu_custom_call``; Triton IR in a ``__gpu$xla.gpu.triton`` call, or a Mosaic GPU module). ``--compile v5e,v6e``
-(TPU only; needs libtpu, the ``tpu`` extra) then compiles every program for one chip of each generation with no
-TPU attached, which runs Mosaic's own passes (``experiments.deviceless``), and reports per program the compile
-seconds, XLA's memory analysis (arguments, outputs, temporaries; whether they fit the chip's HBM) and cost
-analysis (flops, bytes accessed); ``--out`` writes them as JSON with the environment.
+(a TPU: needs libtpu, the ``tpu`` extra) or ``--compile h100,h200`` (a GPU: needs jax-cuda12-plugin) then compiles
+every program for one chip of each kind with none attached, which runs Mosaic's own passes or compiles the
+Triton kernels to cubins (``experiments.deviceless``), and reports per program the compile seconds, XLA's
+memory analysis (arguments, outputs, temporaries; whether they fit the chip's HBM) and cost analysis (flops,
+bytes accessed); ``--mesh v5e:2x4`` compiles ``generate`` for a whole TPU slice with the tensor-parallel layout;
+``--out`` writes it all as JSON with the environment.
 Each program's line gives the kernels one run of it launches, by kernel name, a loop body (the scan over layer
 groups, the rounds' while loop) counted once: a prefill of the stacked target launches one chunked kernel per
 Gated DeltaNet layer of a layer group.
@@ -238,18 +240,20 @@ def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
     return results
 
 
-def compile_all(preset: str, impl: str, rollback: str, generations: list[str],
+def compile_all(platform: str, preset: str, impl: str, rollback: str, chips: list[str],
                 programs: tuple[str, ...] = PROGRAMS) -> dict:
-    """Compile ``programs`` of ``preset`` for one chip of each TPU generation, printing one line per program;
-    {generation: {program: deviceless.Compiled as a dict, with ``fits_hbm``}}."""
+    """Compile ``programs`` of ``preset`` for one of each chip (TPU generations, or GPUs for cuda), printing one
+    line per program; {chip: {program: deviceless.Compiled as a dict, with ``fits_hbm``}}."""
     tracers = program_tracers(geometry(preset), impl, rollback)
+    compile_for = deviceless.compile_for_tpu if platform == "tpu" else deviceless.compile_for_gpu
+    memory = deviceless.TPU_HBM_BYTES if platform == "tpu" else deviceless.GPU_HBM_BYTES
     report = {}
-    for chip in generations:
-        hbm = deviceless.TPU_HBM_BYTES[chip]
+    for chip in chips:
+        hbm = memory[chip]
         report[chip] = {}
         for name in programs:
-            with lowering_context("tpu"):
-                result = deviceless.compile_for_tpu(tracers[name], chip)
+            with lowering_context(platform):
+                result = compile_for(tracers[name], chip)
             report[chip][name] = {**dataclasses.asdict(result), "fits_hbm": result.fits(hbm),
                                   "out_of_memory": result.out_of_memory}
             if result.out_of_memory:
@@ -258,9 +262,10 @@ def compile_all(preset: str, impl: str, rollback: str, generations: list[str],
                 detail = f"FAILED: {result.error}"
             else:
                 fit = "fits" if result.fits(hbm) else "does NOT fit"
-                moved = result.cost["bytes_accessed"] / 1e9
-                detail = (f"{result.memory['total_bytes'] / 1e9:7.2f} GB of {hbm / 1e9:.1f} ({fit}), "
-                          f"{result.cost['flops'] / 1e9:9.2f} GFLOP, {moved:7.2f} GB moved")
+                detail = f"{result.memory['total_bytes'] / 1e9:7.2f} GB of {hbm / 1e9:.1f} ({fit})"
+                if result.cost is not None:
+                    detail += (f", {result.cost['flops'] / 1e9:9.2f} GFLOP, "
+                               f"{result.cost['bytes_accessed'] / 1e9:7.2f} GB moved")
             print(f"{chip:4s} {name:9s} compiled in {result.seconds:6.1f} s  {detail}", flush=True)
     return report
 
@@ -298,12 +303,12 @@ def compile_on_mesh(preset: str, topology_name: str, model: int | None = None) -
     return record
 
 
-def _generations(text: str) -> list[str]:
-    names = list(deviceless.TPU_TOPOLOGIES) if text == "all" else [g for g in text.split(",") if g]
-    unknown = [g for g in names if g not in deviceless.TPU_TOPOLOGIES]
-    if unknown or not names:
-        raise SystemExit(f"--compile takes TPU generations from {sorted(deviceless.TPU_TOPOLOGIES)} or 'all', "
-                         f"got {text!r}")
+def _chips(text: str, platform: str) -> list[str]:
+    known = deviceless.TPU_TOPOLOGIES if platform == "tpu" else deviceless.GPU_TARGETS
+    names = list(known) if text == "all" else [g for g in text.split(",") if g]
+    if not names or any(g not in known for g in names):
+        what = "TPU generations" if platform == "tpu" else "GPUs"
+        raise SystemExit(f"--compile takes {what} from {sorted(known)} or 'all', got {text!r}")
     return names
 
 
@@ -315,21 +320,23 @@ def main(argv=None) -> list[Lowered]:
     parser.add_argument("--impl", choices=IMPLS, default="pallas", help="who runs the fused ops")
     parser.add_argument("--rollback", choices=ROLLBACKS, default="replay",
                         help="verify's and commit's rollback strategy (generate's default: replay)")
-    parser.add_argument("--compile", metavar="GENERATIONS",
-                        help="then compile every program for these TPU generations (comma-separated, or all)")
+    parser.add_argument("--compile", metavar="CHIPS",
+                        help="then compile every program for these TPU generations (v5e, v5p, v6e, 7x) or GPUs "
+                             "(h100, h200), comma-separated, or all")
     parser.add_argument("--mesh", metavar="SLICE", action="append", default=[],
                         help="also compile generate for every device of this TPU slice (v5e:2x2, v5e:2x4, "
                              "v5p:2x2x1, ...) with the tensor-parallel layout; repeatable")
     parser.add_argument("--model", type=cli.positive_int, help="--mesh's model axis (default: every device)")
     parser.add_argument("--out", help="write the lowering (and compile) report here as JSON")
     args = parser.parse_args(argv)
+    chips = _chips(args.compile, args.platform) if args.compile else []
     if args.mesh and args.platform != "tpu":
         parser.error("--mesh compiles for a TPU only (--platform tpu)")
-    if (args.compile or args.mesh) and not deviceless.has_libtpu():
-        raise SystemExit("--compile and --mesh need libtpu: pip install -e '.[tpu]'")
-    generations = _generations(args.compile) if args.compile else []
-    if generations and args.platform != "tpu":
-        parser.error("--compile compiles for a TPU only (--platform tpu)")
+    if (chips or args.mesh) and args.platform == "tpu" and not deviceless.has_libtpu():
+        raise SystemExit("--compile and --mesh need libtpu for a TPU: pip install -e '.[tpu]'")
+    if chips and args.platform == "cuda" and not deviceless.has_cuda_plugin():
+        raise SystemExit("--compile needs jax-cuda12-plugin for a GPU: pip install "
+                         f"jax-cuda12-plugin=={jax.__version__} (and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1)")
 
     geo = geometry(args.preset)
     print(f"lowering for {args.platform}: preset {args.preset} ({geo.target.num_hidden_layers} layers, hidden "
@@ -341,7 +348,7 @@ def main(argv=None) -> list[Lowered]:
     failed = [r for r in results if r.error]
     print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
-    compiled = compile_all(args.preset, args.impl, args.rollback, generations) if generations else {}
+    compiled = compile_all(args.platform, args.preset, args.impl, args.rollback, chips) if chips else {}
     meshes = [compile_on_mesh(args.preset, name, args.model) for name in args.mesh]
     write_json(args.out, {"settings": vars(args), "lowered": [dataclasses.asdict(r) for r in results],
                           "compiled": compiled, "meshes": meshes})

@@ -100,13 +100,14 @@ def test_the_27b_geometry_is_abstract():
 @pytest.mark.parametrize("argv, message", [
     (["--platform", "tpu", "--compile", "v9"], "--compile takes TPU generations from"),
     (["--platform", "tpu", "--compile", ","], "--compile takes TPU generations from"),
+    (["--platform", "cuda", "--compile", "v5e"], "--compile takes GPUs from"),
 ])
-def test_compile_names_unknown_generations_before_any_work(argv, message):
+def test_compile_names_unknown_chips_before_any_work(argv, message):
     with pytest.raises(SystemExit, match=message):
         lower.main(argv)
 
 
-def test_compile_is_for_a_tpu_only(capsys):
+def test_mesh_is_for_a_tpu_only(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        lower.main(["--platform", "cuda", "--compile", "v5e"])
-    assert exit_info.value.code == 2 and "--compile compiles for a TPU only" in capsys.readouterr().err
+        lower.main(["--platform", "cuda", "--mesh", "v5e:2x2"])
+    assert exit_info.value.code == 2 and "--mesh compiles for a TPU only" in capsys.readouterr().err
