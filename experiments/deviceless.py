@@ -50,14 +50,20 @@ def has_cuda_plugin() -> bool:
 
 
 @functools.cache
-def gpu_topology(gpu: str):
-    """One GPU of kind ``gpu`` (``GPU_TARGETS``), described by its shipped target config."""
+def gpu_topology(gpu: str, topology: str = "1x1x1"):
+    """GPUs of kind ``gpu`` (``GPU_TARGETS``), described by its shipped target config: one, or a node
+    (``topology`` "1x1x8": eight on one host)."""
     from jax.experimental import topologies
 
     if gpu not in GPU_TARGETS:
         raise ValueError(f"unknown GPU {gpu!r}; choose from {sorted(GPU_TARGETS)}")
     config = (Path(__file__).parent / "gpu_targets" / GPU_TARGETS[gpu]).read_text()
-    return topologies.get_topology_desc(platform="cuda", topology_name="", topology="1x1x1", target_config=config)
+    return topologies.get_topology_desc(platform="cuda", topology_name="", topology=topology, target_config=config)
+
+
+def compile_on(trace: Callable[[], jax.stages.Traced], device) -> Compiled:
+    """Trace with ``trace()`` and compile for ``device``'s platform and topology (a TPU's or GPU's)."""
+    return _compile_on(trace, device, "tpu" if device.platform == "tpu" else "cuda")
 
 
 @functools.cache

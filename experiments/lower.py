@@ -270,19 +270,24 @@ def compile_all(platform: str, preset: str, impl: str, rollback: str, chips: lis
     return report
 
 
-def compile_on_mesh(preset: str, topology_name: str, model: int | None = None) -> dict:
-    """Compile ``preset``'s whole ``generate`` program for every device of a TPU slice (``v5e:2x4``, ...), the
-    weights placed by the project's tensor-parallel rules (``ready_jax.sharding``: a ``data x model`` mesh,
-    ``model`` = every device unless given), with XLA's ops: the Mosaic kernels are not partitioned (jax asks
-    for a ``shard_map`` around each, which the kernels do not have yet). Memory per device; one line printed."""
-    chip = topology_name.split(":")[0].removeprefix("tpu")
-    if chip not in deviceless.TPU_TOPOLOGIES:
-        raise SystemExit(f"--mesh takes a slice of {sorted(deviceless.TPU_TOPOLOGIES)}, e.g. v5e:2x4; got "
-                         f"{topology_name!r}")
-    devices = deviceless.tpu_topology(chip, topology_name).devices
+def compile_on_mesh(preset: str, slice_name: str, model: int | None = None) -> dict:
+    """Compile ``preset``'s whole ``generate`` program for every device of a TPU slice (``v5e:2x4``, ...) or a GPU
+    node (``h200:1x1x8``: eight H200s on one host), the weights placed by the project's tensor-parallel rules
+    (``ready_jax.sharding``: a ``data x model`` mesh, ``model`` = every device unless given), with XLA's ops: the
+    Pallas kernels are not partitioned (jax asks for a ``shard_map`` around each, which they do not have yet).
+    Memory per device; one line printed."""
+    kind, _, shape = slice_name.partition(":")
+    chip = kind.removeprefix("tpu")
+    if chip in deviceless.GPU_TARGETS and shape:
+        devices, hbm = deviceless.gpu_topology(chip, shape).devices, deviceless.GPU_HBM_BYTES[chip]
+    elif chip in deviceless.TPU_TOPOLOGIES and shape:
+        devices, hbm = deviceless.tpu_topology(chip, slice_name).devices, deviceless.TPU_HBM_BYTES[chip]
+    else:
+        raise SystemExit(f"--mesh takes a TPU slice of {sorted(deviceless.TPU_TOPOLOGIES)} (v5e:2x4) or a GPU node "
+                         f"of {sorted(deviceless.GPU_TARGETS)} (h200:1x1x8); got {slice_name!r}")
     model = model or len(devices)
     if len(devices) % model:
-        raise SystemExit(f"--model {model} does not divide the {len(devices)} devices of {topology_name}")
+        raise SystemExit(f"--model {model} does not divide the {len(devices)} devices of {slice_name}")
     geo = geometry(preset)
     layout = sharding.Layout(sharding.make_mesh(data=len(devices) // model, model=model, devices=devices))
     target, drafter = abstract_models(geo)
@@ -290,15 +295,14 @@ def compile_on_mesh(preset: str, topology_name: str, model: int | None = None) -
     drafter = drafter_lib.shard_drafter(drafter, layout)
     prompts = np.zeros((geo.batch * (len(devices) // model), geo.prompt), np.int32)
     program = generation.prepare(target, prompts, geo.max_new_tokens, drafter, impl="xla", batch_invariant=False)
-    result = deviceless.compile_for_tpu(program.trace, chip)
-    hbm = deviceless.TPU_HBM_BYTES[chip]
-    record = {"topology": topology_name, "devices": len(devices), "model": model, "data": len(devices) // model,
+    result = deviceless.compile_on(program.trace, devices[0])
+    record = {"slice": slice_name, "devices": len(devices), "model": model, "data": len(devices) // model,
               "batch": int(prompts.shape[0]), **dataclasses.asdict(result), "fits_hbm": result.fits(hbm),
               "out_of_memory": result.out_of_memory}
     per_device = ("" if result.memory is None else
                   f"{result.memory['total_bytes'] / 1e9:.2f} GB per device of {hbm / 1e9:.1f}, ")
     status = result.error if result.error else ("fits" if result.fits(hbm) else "does NOT fit")
-    print(f"{topology_name} ({len(devices) // model} x {model} data x model) generate compiled in "
+    print(f"{slice_name} ({len(devices) // model} x {model} data x model) generate compiled in "
           f"{result.seconds:.1f} s: {per_device}{status}", flush=True)
     return record
 
@@ -325,16 +329,17 @@ def main(argv=None) -> list[Lowered]:
                              "(h100, h200), comma-separated, or all")
     parser.add_argument("--mesh", metavar="SLICE", action="append", default=[],
                         help="also compile generate for every device of this TPU slice (v5e:2x2, v5e:2x4, "
-                             "v5p:2x2x1, ...) with the tensor-parallel layout; repeatable")
+                             "v5p:2x2x1, ...) or GPU node (h200:1x1x8) with the tensor-parallel layout; repeatable")
     parser.add_argument("--model", type=cli.positive_int, help="--mesh's model axis (default: every device)")
     parser.add_argument("--out", help="write the lowering (and compile) report here as JSON")
     args = parser.parse_args(argv)
     chips = _chips(args.compile, args.platform) if args.compile else []
-    if args.mesh and args.platform != "tpu":
-        parser.error("--mesh compiles for a TPU only (--platform tpu)")
+    gpu_mesh = [m for m in args.mesh if m.partition(":")[0] in deviceless.GPU_TARGETS]
+    if gpu_mesh and args.platform != "cuda" or len(gpu_mesh) != len(args.mesh) and args.platform != "tpu":
+        parser.error("--mesh takes TPU slices with --platform tpu and GPU nodes with --platform cuda")
     if (chips or args.mesh) and args.platform == "tpu" and not deviceless.has_libtpu():
         raise SystemExit("--compile and --mesh need libtpu for a TPU: pip install -e '.[tpu]'")
-    if chips and args.platform == "cuda" and not deviceless.has_cuda_plugin():
+    if (chips or args.mesh) and args.platform == "cuda" and not deviceless.has_cuda_plugin():
         raise SystemExit("--compile needs jax-cuda12-plugin for a GPU: pip install "
                          f"jax-cuda12-plugin=={jax.__version__} (and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1)")
 
@@ -354,7 +359,7 @@ def main(argv=None) -> list[Lowered]:
                           "compiled": compiled, "meshes": meshes})
     failed_compiles = [f"{g} {name}: {r['error']}" for g, programs in compiled.items()
                        for name, r in programs.items() if r["error"] and not r["out_of_memory"]]
-    failed_compiles += [f"{m['topology']} generate: {m['error']}" for m in meshes
+    failed_compiles += [f"{m['slice']} generate: {m['error']}" for m in meshes
                         if m["error"] and not m["out_of_memory"]]
     if failed or failed_compiles:
         for r in failed:

@@ -107,7 +107,8 @@ def test_compile_names_unknown_chips_before_any_work(argv, message):
         lower.main(argv)
 
 
-def test_mesh_is_for_a_tpu_only(capsys):
+@pytest.mark.parametrize("platform, mesh", [("cuda", "v5e:2x2"), ("tpu", "h200:1x1x8")])
+def test_a_mesh_of_the_other_platform_is_refused(capsys, platform, mesh):
     with pytest.raises(SystemExit) as exit_info:
-        lower.main(["--platform", "cuda", "--mesh", "v5e:2x2"])
-    assert exit_info.value.code == 2 and "--mesh compiles for a TPU only" in capsys.readouterr().err
+        lower.main(["--platform", platform, "--mesh", mesh])
+    assert exit_info.value.code == 2 and "--mesh takes TPU slices with --platform tpu" in capsys.readouterr().err
