@@ -8,8 +8,8 @@ Shapes Mosaic cannot prove aligned (a dynamic lane offset that is not a multiple
 interpreter and fail here.
 
 libtpu takes a lock file per process (``/tmp/libtpu_lockfile``); several processes (pytest -n 2) need
-``ALLOW_MULTIPLE_LIBTPU_LOAD=1``. Scripts that report compile seconds run with ``--no-compile-cache``: a program
-loaded from JAX's persistent cache would report the load.
+``ALLOW_MULTIPLE_LIBTPU_LOAD=1``. Scripts that report compile seconds run with JAX's persistent compilation cache
+off (the common command-line option, ``ready_jax.cli``): a program loaded from it would report the load.
 
 GPUs the same way: ``jax-cuda12-plugin`` (at the installed jax's version; it needs no CUDA library to compile)
 describes one GPU from an XLA ``GpuTargetConfigProto`` in text, shipped here per GPU (``gpu_targets/*.txtpb``),
