@@ -2,11 +2,12 @@
 
 Greedy speculative decoding gives autoregressive decoding's tokens only if a verify block (T rows per
 sequence) rounds every token exactly as a decode step (one row) does; in bf16 a logit margin of one rounding
-step is common, so one differing last bit changes a token. Two things break that on XLA's CPU backend
-(docs/numerics.md): a matmul's per-row result depends on its row count, and XLA's fusion recomputes a chain
-of Gated DeltaNet states inside one kernel, contracting multiply-adds differently by context. The target's
-``batch_invariant`` steps avoid both (``layers.per_position``, the recurrence's ``looped`` form), and compile
-with the options below, which keep the CPU's YNNPACK from fusing a matmul with its neighbours.
+step is common, so one differing last bit changes a token. Three things break that on XLA's CPU backend
+(docs/numerics.md): a matmul's per-row result depends on its row count; XLA's fusion recomputes a chain of
+Gated DeltaNet states inside one kernel, contracting multiply-adds differently by context; and excess precision
+keeps a bf16 intermediate in fp32 in one program and not in another. The target's ``batch_invariant`` steps
+avoid the first two (``layers.per_position``, the recurrence's ``looped`` form) and compile with the options
+below for the third, which also keep the CPU's YNNPACK from fusing a matmul with its neighbours.
 
 On a GPU or TPU the same steps run but are not checked here (no device), and cost verify its batching: there
 the default is off, and ``generate`` says once that greedy output may differ from the autoregressive one.
