@@ -83,7 +83,7 @@ def analyse(program: generation.Program, compiled=None) -> dict:
            "target_weight_bytes": nbytes(target_params), "drafter_weight_bytes": nbytes(drafter_params or ()),
            "shared_weight_bytes_counted_twice": nbytes(shared or ()), "target_cache_bytes": nbytes(cache),
            "batch": int(batch), "prompt_len": int(prompts.shape[1]), "capacity": int(capacity),
-           "max_new_tokens": settings.max_new_tokens, "compile_seconds": seconds}
+           "max_new_tokens_bucket": settings.max_new_tokens_bucket, "compile_seconds": seconds}
     if settings.learned:
         context = _abstract_cache(lambda: drafter_lib.init_context(settings.drafter_config, batch, capacity, dtype),
                                   settings.layout)

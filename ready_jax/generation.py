@@ -30,7 +30,7 @@ from .cache import TargetCache
 from .checks import as_array, check_flag, check_int, check_real, check_token_ids
 from .config import INT32_MAX
 from .drafter import Drafter, SharedWeights
-from .generation_loop import PAD, ScriptedConfig, Settings, checked_jit, program_jit
+from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
 from .modes import Impl, Rollback
 from .target import Target
 
@@ -116,7 +116,7 @@ MAX_COMPILED_PROGRAMS = 32  # each holds its machine code; a long-lived process 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
              temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
              capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
-             check_finite: bool = False, prompt_bucket: int = 1,
+             check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
              batch_invariant: bool | None = None) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
 
@@ -131,7 +131,11 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     ``max_new_tokens``. ``capacity`` (default: just enough) sizes the caches. ``prompt_bucket = m``
     pads the prompt width (and the default capacity) up to a multiple of m, so that prompts of
     different lengths share one compiled program (padding is masked: the tokens do not change;
-    prefill does up to m - 1 tokens of extra work). ``rollback`` picks how rejected drafts are undone
+    prefill does up to m - 1 tokens of extra work). ``max_new_tokens`` is a program input, and the program holds
+    slots for a bucket of it (:func:`new_tokens_bucket_of`): by default the next size of the form 2^k or
+    3 * 2^k, so any mix of lengths compiles a few programs; ``new_tokens_bucket = m`` rounds up to a multiple of
+    m instead (1: a program per value). Generation stops at ``max_new_tokens`` either way, so the tokens do not
+    change; the default capacity grows with the bucket. ``rollback`` picks how rejected drafts are undone
     (``target.verify``): both are exact; ``"replay"`` is the default because its verify candidate does
     not grow with the block size (docs/api.md compares their cost). ``impl="pallas"``
     runs the fused Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
@@ -145,7 +149,8 @@ def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter |
     """
     program = prepare(target, prompt_ids, max_new_tokens, drafter, temperature, seed, eos_token_ids=eos_token_ids,
                       capacity=capacity, rollback=rollback, impl=impl, check_finite=check_finite,
-                      prompt_bucket=prompt_bucket, batch_invariant=batch_invariant)
+                      prompt_bucket=prompt_bucket, new_tokens_bucket=new_tokens_bucket,
+                      batch_invariant=batch_invariant)
     numerics.warn_unless_invariant(program.settings.batch_invariant, program.settings.temperature == 0.0,
                                    drafter is not None)
     compiled = compiled_program(program)
@@ -179,12 +184,11 @@ class Program:
     settings: Settings
     target_def: Any
     drafter_def: Any
-    args: tuple  # (target params, drafter params, shared weights, prompts [B, T], lengths [B], key)
+    args: tuple  # (target params, drafter params, shared weights, prompts [B, T], lengths [B], key, max_new_tokens)
 
     def trace(self) -> jax.stages.Traced:
-        jitted = checked_jit if self.settings.check_finite else program_jit
-        return jitted.trace(*self.args, target_def=self.target_def, drafter_def=self.drafter_def,
-                            settings=self.settings)
+        return program_jit(self.settings.check_finite).trace(*self.args, target_def=self.target_def,
+                                                             drafter_def=self.drafter_def, settings=self.settings)
 
     def lower(self) -> jax.stages.Lowered:
         return self.trace().lower()
@@ -193,11 +197,13 @@ class Program:
 def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
             capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
-            check_finite: bool = False, prompt_bucket: int = 1, batch_invariant: bool | None = None) -> Program:
+            check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
+            batch_invariant: bool | None = None) -> Program:
     """Check :func:`generate`'s arguments and build its :class:`Program` (same arguments, same errors)."""
     prompt_bucket = check_int(prompt_bucket, "prompt_bucket", 1, INT32_MAX)
     prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size, prompt_bucket)
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", 1, INT32_MAX)
+    max_new_tokens_bucket = new_tokens_bucket_of(max_new_tokens, new_tokens_bucket)
     seed = check_int(seed, "seed", -(2**63), 2**63 - 1)
     temperature = effective_temperature(temperature)
     modes.check(rollback, modes.ROLLBACKS, "rollback")
@@ -217,7 +223,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
         raise TypeError(f"drafter must be a Drafter, a ScriptedDrafter or None, got {type(drafter).__name__}")
     gamma = 0 if drafter is None else drafter_config.block_size
     needed = int(lengths.max()) + max_new_tokens + gamma
-    capacity = prompts.shape[1] + max_new_tokens + gamma if capacity is None else capacity
+    capacity = prompts.shape[1] + max_new_tokens_bucket + gamma if capacity is None else capacity
     if needed > capacity:
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
@@ -227,17 +233,31 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     eos = (target.config.eos_token_ids if eos_token_ids is None
            else check_token_ids(eos_token_ids, "eos_token_ids", target.config.vocab_size))
     layout = target.layout
-    settings = Settings(target.config, drafter_config, max_new_tokens, capacity, float(temperature), eos, rollback,
-                         impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl),
-                         batch_invariant)
+    settings = Settings(target.config, drafter_config, max_new_tokens_bucket, capacity, float(temperature), eos,
+                        rollback, impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl),
+                        batch_invariant)
     shared = _shared_weights(target) if isinstance(drafter, Drafter) else None
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):
         key = jax.random.fold_in(key, drafter.seed)
-    args = (target.params, drafter_params, shared, jnp.asarray(prompts), jnp.asarray(lengths), key)
+    args = (target.params, drafter_params, shared, jnp.asarray(prompts), jnp.asarray(lengths), key,
+            jnp.int32(max_new_tokens))
     if layout is not None:
         args = _place_inputs(args, drafter, layout)
     return Program(settings, target.graphdef, drafter_def, args)
+
+
+def new_tokens_bucket_of(max_new_tokens: int, bucket: int | None = None) -> int:
+    """The token slots a program for ``max_new_tokens`` holds: with ``bucket`` None the smallest size of the form
+    2^k or 3 * 2^k at or above it (1, 2, 3, 4, 6, 8, 12, 16, 24, ...: at most 1.5x the tokens, and about 2 log2 N
+    programs up to N), else the next multiple of ``bucket``; never past int32."""
+    if bucket is None:
+        power = 1 << max(max_new_tokens - 1, 0).bit_length()                # the next power of two
+        size = 3 * power // 4 if 3 * power // 4 >= max_new_tokens else power
+    else:
+        bucket = check_int(bucket, "new_tokens_bucket", 1, INT32_MAX)
+        size = -(-max_new_tokens // bucket) * bucket
+    return min(size, INT32_MAX)
 
 
 def effective_temperature(temperature) -> float:
@@ -304,7 +324,7 @@ def _describe(program: Program) -> str:
     else:
         kind = "ReaDy drafter" if s.has_reader else "DSpark drafter"
     batch, width = program.args[3].shape                                            # prompts [B, T]
-    details = [f"batch {batch}", f"prompt {width}", f"{s.max_new_tokens} new tokens"]
+    details = [f"batch {batch}", f"prompt {width}", f"up to {s.max_new_tokens_bucket} new tokens"]
     if s.gamma:
         details.append(f"block {s.gamma}")
     if s.impl != "xla":
@@ -351,16 +371,18 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
     ``data``, a learned drafter placed by the parameter rules (a no-op when it already is). For an abstract
     target (``ShapeDtypeStruct`` weights, e.g. on a TPU topology this machine does not have: ``Program.trace``)
     the inputs become abstract too, their shardings attached."""
-    target_params, drafter_params, shared, prompts, lengths, key = args
+    target_params, drafter_params, shared, prompts, lengths, key, max_new_tokens = args
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(target_params)):
-        prompts, lengths, key = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (prompts, lengths, key))
+        prompts, lengths, key, max_new_tokens = (jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                 for x in (prompts, lengths, key, max_new_tokens))
     if isinstance(drafter, Drafter):
         drafter_params = sharding_lib.place(drafter_params,
                                             sharding_lib.param_shardings(drafter_params, layout, drafter.config))
     elif drafter_params is not None:
         drafter_params = sharding_lib.place(drafter_params, layout.batch(drafter_params.shape))
     prompts, lengths = (sharding_lib.place(x, layout.batch(x.shape)) for x in (prompts, lengths))
-    return target_params, drafter_params, shared, prompts, lengths, sharding_lib.place(key, layout.replicated)
+    key, max_new_tokens = (sharding_lib.place(x, layout.replicated) for x in (key, max_new_tokens))
+    return target_params, drafter_params, shared, prompts, lengths, key, max_new_tokens
 
 
 def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -47,7 +47,7 @@ class Settings:
 
     target_config: TargetConfig
     drafter_config: DrafterConfig | ScriptedConfig | None
-    max_new_tokens: int
+    max_new_tokens_bucket: int  # token slots the program holds; the call's own max_new_tokens is an input
     capacity: int
     temperature: float
     eos_ids: tuple[int, ...]
@@ -89,14 +89,15 @@ class LoopState:
     generated: jax.Array      # [B] int32 tokens kept so far (the anchor included)
     key: jax.Array            # PRNG key of the next round
     round: jax.Array          # int32 rounds run so far
-    buffer: jax.Array         # [B, max_new_tokens + gamma + 1] int32 kept tokens, PAD after them
+    buffer: jax.Array         # [B, max_new_tokens_bucket + gamma + 1] int32 kept tokens, PAD after them
     done: jax.Array           # [B] bool: EOS kept or max_new_tokens reached
-    accepted: jax.Array       # [max_new_tokens, B] int32 tokens committed per round, 0 = idle
+    accepted: jax.Array       # [max_new_tokens_bucket, B] int32 tokens committed per round, 0 = idle
+    max_new_tokens: jax.Array  # int32: the call's limit (<= the bucket), an input so calls share one program
     context: ContextCache | None = None  # a learned drafter's context K/V
     reader: tuple | None = None          # a reader's per-round input, one entry per inject layer
 
 
-def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
+def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key, max_new_tokens,
              s: Settings) -> LoopState:
     """Prefill, the first token, and the loop's initial carry."""
     batch = prompts.shape[0]
@@ -120,9 +121,10 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
     return LoopState(
         cache=sharding_lib.constrain(out.cache, s.layout), anchor=anchor, generated=generated, key=key,
         round=jnp.int32(0),
-        buffer=jnp.full((batch, s.max_new_tokens + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
-        done=_is_eos(anchor, s.eos_ids) | (generated >= s.max_new_tokens),
-        accepted=jnp.zeros((s.max_new_tokens, batch), jnp.int32), context=context, reader=reader)
+        buffer=jnp.full((batch, s.max_new_tokens_bucket + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
+        done=_is_eos(anchor, s.eos_ids) | (generated >= max_new_tokens),
+        accepted=jnp.zeros((s.max_new_tokens_bucket, batch), jnp.int32), max_new_tokens=max_new_tokens,
+        context=context, reader=reader)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -147,7 +149,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
         keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
-                                                     s.max_new_tokens, done)
+                                                     carry.max_new_tokens, done)
         cache = step.cache
     else:
         with jax.named_scope("draft"):
@@ -177,7 +179,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         # n + 1 block tokens normally, fewer when an EOS or max_new_tokens cuts the round short, none
         # once done. The committed cache then always holds the prompt plus all kept tokens but the last.
         keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
-                                                     s.max_new_tokens, done)
+                                                     carry.max_new_tokens, done)
         with jax.named_scope("commit"):
             cache = cache_lib.commit(ver.cache, keep, s.impl, s.batch_invariant)
             if s.learned:
@@ -192,8 +194,8 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
     return LoopState(
         cache=sharding_lib.constrain(cache, s.layout), anchor=bonus, generated=carry.generated + keep, key=key,
         round=carry.round + 1, buffer=speculative.write_tokens(carry.buffer, carry.generated, emitted),
-        done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)), context=context,
-        reader=reader)
+        done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)),
+        max_new_tokens=carry.max_new_tokens, context=context, reader=reader)
 
 
 def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
@@ -207,8 +209,8 @@ def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, ke
     return jnp.where(jax.random.uniform(where_key, right.shape) < error_rate, wrong, right).astype(jnp.int32)
 
 
-def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key, *, target_def, drafter_def,
-             settings: Settings):
+def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key, max_new_tokens, *, target_def,
+             drafter_def, settings: Settings):
     """The whole generation as one XLA program: prefill, then rounds until every sequence is done."""
     head = None
     if settings.transposed_head:  # materialised once, here, before the loop reads it every round
@@ -217,7 +219,7 @@ def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key
             shared = dataclasses.replace(shared, lm_head=head)
     with jax.named_scope("prefill"):
         carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
-                         settings)
+                         max_new_tokens, settings)
     carry = jax.lax.while_loop(
         lambda c: ~jnp.all(c.done),
         lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, settings), carry)
@@ -233,5 +235,13 @@ def _checked_program(*args, target_def, drafter_def, settings: Settings):
                                            settings=settings))(*args)
 
 
-program_jit = jax.jit(_program, static_argnames=("target_def", "drafter_def", "settings"))
-checked_jit = jax.jit(_checked_program, static_argnames=("target_def", "drafter_def", "settings"))
+def program_jit(check_finite: bool = False):
+    """The generation program jitted afresh: a new function object each call, so every cache jax keeps for it
+    (traces, lowerings, the executable) is keyed weakly on that object and is freed with it. A long-lived
+    process that drops a compiled program then gets its machine code back (``generation.compiled_program``)."""
+    body = _checked_program if check_finite else _program
+
+    def generation_program(*args, target_def, drafter_def, settings: Settings):
+        return body(*args, target_def=target_def, drafter_def=drafter_def, settings=settings)
+
+    return jax.jit(generation_program, static_argnames=("target_def", "drafter_def", "settings"))

@@ -70,7 +70,7 @@ def emitted_tokens(drafts: jax.Array, n_accepted: jax.Array, bonus: jax.Array) -
 
 
 def tokens_to_keep(emitted: jax.Array, n_emitted: jax.Array, eos_ids: tuple[int, ...], generated: jax.Array,
-                   max_new_tokens: int, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+                   max_new_tokens: int | jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
     """How many of this round's ``n_emitted`` tokens a sequence keeps, and whether it is then done.
 
     A sequence stops after its first EOS (kept) or at ``max_new_tokens``; a sequence already done

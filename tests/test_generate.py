@@ -146,6 +146,28 @@ def test_prompt_bucket_shares_one_program_across_lengths(target):
         rj.generate(target, batches[0], MAX_NEW, prompt_bucket=0)
 
 
+def test_new_tokens_buckets_share_programs_and_keep_tokens(target):
+    """Lengths in one bucket share a program; the tokens, acceptance and committed lengths equal a program
+    compiled for each exact length (new_tokens_bucket=1), speculative and autoregressive."""
+    assert [generate_lib.new_tokens_bucket_of(n) for n in (1, 2, 3, 5, 7, 9, 13, 24, 25)] == [1, 2, 3, 6, 8, 12, 16,
+                                                                                              24, 32]
+    assert generate_lib.new_tokens_bucket_of(10, 4) == 12 and generate_lib.new_tokens_bucket_of(2**31 - 1) == 2**31 - 1
+    prompts = _prompt_set(31, 2)
+    drafter = rj.ScriptedDrafter(np.zeros((2, 16), np.int32), block_size=3, error_rate=0.5)
+    for n in (9, 11):                                                           # both in bucket 12
+        for d in (None, drafter):
+            exact = rj.generate(target, prompts, n, drafter=d, new_tokens_bucket=1)
+            bucketed = rj.generate(target, prompts, n, drafter=d)
+            np.testing.assert_array_equal(bucketed.tokens, exact.tokens)
+            np.testing.assert_array_equal(bucketed.accept_lengths, exact.accept_lengths)
+            np.testing.assert_array_equal(np.asarray(bucketed.cache.lengths), np.asarray(exact.cache.lengths))
+            assert bucketed.tokens.shape == (2, n)
+            if n == 11:
+                assert bucketed.compile_seconds == 0.0                            # 9's program
+    with pytest.raises(ValueError, match="new_tokens_bucket"):
+        rj.generate(target, prompts, 4, new_tokens_bucket=0)
+
+
 def test_bad_input(target):
     with pytest.raises(ValueError, match="empty"):
         rj.generate(target, [np.array([1, 2]), np.array([], np.int64)], 4)

@@ -151,4 +151,4 @@ def test_memory_figures_add_up(generate_program):
     assert r["argument_bytes"] >= r["target_weight_bytes"] + r["drafter_weight_bytes"]
     assert r["output_bytes"] >= r["target_cache_bytes"] > 0       # the final cache is returned
     assert r["temp_bytes"] >= r["drafter_context_cache_bytes"] > 0  # the context cache lives in the loop
-    assert r["capacity"] == 10 + 10 + 4 and r["batch"] == 3
+    assert r["capacity"] == 10 + 12 + 4 and r["batch"] == 3   # prompt, max_new_tokens 10 in bucket 12, block

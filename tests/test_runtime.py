@@ -233,7 +233,7 @@ def test_generate_says_what_it_compiles_once(tiny_target, capsys):
     first = rj.generate(tiny_target, prompts, 4, capacity=29)
     err = capsys.readouterr().err
     assert err.count("compiling generate:") == 1 and first.compile_seconds > 0
-    assert "compiling generate: autoregressive (batch 1, prompt 3, 4 new tokens) ...\n" in err
+    assert "compiling generate: autoregressive (batch 1, prompt 3, up to 4 new tokens) ...\n" in err
     assert "compiled generate in " in err.split("compiling generate:")[1]
     again = rj.generate(tiny_target, prompts, 4, capacity=29)
     assert "compil" not in capsys.readouterr().err and again.compile_seconds == 0.0
@@ -242,4 +242,4 @@ def test_generate_says_what_it_compiles_once(tiny_target, capsys):
 def test_the_compile_line_names_the_drafter_and_its_block(tiny_target):
     scripted = rj.ScriptedDrafter(np.zeros((2, 8), np.int32), block_size=3)
     program = generation.prepare(tiny_target, np.ones((2, 5), np.int32), 6, scripted, impl="pallas")
-    assert generation._describe(program) == "scripted drafter (batch 2, prompt 5, 6 new tokens, block 3, impl pallas)"
+    assert generation._describe(program) == "scripted drafter (batch 2, prompt 5, up to 6 new tokens, block 3, impl pallas)"
