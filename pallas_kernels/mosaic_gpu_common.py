@@ -13,13 +13,15 @@ from typing import Any
 import jax
 
 
-def has_gpu_interpreter() -> bool:
-    """Whether this jax has Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``, jax >= 0.12)."""
+def supports_mosaic_gpu_kernels() -> bool:
+    """Whether this jax runs the kernels, compiled or interpreted: it has Mosaic GPU's interpreter
+    (``plgpu.InterpretGPUParams``, from jax 0.11) and the unoptimised GMEM store they write with (``plgpu.store``,
+    from jax 0.12)."""
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError:
         return False
-    return hasattr(plgpu, "InterpretGPUParams")
+    return hasattr(plgpu, "InterpretGPUParams") and hasattr(plgpu, "store")
 
 
 def gpu_interpret_params(interpret: Any) -> Any:
@@ -29,11 +31,11 @@ def gpu_interpret_params(interpret: Any) -> Any:
     detector on, reading uninitialised memory as NaN and raising on out-of-bounds reads. An
     ``InterpretGPUParams``: used as given.
     """
+    if not supports_mosaic_gpu_kernels():
+        raise ValueError(f"jax {jax.__version__} cannot run the Mosaic GPU kernels (they need jax >= 0.12: "
+                         "plgpu.InterpretGPUParams and plgpu.store); use the Triton or TPU kernels instead")
     if interpret is False:
         return None
-    if not has_gpu_interpreter():
-        raise ValueError(f"jax {jax.__version__} has no Mosaic GPU interpreter (plgpu.InterpretGPUParams, "
-                         "jax >= 0.12); interpret the Triton or TPU kernels instead")
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if interpret is True:

@@ -2,8 +2,8 @@
 state_gather``) against their references, in jax's Mosaic GPU interpreter with race detection on, and compiled for
 an H200 with no GPU attached (needs the CUDA plugin).
 
-The interpreter exists from jax 0.12; under an older jax the numeric tests skip and only the configs and the
-refusal to interpret are checked.
+The kernels need jax >= 0.12 (its interpreter and ``plgpu.store``); under an older jax the numeric tests skip and
+only the configs, the shape checks and the refusal to run are checked.
 """
 
 import importlib.util
@@ -15,12 +15,12 @@ import pytest
 
 from pallas_kernels.gated_delta import mosaic_gpu as gdn_mosaic
 from pallas_kernels.gated_delta.reference import gated_delta_recurrent
-from pallas_kernels.mosaic_gpu_common import gpu_interpret_params, has_gpu_interpreter
+from pallas_kernels.mosaic_gpu_common import gpu_interpret_params, supports_mosaic_gpu_kernels
 from pallas_kernels.state_reader import mosaic_gpu as gather_mosaic
 from pallas_kernels.state_reader.reference import gather_prepare
 
-needs_interpreter = pytest.mark.skipif(not has_gpu_interpreter(),
-                                       reason=f"jax {jax.__version__} has no Mosaic GPU interpreter (jax >= 0.12)")
+needs_interpreter = pytest.mark.skipif(not supports_mosaic_gpu_kernels(),
+                                       reason=f"jax {jax.__version__} cannot run the Mosaic GPU kernels (jax >= 0.12)")
 
 # Errors relative to the largest reference magnitude. The kernels compute in fp32 from the reference's own
 # normalised q and k, so fp32 results and every state agree to fp32 summation order; a bf16 output to its rounding.
@@ -166,10 +166,10 @@ def test_configs_name_their_bad_field(make):
         make()
 
 
-@pytest.mark.skipif(has_gpu_interpreter(), reason="this jax has the Mosaic GPU interpreter")
-def test_interpreting_without_the_gpu_interpreter_says_so():
+@pytest.mark.skipif(supports_mosaic_gpu_kernels(), reason="this jax runs the Mosaic GPU kernels")
+def test_a_jax_without_what_the_kernels_need_says_so():
     q, k, v, g, beta, state = _gdn_inputs(1, 1, 1, 1, 64, 8, jnp.float32, True)
-    with pytest.raises(ValueError, match="no Mosaic GPU interpreter"):
+    with pytest.raises(ValueError, match="cannot run the Mosaic GPU kernels"):
         gdn_mosaic.gdn_recurrent(q, k, v, g, beta, state, interpret=True)
 
 
@@ -177,7 +177,7 @@ def _cuda_plugin() -> bool:
     """jax 0.12's interpreter generation and its CUDA plugin (``jax_plugins`` is absent without any plugin)."""
     from experiments import deviceless
 
-    return has_gpu_interpreter() and importlib.util.find_spec("jax_plugins") is not None \
+    return supports_mosaic_gpu_kernels() and importlib.util.find_spec("jax_plugins") is not None \
         and deviceless.has_cuda_plugin()
 
 
