@@ -25,6 +25,11 @@ DEFAULT_SCOPED_VMEM: dict[str, int] = {"v4": 16 * MIB, "v5e": 16 * MIB, "v5p": 1
 DEFAULT_GENERATION = "v5e"  # the smallest default budget of the generations above that serve inference today
 
 
+def round_up(x: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``x``."""
+    return -(-x // multiple) * multiple
+
+
 def vmem_capacity_bytes(generation: str) -> int:
     """Physical VMEM per TensorCore of ``generation`` ("v4", "v5e", "v5p", "v6e"), from jax's TPU info table."""
     from jax.experimental.pallas import tpu as pltpu

@@ -65,16 +65,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import tpu_common
-from ..tpu_common import LANES, SUBLANES, VmemFootprint
+from ..tpu_common import LANES, SUBLANES, VmemFootprint, round_up
 from .reference import L2NORM_EPS, check_shapes, gated_delta_chunked
 
 MAX_RECURRENT_TOKENS = 64  # the recurrent kernel unrolls its time loop; longer sequences belong to gdn_chunked
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _check_block_v(block_v: object) -> None:
@@ -127,7 +123,7 @@ class GDNRecurrentConfig:
 def recurrent_footprint(q_dtype, v_dtype, *, seq_len: int, k_dim: int, v_dim: int, block_v: int,
                         has_state: bool, output_all_states: bool, include_initial_state: bool) -> VmemFootprint:
     """VMEM of one :func:`gdn_recurrent` program: its pipelined blocks (two buffers each) and state scratch."""
-    k_dim, v_dim = _round_up(k_dim, LANES), _round_up(v_dim, LANES)
+    k_dim, v_dim = round_up(k_dim, LANES), round_up(v_dim, LANES)
     block_v = _fitted_block_v(block_v, v_dim)
     state = ((k_dim, block_v), _F32)
     num_states = seq_len + include_initial_state if output_all_states else 1
@@ -147,7 +143,7 @@ def recurrent_config(q_dtype, v_dtype, *, seq_len: int, k_dim: int, v_dim: int, 
                                    has_state=has_state, output_all_states=output_all_states,
                                    include_initial_state=include_initial_state)
 
-    block_v = _widest_fitting_block_v(footprint_for, _round_up(v_dim, LANES), generation, "gdn_recurrent")
+    block_v = _widest_fitting_block_v(footprint_for, round_up(v_dim, LANES), generation, "gdn_recurrent")
     return GDNRecurrentConfig(block_v=block_v, generation=generation)
 
 
@@ -187,7 +183,7 @@ def gdn_recurrent(
         config.generation, f"gdn_recurrent {config}")
     return _gdn_recurrent_pallas(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
                                  include_initial_state=include_initial_state, interpret=interpret,
-                                 block_v=_fitted_block_v(config.block_v, _round_up(v_dim, LANES)))
+                                 block_v=_fitted_block_v(config.block_v, round_up(v_dim, LANES)))
 
 
 def _l2norm_rows(x: jax.Array) -> jax.Array:
@@ -273,7 +269,7 @@ def _batch_folded(launch):
 def _gdn_recurrent_pallas(q, k, v, g, beta, initial_state, *, output_all_states, include_initial_state, interpret,
                           block_v):
     k_dim, v_dim = q.shape[3], v.shape[3]
-    k_pad, v_pad = _round_up(k_dim, LANES) - k_dim, _round_up(v_dim, LANES) - v_dim
+    k_pad, v_pad = round_up(k_dim, LANES) - k_dim, round_up(v_dim, LANES) - v_dim
     # Per-token rows get a unit dim of their own ([T, 1, d]: a reshape, free in HBM) so token t is a leading index.
     inputs = [_head_major(q, k_pad), _head_major(k, k_pad), _head_major(v, v_pad)[:, :, :, None, :],
               _gates_head_major(g, beta)[..., None, None]]
@@ -346,13 +342,13 @@ class GDNChunkedConfig:
 
 def _kernel_chunk(chunk_size: int, seq_len: int) -> int:
     """Tokens per kernel chunk: chunk_size, or T rounded up to a whole sublane tile (8) when that is shorter."""
-    return min(chunk_size, _round_up(seq_len, SUBLANES))
+    return min(chunk_size, round_up(seq_len, SUBLANES))
 
 
 def chunked_footprint(q_dtype, v_dtype, *, chunk: int, k_dim: int, v_dim: int, block_v: int,
                       has_state: bool) -> VmemFootprint:
     """VMEM of one :func:`gdn_chunked` program: its pipelined blocks (two buffers each) and state scratch."""
-    k_dim, v_dim = _round_up(k_dim, LANES), _round_up(v_dim, LANES)
+    k_dim, v_dim = round_up(k_dim, LANES), round_up(v_dim, LANES)
     block_v = _fitted_block_v(block_v, v_dim)
     state = ((k_dim, block_v), _F32)
     blocks = [((chunk, k_dim), q_dtype)] * 2 + [((chunk, block_v), v_dtype), ((2, chunk, 1), _F32),
@@ -369,7 +365,7 @@ def chunked_config(q_dtype, v_dtype, *, chunk: int, k_dim: int, v_dim: int, has_
         return chunked_footprint(q_dtype, v_dtype, chunk=chunk, k_dim=k_dim, v_dim=v_dim, block_v=width,
                                  has_state=has_state)
 
-    block_v = _widest_fitting_block_v(footprint_for, _round_up(v_dim, LANES), generation, "gdn_chunked")
+    block_v = _widest_fitting_block_v(footprint_for, round_up(v_dim, LANES), generation, "gdn_chunked")
     return GDNChunkedConfig(block_v=block_v, generation=generation)
 
 
@@ -408,7 +404,7 @@ def gdn_chunked(
         config = chunked_config(q.dtype, v.dtype, **sizes)
     chunked_footprint(q.dtype, v.dtype, block_v=config.block_v, **sizes).check(
         config.generation, f"gdn_chunked {config} with {chunk}-token chunks")
-    block_v = _fitted_block_v(config.block_v, _round_up(v.shape[3], LANES))
+    block_v = _fitted_block_v(config.block_v, round_up(v.shape[3], LANES))
     return _differentiable(q, k, v, g, beta, initial_state, chunk_size, chunk, interpret, block_v)
 
 
@@ -519,7 +515,7 @@ def _gdn_chunked_pallas(q, k, v, g, beta, initial_state, *, chunk, interpret, bl
     num_v_heads, v_dim = v.shape[2:]
     num_chunks = -(-seq_len // chunk)
     time_pad = num_chunks * chunk - seq_len
-    k_pad, v_pad = _round_up(k_dim, LANES) - k_dim, _round_up(v_dim, LANES) - v_dim
+    k_pad, v_pad = round_up(k_dim, LANES) - k_dim, round_up(v_dim, LANES) - v_dim
 
     # The transposes read and write q, k, v (and o after) once more: at d = 128, C = 64 in bf16, at most 128 KiB of
     # HBM traffic per (chunk, head), next to the kernel's ~10M multiply-adds of multi-pass (HIGHEST) fp32 matmuls.

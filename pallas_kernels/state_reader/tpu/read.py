@@ -1,0 +1,352 @@
+"""The reader's per-position read on a TPU: :func:`state_reader` (reference ``read``; shapes in
+``state_reader.tpu``), and the steps after y that the content read shares (:func:`norm_and_out`).
+
+``state_reader``: one launch, grid ``(M r / block_q + d / block_out,)``, "arbitrary" (its steps share scratch).
+
+* Rows: the B sequences' G positions are one ``[B G_p, .]`` matrix, G_p = G rounded up to the sublane tile of h's
+  dtype (8 fp32, 16 bf16), by a ``[B, G_p, d]`` block overhanging h (the rows past G are never stored), so each
+  projection block is pushed to the MXU once for the whole batch: reading W_q and W_o is the kernel's cost.
+* Steps ``0 .. M r / block_q - 1`` stream W_q in ``[d, block_q]`` column blocks: ``a = h W_q[:, cols]``, then
+  ``y = C^T a`` for those pairs into a VMEM scratch ``[B G_p, M r]`` (h's dtype), adding its squares to a
+  per-row fp32 sum. The RMSNorm needs a row's whole ``M r`` vector, so the first W_o step begins by normalising y,
+  block by block, into a second scratch; the W_o steps stream W_o in ``[M r, block_out]`` column blocks, each
+  writing its ``[B, G_p, block_out]`` output block with the residual.
+  W_q's block index stops at its last block during the W_o steps and W_o's starts at its first during the W_q
+  steps, so neither is fetched twice and W_o's first block is prefetched while the W_q steps run. y never
+  leaves VMEM. h and the norm weight are resident (single-buffered). On the megacore chips (v4, v5p) the one
+  sequential axis keeps the kernel on one TensorCore: splitting it over two launches would use both, at the
+  price of a second launch and y's round trip through HBM.
+* ``y = C^T a`` contracts over r. r a multiple of 128: one MXU product per (sequence, pair), ``[G_p, r] x
+  [r, r]`` at full MXU width. Otherwise the MXU would run at r / 128 of its width (or, contracting over a
+  block-diagonal of C, spend all but r / 128 of its work on zeros, in every pass of fp32 HIGHEST), so the VPU
+  does it: lanes hold (pair, column) of y and of a alike, and ``y = sum_k rot_k(a) * coef_k`` over the r rotations
+  ``rot_k`` of each pair's r lanes (two lane rolls and a select, on the XLU and VPU), with
+  ``coef_k[b, (m, s)] = C[b, m, (s + k) % r, s]``. That rearranged C ``[B, r, M r]`` is built by the wrapper,
+  one small XLA fusion over C's ``B M r^2`` numbers.
+* W_q column blocks hold whole pairs and whole lane tiles: multiples of ``lcm(r, 128)`` (of r when r is a
+  multiple of 128) dividing M r. An M r that is no such multiple (small test models) is one block of all M r
+  columns, which Mosaic takes as the array's whole dim; nothing is padded or copied.
+
+VMEM. The footprint is the pipelined blocks, double-buffered, plus resident blocks, scratch and the largest
+in-kernel values, each rounded up to whole (sublane, lane) tiles (``tpu_common.VmemFootprint``); with p(shape)
+that padded size in its dtype, R = B G_p, N = M r:
+
+* reader: ``2 [p(d, bq) + p(C block) + p(N, bo) + p(B, G_p, bo)] + p(B, G_p, d) + p(1, N) + p(R, N) [y]
+  + p(R, N) [normalised] + p(R, 1) [sum of squares] + 4 p(R, bq) + p(R, bo)`` (fp32 values, counted together
+  though different steps hold them), bq = block_q, bo = block_out; the C block is ``[B, r, bq]`` (rotated) or
+  ``[B, bq / r, r, r]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ... import tpu_common
+from ...tpu_common import LANES, VmemFootprint, round_up
+from .common import F32, STEP_BYTES, check_dtypes, lane_block, mxu_dot, sublane_tile
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderKernelConfig:
+    """Blocks of the read kernel (static; part of the jit cache key).
+
+    block_q: W_q columns per query step: a multiple of ``lcm(r, 128)`` (of r when r is a multiple of 128) that
+        divides M r, or M r itself. None: the heuristic.
+    block_out: W_o columns (output hidden columns) per output step: a multiple of 128 dividing d, or d. None:
+        the heuristic.
+    generation: the TPU generation whose VMEM budget the footprint is checked against.
+    """
+
+    block_q: int | None = None
+    block_out: int | None = None
+    generation: str = tpu_common.DEFAULT_GENERATION
+
+    def __post_init__(self):
+        tpu_common.vmem_budget_bytes(self.generation)
+        bad = [f"{name} must be a positive int or None; got {getattr(self, name)!r}"
+               for name in ("block_q", "block_out")
+               if getattr(self, name) is not None and (not isinstance(getattr(self, name), int)
+                                                      or getattr(self, name) < 1)]
+        if bad:
+            raise ValueError("invalid ReaderKernelConfig: " + "; ".join(bad))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderShapes:
+    """What the read kernel's blocks and footprint depend on (:meth:`of` the kernel's arguments)."""
+
+    batch: int
+    draft: int
+    hidden: int
+    num_pairs: int
+    rank: int
+    h_dtype: jnp.dtype
+    q_dtype: jnp.dtype          # result_type(h, w_q): a's dtype and the W_q product's operands
+    o_dtype: jnp.dtype          # result_type(h, w_o): the output's dtype and the W_o product's operands
+    wq_dtype: jnp.dtype
+    wo_dtype: jnp.dtype
+    norm_dtype: jnp.dtype
+
+    @classmethod
+    def of(cls, h, compressed, w_q, w_o, norm_weight) -> ReaderShapes:
+        """From the kernel's arguments (arrays or ``jax.ShapeDtypeStruct`` s)."""
+        b, g, d = h.shape
+        _, m, r, _ = compressed.shape
+        return cls(batch=b, draft=g, hidden=d, num_pairs=m, rank=r, h_dtype=jnp.dtype(h.dtype),
+                   q_dtype=jnp.result_type(h.dtype, w_q.dtype), o_dtype=jnp.result_type(h.dtype, w_o.dtype),
+                   wq_dtype=jnp.dtype(w_q.dtype), wo_dtype=jnp.dtype(w_o.dtype),
+                   norm_dtype=jnp.dtype(norm_weight.dtype))
+
+    @property
+    def mxu_read(self) -> bool:
+        return self.rank % LANES == 0
+
+    @property
+    def pair_unit(self) -> int:
+        """Narrowest W_q column block: whole pairs and whole lane tiles."""
+        return self.rank if self.mxu_read else math.lcm(self.rank, LANES)
+
+    @property
+    def num_cols(self) -> int:
+        return self.num_pairs * self.rank
+
+    @property
+    def draft_padded(self) -> int:
+        return round_up(self.draft, sublane_tile(self.h_dtype))
+
+    def q_blocks(self) -> list[int]:
+        n, unit = self.num_cols, self.pair_unit
+        return [c for c in range(n, 0, -unit) if n % c == 0] if n % unit == 0 else [n]
+
+    def out_blocks(self) -> list[int]:
+        d = self.hidden
+        return [c for c in range(d, 0, -LANES) if d % c == 0] if d % LANES == 0 else [d]
+
+    def c_block(self, block_q: int) -> tuple[int, ...]:
+        r = self.rank
+        return (self.batch, block_q // r, r, r) if self.mxu_read else (self.batch, r, block_q)
+
+
+def reader_footprint(block_q: int, block_out: int, shapes: ReaderShapes) -> VmemFootprint:
+    """VMEM of one read launch (module docstring): pipelined W_q, C, W_o and output blocks; resident h and norm
+    weight; y and its normalised copy; a, its rotations, y's block and the W_o product as fp32 values."""
+    s = shapes
+    rows, n = s.batch * s.draft_padded, s.num_cols
+    return VmemFootprint(
+        blocks=(((s.hidden, block_q), s.wq_dtype), (s.c_block(block_q), F32), ((n, block_out), s.wo_dtype),
+                ((s.batch, s.draft_padded, block_out), s.o_dtype)),
+        scratch=(((s.batch, s.draft_padded, s.hidden), s.h_dtype), ((1, n), s.norm_dtype),
+                 ((rows, n), s.h_dtype), ((rows, n), s.o_dtype), ((rows, 1), F32),
+                 *([((rows, block_q), F32)] * 4), ((rows, block_out), F32)))
+
+
+def resolve_reader_config(config: ReaderKernelConfig | None,
+                          shapes: ReaderShapes) -> tuple[ReaderKernelConfig, VmemFootprint]:
+    """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when a block does not
+    tile its axis or the footprint exceeds the generation's budget."""
+    config = ReaderKernelConfig() if config is None else config
+    q_blocks, out_blocks = shapes.q_blocks(), shapes.out_blocks()
+    problems = []
+    if config.block_q is not None and config.block_q not in q_blocks:
+        problems.append(f"block_q = {config.block_q} must be one of {q_blocks} (multiples of {shapes.pair_unit} "
+                        f"dividing M r = {shapes.num_cols}, or M r)")
+    if config.block_out is not None and config.block_out not in out_blocks:
+        problems.append(f"block_out = {config.block_out} must be one of {out_blocks} (multiples of {LANES} "
+                        f"dividing d = {shapes.hidden}, or d)")
+    if problems:
+        raise ValueError("state_reader: " + "; ".join(problems))
+
+    def widest(blocks: list[int], bytes_per_col: int) -> int:
+        return next((c for c in blocks if c * bytes_per_col <= STEP_BYTES), blocks[-1])
+
+    c_bytes = shapes.batch * shapes.rank * 4  # C's fp32 numbers per W_q column, either layout
+    bq = config.block_q or widest(q_blocks, shapes.hidden * jnp.dtype(shapes.wq_dtype).itemsize + c_bytes)
+    bo = config.block_out or widest(out_blocks, shapes.num_cols * jnp.dtype(shapes.wo_dtype).itemsize)
+    fp = reader_footprint(bq, bo, shapes)
+    budget = tpu_common.vmem_budget_bytes(config.generation)
+    # Shrink whichever free block is wider in bytes until the footprint fits.
+    while fp.bytes > budget:
+        q_next = [c for c in q_blocks if c < bq] if config.block_q is None else []
+        o_next = [c for c in out_blocks if c < bo] if config.block_out is None else []
+        if not q_next and not o_next:
+            break
+        q_bytes = shapes.hidden * bq * jnp.dtype(shapes.wq_dtype).itemsize
+        o_bytes = shapes.num_cols * bo * jnp.dtype(shapes.wo_dtype).itemsize
+        if q_next and (q_bytes >= o_bytes or not o_next):
+            bq = q_next[0]
+        else:
+            bo = o_next[0]
+        fp = reader_footprint(bq, bo, shapes)
+    fp.check(config.generation, f"state_reader (B = {shapes.batch}, G = {shapes.draft}, d = {shapes.hidden}, "
+                                f"M r = {shapes.num_cols}, block_q = {bq}, block_out = {bo}; "
+                                "split the batch if the smallest blocks do not fit)")
+    return dataclasses.replace(config, block_q=bq, block_out=bo), fp
+
+
+def _read_rotations(a: jax.Array, coef_ref, *, rank: int, draft_padded: int) -> jax.Array:
+    """``y = C^T a`` on the VPU for r not a multiple of 128. a ``[B G_p, bq]`` fp32 with lanes (pair, r);
+    coef_ref ``[B, r, bq]``: ``coef[b, k, (m, s)] = C[b, m, (s + k) % r, s]``. Returns y ``[B G_p, bq]`` fp32.
+
+    ``rot_k(a)[(m, s)] = a[(m, (s + k) % r)]`` rotates each pair's r lanes by k: the lane k ahead when it is in
+    the same pair, else the lane r - k behind (two whole-row rolls, one select)."""
+    rows, width = a.shape
+    batch = coef_ref.shape[0]
+    column = lax.broadcasted_iota(jnp.int32, (1, width), 1) % rank    # s: the lane's column within its pair
+    y = jnp.zeros_like(a)
+    # Unrolled in Python (r < 128 terms): static roll amounts and row indices, which every libtpu compiles; a
+    # dynamic roll of a row that is not a multiple of 128 lanes wide fails in older ones.
+    for k in range(rank):
+        if k == 0:
+            rotated = a
+        else:
+            ahead = pltpu.roll(a, width - k, axis=1)                   # a[j + k]
+            behind = pltpu.roll(a, rank - k, axis=1)                   # a[j + k - r]
+            rotated = jnp.where(column + k < rank, ahead, behind)
+        coef = coef_ref[:, k:k + 1, :]                                 # [B, 1, bq], one row per sequence
+        coef = jnp.broadcast_to(coef, (batch, draft_padded, width)).reshape(rows, width)
+        y = y + rotated * coef
+    return y
+
+
+def _read_mxu(a: jax.Array, c_ref, *, rank: int, draft_padded: int) -> jax.Array:
+    """``y = C^T a`` on the MXU for r a multiple of 128: one ``[G_p, r] x [r, r]`` product per (sequence, pair).
+    a ``[B G_p, bq]`` fp32; c_ref ``[B, bq / r, r, r]``."""
+    batch, pairs = c_ref.shape[:2]
+    rows_of = [
+        jnp.concatenate([mxu_dot(a[b * draft_padded:(b + 1) * draft_padded, j * rank:(j + 1) * rank],
+                              c_ref[b, j].astype(F32)) for j in range(pairs)], axis=1)
+        for b in range(batch)]
+    return jnp.concatenate(rows_of, axis=0)
+
+
+def _reader_kernel(h_ref, wq_ref, c_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *, shapes: ReaderShapes,
+                   num_q_steps: int, block_q: int, block_out: int, eps: float):
+    """Grid step i: i < num_q_steps streams W_q, the rest stream W_o (module docstring).
+
+    h_ref [B, G_p, d] (rows past G unspecified); wq_ref [d, bq]; c_ref: the C block; w_ref [1, N]; wo_ref
+    [N, bo]; o_ref [B, G_p, bo]. Scratch: y_ref [B G_p, N] (h's dtype), z_ref [B G_p, N] (the normalised y),
+    ss_ref [B G_p, 1] fp32 (y's sum of squares, accumulated over the W_q steps)."""
+    s = shapes
+    step = pl.program_id(0)
+    batch, draft_padded, hidden = h_ref.shape
+    rows = batch * draft_padded
+
+    @pl.when(step == 0)
+    def _init():
+        ss_ref[...] = jnp.zeros_like(ss_ref)
+
+    @pl.when(step < num_q_steps)
+    def _query():
+        h = h_ref[...].reshape(rows, hidden).astype(s.q_dtype)
+        a = mxu_dot(h, wq_ref[...].astype(s.q_dtype)).astype(s.q_dtype).astype(F32)      # [rows, bq]
+        read = _read_mxu if s.mxu_read else _read_rotations
+        y = read(a, c_ref, rank=s.rank, draft_padded=draft_padded).astype(s.h_dtype)  # rounded as the reference
+        y_ref[:, lane_block(step, block_q, num_q_steps)] = y
+        y32 = y.astype(F32)
+        ss_ref[...] += jnp.sum(y32 * y32, axis=1, keepdims=True)
+
+    norm_and_out(step - num_q_steps, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, num_q_steps=num_q_steps,
+                  block_q=block_q, block_out=block_out, h_dtype=s.h_dtype, o_dtype=s.o_dtype, eps=eps)
+
+
+def norm_and_out(out_step, h_ref, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref, *, num_q_steps: int, block_q: int,
+                  block_out: int, h_dtype, o_dtype, eps: float):
+    """The steps after y is complete (``out_step`` >= 0), shared by both reads: the first normalises y into z,
+    block by block (so no value spans all M r columns), each streams one W_o block and adds the residual.
+    h_ref [B, G_p, d]; w_ref [1, N]; wo_ref [N, bo]; o_ref [B, G_p, bo]; y_ref, z_ref [B G_p, N]; ss_ref
+    [B G_p, 1] fp32, y's sum of squares per row."""
+    batch, draft_padded, _ = h_ref.shape
+
+    @pl.when(out_step == 0)
+    def _normalise():
+        inv_rms = lax.rsqrt(ss_ref[...] / y_ref.shape[1] + eps)                       # [rows, 1]
+
+        def block(c, carry):
+            cols = lane_block(c, block_q, num_q_steps)
+            normed = (y_ref[:, cols].astype(F32) * inv_rms).astype(h_dtype).astype(F32)
+            weight = w_ref[:, cols].astype(h_dtype).astype(F32)
+            z_ref[:, cols] = (weight * normed).astype(h_dtype).astype(o_dtype)
+            return carry
+
+        lax.fori_loop(0, num_q_steps, block, 0)
+
+    @pl.when(out_step >= 0)
+    def _out():
+        out = mxu_dot(z_ref[...], wo_ref[...].astype(o_dtype)).astype(o_dtype).astype(F32)       # [rows, bo]
+        h = h_ref[:, :, lane_block(out_step, block_out, h_ref.shape[2] // block_out)].astype(F32)
+        o_ref[...] = (h + out.reshape(batch, draft_padded, block_out)).astype(o_ref.dtype)
+
+
+def _rotated_coefficients(compressed: jax.Array) -> jax.Array:
+    """C ``[B, M, r, r]`` -> ``coef[b, k, m r + s] = C[b, m, (s + k) % r, s]`` ``[B, r, M r]`` fp32."""
+    b, m, r, _ = compressed.shape
+    rows = jnp.array([[(s + k) % r for s in range(r)] for k in range(r)], jnp.int32)   # [k, s] -> r'
+    cols = jnp.array([list(range(r))] * r, jnp.int32)
+    coef = compressed.astype(F32)[:, :, rows, cols]                       # [B, M, k, s]
+    return jnp.swapaxes(coef, 1, 2).reshape(b, r, m * r)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "config"))
+def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
+                 eps: float, *, interpret=False, config: ReaderKernelConfig | None = None) -> jax.Array:
+    """The state read as one launch; see the module docstring for shapes.
+
+    ``eps``: the RMSNorm epsilon (static). ``interpret``: False (compiled for a TPU) or a
+    ``pltpu.InterpretParams``. ``config``: blocks and generation (None: the heuristic for the default one).
+    """
+    b, g, d = h.shape
+    _, m, r, _ = compressed.shape
+    n = m * r
+    problems = []
+    if compressed.shape != (b, m, r, r):
+        problems.append(f"compressed {compressed.shape} must be [B, M, r, r] with B = {b}")
+    if w_q.shape != (d, n) or w_o.shape != (n, d) or norm_weight.shape != (n,):
+        problems.append(f"w_q {w_q.shape}, w_o {w_o.shape}, norm_weight {norm_weight.shape} must be "
+                        f"[{d}, {n}], [{n}, {d}], [{n}] (d = {d}, M r = {m} x {r})")
+    if problems:
+        raise ValueError("state_reader: " + "; ".join(problems))
+    check_dtypes("state_reader", h=h, w_q=w_q, w_o=w_o, norm_weight=norm_weight)
+    shapes = ReaderShapes.of(h, compressed, w_q, w_o, norm_weight)
+    config, _ = resolve_reader_config(config, shapes)
+    bq, bo = config.block_q, config.block_out
+    g_pad = shapes.draft_padded
+    num_q, num_out = n // bq, d // bo
+    if shapes.mxu_read:
+        c_in = compressed
+        c_spec = pl.BlockSpec((b, bq // r, r, r), lambda i: (0, jnp.minimum(i, num_q - 1), 0, 0))
+    else:
+        c_in = _rotated_coefficients(compressed)
+        c_spec = pl.BlockSpec((b, r, bq), lambda i: (0, 0, jnp.minimum(i, num_q - 1)))
+    resident = pl.Buffered(1)  # constant block index: fetched once, a second buffer would never be used
+    cost = pl.CostEstimate(flops=2 * b * g * (2 * d * n + n * r), transcendentals=b * g,
+                           bytes_accessed=w_q.nbytes + w_o.nbytes + c_in.nbytes + h.nbytes
+                           + b * g * d * jnp.dtype(shapes.o_dtype).itemsize)
+    return pl.pallas_call(
+        functools.partial(_reader_kernel, shapes=shapes, num_q_steps=num_q, block_q=bq, block_out=bo,
+                          eps=float(eps)),
+        out_shape=jax.ShapeDtypeStruct((b, g, d), shapes.o_dtype),
+        grid=(num_q + num_out,),
+        in_specs=[
+            pl.BlockSpec((b, g_pad, d), lambda i: (0, 0, 0), pipeline_mode=resident),
+            pl.BlockSpec((d, bq), lambda i: (0, jnp.minimum(i, num_q - 1))),     # parked at the last W_q block
+            c_spec,
+            pl.BlockSpec((1, n), lambda i: (0, 0), pipeline_mode=resident),
+            pl.BlockSpec((n, bo), lambda i: (0, jnp.maximum(i - num_q, 0))),      # first W_o block prefetched
+        ],
+        out_specs=pl.BlockSpec((b, g_pad, bo), lambda i: (0, 0, jnp.maximum(i - num_q, 0))),
+        scratch_shapes=[pltpu.VMEM((b * g_pad, n), shapes.h_dtype),    # y = C^T a, rounded to h's dtype
+                        pltpu.VMEM((b * g_pad, n), shapes.o_dtype),    # rmsnorm(y), W_o's operand
+                        pltpu.VMEM((b * g_pad, 1), F32)],             # sum of y^2 per row
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="state_reader",
+    )(h, w_q, c_in, norm_weight.reshape(1, n), w_o)
