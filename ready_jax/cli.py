@@ -4,6 +4,8 @@
 docstring as it is laid out, every option's default in ``--help``, the runtime options of
 ``ready_jax.runtime`` applied as soon as the arguments are parsed); :func:`main` wraps every script's
 ``main``, so that an error of the input or of the file system ends the script with one line, ``error: ...``;
+the argparse types (:func:`positive_int`, :func:`int_in`, :func:`existing_file`, ...) and :func:`check_positions`
+refuse an argument out of its range as the arguments are parsed, before any work;
 :func:`repo_path` resolves the repository's own files (``zoo/``, ``results/``, the shared data at
 ``../shared/data``) against the repository root, so a default path works from any working directory;
 :class:`Progress` reports a loop someone waits on.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import sys
@@ -65,6 +68,11 @@ class _ScriptParser(argparse.ArgumentParser):
                                            pallas_interpret=parsed.pallas_interpret)
         return parsed, rest
 
+    def error(self, message):
+        """A usage error in one line on stderr, ``prog: error: message``, and exit status 2 (argparse's own adds
+        the usage above it, which ``--help`` shows)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
     """The argument parser of ``python -m <module>``, described by ``doc`` (usually the module docstring); run
@@ -83,10 +91,10 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     group.add_argument("--compile-cache-dir", metavar="DIR", default=str(runtime.default_cache_dir()),
                        help="directory of JAX's persistent compilation cache, which keeps compiled programs "
                             f"across runs (set ${runtime.CACHE_DIR_ENV} to move it)")
-    group.add_argument("--pallas-interpret", choices=backend.INTERPRET_FAMILIES, default=None,
+    group.add_argument("--pallas-interpret", type=str.lower, choices=backend.INTERPRET_FAMILIES, default=None,
                        help="on a CPU, which kernels impl='pallas' interprets: gpu (Triton, generic interpreter) "
-                            "or tpu (Mosaic TPU, TPU interpreter with race detection); default: "
-                            f"${backend.INTERPRET_ENV}, else gpu")
+                            "or tpu (Mosaic TPU, TPU interpreter with race detection), in any case, as "
+                            f"${backend.INTERPRET_ENV} is read; default: ${backend.INTERPRET_ENV}, else gpu")
     result.add_argument("--debug", action="store_true",
                         help=f"on an error, show its traceback instead of one line (so does ${DEBUG_ENV}=1)")
     return result
@@ -147,6 +155,68 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a seed, a count that may be zero)."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def int_in(low: int, high: int):
+    """argparse type: an integer in ``low..high`` (a block size, a rank)."""
+    def parse(text: str) -> int:
+        value = _number(text, int)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer in {low}..{high}")
+        return value
+
+    return parse
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (prefix lengths, prompt lengths): ``128,2048``."""
+    parts = text.split(",")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r} holds an integer below 1")
+    return values
+
+
+def existing_file(text: str) -> str:
+    """argparse type: a file that exists (an input to read), checked as the arguments are parsed; the text is kept
+    as given."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is {'not a file' if os.path.exists(text) else 'missing'}")
+    return text
+
+
+def model_positions(model_dir: str | os.PathLike) -> int | None:
+    """``max_position_embeddings`` of the target in ``model_dir`` (the project's format, or an HF
+    ``config.json``, its ``text_config`` too), read from its ``config.json`` alone; None when it names none."""
+    try:
+        meta = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading the model reports what is wrong with it
+    for section in (meta.get("target"), meta.get("text_config"), meta):
+        if isinstance(section, dict) and isinstance(section.get("max_position_embeddings"), int):
+            return section["max_position_embeddings"]
+    return None
+
+
+def check_positions(parser: argparse.ArgumentParser, model_dir, prompt_tokens: int, new_tokens: int,
+                    option: str = "--max-new-tokens") -> None:
+    """A usage error (``parser.error``) when ``prompt_tokens + new_tokens`` exceed the positions of the target in
+    ``model_dir``: checked before anything is loaded, rather than a cache allocation failing after the work."""
+    positions = model_positions(model_dir)
+    if positions is not None and prompt_tokens + new_tokens > positions:
+        parser.error(f"argument {option}: {new_tokens} new tokens after a prompt of {prompt_tokens} exceed the "
+                     f"{positions} positions of the target in {model_dir}")
 
 
 def positive_float(text: str) -> float:
