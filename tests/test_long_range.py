@@ -10,8 +10,8 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from experiments import long_range as lr
 from experiments import zoo_runs
+from experiments.long_range import arms, cost, evaluate, main, probes
 from ready_jax import cli, data
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
@@ -206,11 +206,11 @@ def test_mixture_prompts_have_one_length_and_many_distances(tokenizer):
 
 # ---- the testbed's bookkeeping ---------------------------------------------------------------------------------
 def test_arms_distances_and_commands():
-    table = {a.name: a for a in lr.arms(window=16, state_dim=64, ranks=(8, 32, 64))}
+    table = {a.name: a for a in arms.arms(window=16, state_dim=64, ranks=(8, 32, 64))}
     assert set(table) == {"dspark_window", "control", "ready", "ready_rank32", "ready_rank64", "kv_read", "dspark_full"}
     assert {a.name for a in table.values() if a.all_seeds} == {"dspark_window", "control", "ready"}
     assert "lossless" in table["ready_rank64"].label and "lossless" not in table["ready_rank32"].label
-    assert lr.distances(16) == [8, 32, 128, 512]
+    assert arms.distances(16) == [8, 32, 128, 512]
 
     class Args:
         runs, target, corpus, sequences, dspark_steps, extra_steps = "r", "t", "c", 8, 30, 20
@@ -226,19 +226,19 @@ def test_arms_distances_and_commands():
 
 
 def test_seed_ranks_train_that_rank_on_every_seed():
-    table = {a.name: a for a in lr.arms(16, 64, (8, 32), seed_ranks=(8, 64))}
+    table = {a.name: a for a in arms.arms(16, 64, (8, 32), seed_ranks=(8, 64))}
     assert table["ready_rank64"].all_seeds and not table["ready_rank32"].all_seeds
     assert table["ready_rank64"].flags == ("--rank", "64") and "ready_rank8" not in table
 
 
 def test_query_designs_train_at_the_seed_ranks_on_every_seed_and_sweep_ranks_on_the_first():
-    table = {a.name: a for a in lr.arms(16, 64, (8,), queries=("content", "tied", "tied_read"), query_ranks=(4,))}
+    table = {a.name: a for a in arms.arms(16, 64, (8,), queries=("content", "tied", "tied_read"), query_ranks=(4,))}
     assert table["ready_content"].all_seeds and table["ready_tied"].all_seeds and table["ready_tied_read"].all_seeds
     assert not table["ready_content_rank4"].all_seeds
     assert table["ready_content"].flags == ("--rank", "8", "--reader-query", "content", "--readout", "learned")
     assert table["ready_tied_read_rank4"].flags == ("--rank", "4", "--reader-query", "tied", "--readout", "tied")
     assert table["ready_content_rank4"].base == "dspark_window"
-    seeded = {a.name: a for a in lr.arms(16, 64, (8,), seed_ranks=(8, 64), queries=("tied",), query_ranks=(4, 64))}
+    seeded = {a.name: a for a in arms.arms(16, 64, (8,), seed_ranks=(8, 64), queries=("tied",), query_ranks=(4, 64))}
     assert seeded["ready_tied_rank64"].all_seeds and not seeded["ready_tied_rank4"].all_seeds
     only = zoo_runs.only_arms(tuple(table.values()), ["ready_tied", "control"])
     assert [a.name for a in only] == ["dspark_window", "control", "ready_tied"]     # and what they start from
@@ -252,7 +252,7 @@ def test_query_designs_train_at_the_seed_ranks_on_every_seed_and_sweep_ranks_on_
     ("tied", "tied", 8, "ready_tied_read")])
 def test_reader_arm_names_every_design(query, readout, rank, arm):
     config = rj.DrafterConfig(reader=rj.ReaderConfig(rank=rank, query=query, readout=readout))
-    assert lr.reader_arm(config) == arm
+    assert arms.reader_arm(config) == arm
 
 
 def test_query_space_is_the_basis_the_content_span_or_the_whole_key_space(tiny_target):
@@ -262,7 +262,7 @@ def test_query_space_is_the_basis_the_content_span_or_the_whole_key_space(tiny_t
     spaces = {}
     for query in ("basis", "content", "tied"):
         drafter = _drafter(tiny_target, reader=rj.ReaderConfig(query=query, **rc_args))
-        spaces[query] = lr.query_space(drafter)
+        spaces[query] = probes.query_space(drafter)
         space = spaces[query]
         assert space.shape[:2] == (drafter.config.reader.num_pairs, drafter.config.reader.key_dim)
         np.testing.assert_allclose(np.einsum("mkr,mks->mrs", space, space),
@@ -275,11 +275,11 @@ def test_query_space_is_the_basis_the_content_span_or_the_whole_key_space(tiny_t
 
 
 def test_aggregate_pairs_each_reader_arm_with_the_control_of_each_seed():
-    table = lr.arms(16, 64, (8, 64), seed_ranks=(8, 64))
+    table = arms.arms(16, 64, (8, 64), seed_ranks=(8, 64))
     per_distance = {"8": {"tau": {"ready_s0": 3.0, "control_s0": 2.0, "ready_s1": 2.0, "control_s1": 2.0,
                                   "ready_s2": 5.0, "ready_rank64_s1": 3.0, "kv_read_s0": 2.2}},
                     "32": {"tau": {"ready_s0": 1.5, "control_s0": 1.0}}}
-    summary = lr.aggregate(per_distance, table, [0, 1, 2])
+    summary = evaluate.aggregate(per_distance, table, [0, 1, 2])
     gains = summary["gains"]
     assert gains["ready"]["8"]["ratio"]["values"] == [1.5, 1.0]                  # seed 2 has no control: unpaired
     assert gains["ready"]["32"]["tau_difference"]["values"] == [0.5]
@@ -299,9 +299,9 @@ def _drafter(target, **overrides):
 def test_round_cost_is_flat_in_the_prefix_for_a_windowed_reader(tiny_target):
     windowed = _drafter(tiny_target, context_window=8, reader=rj.ReaderConfig(source_layers=(1,), rank=4))
     full = _drafter(tiny_target)
-    short, long = (lr.round_cost(windowed, tiny_target, p, repeats=2) for p in (16, 256))
+    short, long = (cost.round_cost(windowed, tiny_target, p, repeats=2) for p in (16, 256))
     assert short["context_bytes"] == long["context_bytes"] > 0 and short["reader_state_bytes"] > 0
-    full_short, full_long = (lr.round_cost(full, tiny_target, p, repeats=2) for p in (16, 256))
+    full_short, full_long = (cost.round_cost(full, tiny_target, p, repeats=2) for p in (16, 256))
     assert full_long["context_bytes"] > 4 * full_short["context_bytes"] and full_short["reader_state_bytes"] == 0
     assert full_long["seconds"] > 0
 
@@ -309,12 +309,12 @@ def test_round_cost_is_flat_in_the_prefix_for_a_windowed_reader(tiny_target):
 def test_reader_effect_is_zero_for_an_untrained_reader(tiny_target):
     ready = _drafter(tiny_target, context_window=8, reader=rj.ReaderConfig(source_layers=(1,), rank=4))
     prompts = np.random.default_rng(0).integers(3, 90, (2, 12)).astype(np.int32)
-    effect = lr.reader_effect(ready, tiny_target, prompts)                # W_o starts at zero: exactly no update
+    effect = probes.reader_effect(ready, tiny_target, prompts)                # W_o starts at zero: exactly no update
     assert effect["mean_abs_logit_change"] == 0.0 and effect["top1_changed"] == 0.0 and effect["logit_std"] > 0
     flat = dict(ready.flat_params())
     name = next(k for k in flat if k.endswith("reader.o_proj.kernel"))
     flat[name] = jnp.asarray(np.random.default_rng(1).normal(size=flat[name].shape), flat[name].dtype)
-    moved = lr.reader_effect(rj.Drafter.from_state(ready.config, flat), tiny_target, prompts)
+    moved = probes.reader_effect(rj.Drafter.from_state(ready.config, flat), tiny_target, prompts)
     assert moved["mean_abs_logit_change"] > 0
 
 
@@ -341,13 +341,13 @@ def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
 
 
 def test_target_defaults_to_the_shipped_one_which_ship_does_not_copy_onto_itself(tmp_path):
-    assert lr.build_parser().parse_args(["train"]).target == cli.repo_path("zoo", "long_range", "target")
+    assert main.build_parser().parse_args(["train"]).target == cli.repo_path("zoo", "long_range", "target")
     named = ["--target", str(tmp_path / "other"), "--zoo", str(SHIPPED)]        # a zoo whose target exists
-    steps = {step: lr.step_target(lr.build_parser().parse_args([step, *named])) for step in ("cost", "evaluate")}
+    steps = {step: main.step_target(main.build_parser().parse_args([step, *named])) for step in ("cost", "evaluate")}
     assert steps == {"cost": tmp_path / "other", "evaluate": SHIPPED / "target"}
     zoo = tmp_path / "zoo" / "long_range"
     with pytest.raises(SystemExit, match="name the target trained for it"):
-        lr.main(["ship", "--runs", str(tmp_path / "runs"), "--target", str(zoo / "target"), "--zoo", str(zoo)])
+        main.main(["ship", "--runs", str(tmp_path / "runs"), "--target", str(zoo / "target"), "--zoo", str(zoo)])
 
 
 def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_path, tiny_target):
@@ -362,13 +362,13 @@ def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_pa
                                                   "bytes": len(payload), "command": f"make {folder}"}
     (runs / "MANIFEST.json").write_text(json.dumps({"files": records}))
     zoo = tmp_path / "zoo" / "long_range"
-    lr.main(["ship", "--runs", str(runs), "--target", str(runs / "target"), "--zoo", str(zoo), "--ship-ready",
+    main.main(["ship", "--runs", str(runs), "--target", str(runs / "target"), "--zoo", str(zoo), "--ship-ready",
              "ready_rank64"])
     files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
     assert files["long_range/ready/model.safetensors"]["command"] == "make ready_rank64_s0"
     assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
     # ready_r8 alone, beside what is there: the zoo's own target is not copied, so it may be named.
-    lr.main(["ship", "--runs", str(runs), "--target", str(zoo / "target"), "--zoo", str(zoo), "--ship-folders",
+    main.main(["ship", "--runs", str(runs), "--target", str(zoo / "target"), "--zoo", str(zoo), "--ship-folders",
              "ready_r8", "--ship-r8", "ready"])
     files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
     assert files["long_range/ready_r8/model.safetensors"]["command"] == "make ready_s0"
@@ -377,7 +377,7 @@ def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_pa
 
     readers = (None, rj.ReaderConfig(source_layers=(1,), rank=8), rj.ReaderConfig(source_layers=(1,), rank=4),
                rj.ReaderConfig(kind="kv", source_layers=(3,), rank=8))
-    assert [lr.reader_arm(_drafter(tiny_target, reader=r).config) for r in readers] == \
+    assert [arms.reader_arm(_drafter(tiny_target, reader=r).config) for r in readers] == \
         ["control", "ready", "ready_rank4", "kv_read"]
 
 
@@ -387,10 +387,10 @@ def test_zoo_drafters_are_evaluated_under_their_arms_and_labelled_by_design(tiny
     readers = {"control": None, "ready": rj.ReaderConfig(source_layers=(1,), rank=8),
                "ready_r8": rj.ReaderConfig(source_layers=(1,), rank=8, query="tied", query_rank=4)}
     drafters = {folder: _drafter(tiny_target, context_window=8, reader=r) for folder, r in readers.items()}
-    by_run = {zoo_runs.run_name(lr.reader_arm(d.config), 0): d for d in drafters.values()}
+    by_run = {zoo_runs.run_name(arms.reader_arm(d.config), 0): d for d in drafters.values()}
     assert sorted(by_run) == ["control_s0", "ready_s0", "ready_tied_s0"]
-    assert [a.name for a in lr.zoo_arms(by_run, 8, 8, 0)] == ["control", "ready", "ready_tied"]
-    assert [lr.reader_label(d.config) for d in drafters.values()] == ["control", "ReaDy r8", "ReaDy tied q4"]
+    assert [a.name for a in arms.zoo_arms(by_run, 8, 8, 0)] == ["control", "ready", "ready_tied"]
+    assert [arms.reader_label(d.config) for d in drafters.values()] == ["control", "ReaDy r8", "ReaDy tied q4"]
 
 
 def test_lookup_shares_find_what_a_state_wrote_unless_the_basis_drops_its_key():
@@ -402,12 +402,12 @@ def test_lookup_shares_find_what_a_state_wrote_unless_the_basis_drops_its_key():
     states = np.einsum("hpk,phv->hkv", keys, values[0])[None]                              # [B, H, d_k, d_v]
     answer_at = np.array([[1, 3, 4]])
     queries = keys[:, answer_at[0]].transpose(1, 0, 2)[None]                               # [B, J, H, d_k]
-    assert lr.lookup_shares(states, queries, values, answer_at) == [1.0, 1.0]
+    assert probes.lookup_shares(states, queries, values, answer_at) == [1.0, 1.0]
     value_basis = np.linalg.qr(values[0].transpose(1, 2, 0))[0]                            # [H, d_v, 6]
     spanning = keys[:, [1, 3, 4]].transpose(0, 2, 1)                                       # [H, d_k, 3]
     missing = keys[:, [0, 2, 5]].transpose(0, 2, 1)
-    assert lr.lookup_shares(states, queries, values, answer_at, (spanning, value_basis)) == [1.0, 1.0]
-    assert lr.lookup_shares(states, queries, values, answer_at, (missing, value_basis)) == [0.0, 0.0]
+    assert probes.lookup_shares(states, queries, values, answer_at, (spanning, value_basis)) == [1.0, 1.0]
+    assert probes.lookup_shares(states, queries, values, answer_at, (missing, value_basis)) == [0.0, 0.0]
 
 
 def test_rank_retrieval_through_full_rank_orthonormal_bases_is_lossless(tiny_target):
@@ -421,26 +421,27 @@ def test_rank_retrieval_through_full_rank_orthonormal_bases_is_lossless(tiny_tar
     pairs = len(sources) * config.linear_num_value_heads
     rotations = tuple(np.linalg.qr(rng.normal(size=(pairs, d, d)))[0]
                       for d in (config.linear_key_head_dim, config.linear_value_head_dim))
-    principal = tuple(b[..., :3] for b in lr.principal_bases(tiny_target, ids, sources))
+    principal = tuple(b[..., :3] for b in probes.principal_bases(tiny_target, ids, sources))
     assert principal[0].shape == (pairs, config.linear_key_head_dim, 3)
     gram = np.einsum("mkr,mks->mrs", principal[0], principal[0])
     np.testing.assert_allclose(gram, np.broadcast_to(np.eye(3), gram.shape), atol=1e-5)
-    found = lr.rank_retrieval(tiny_target, ids, reference, 2, sources, {"rotated": rotations, "principal": principal})
+    found = probes.rank_retrieval(tiny_target, ids, reference, 2, sources,
+                                  {"rotated": rotations, "principal": principal})
     assert found["rotated"] == found["lossless"] and len(found["lossless"]) == 2
     assert all(len(heads) == config.linear_num_value_heads for heads in found["principal"])
 
 
 def test_cost_drafters_have_the_testbed_shapes(tiny_target):
-    drafters = lr.cost_drafters(tiny_target, window=16, ranks=(8, 4))
+    drafters = cost.cost_drafters(tiny_target, window=16, ranks=(8, 4))
     ready, ready4, kv, full = (drafters[name].config for name in ("ready_s0", "ready_rank4_s0", "kv_read_s0",
                                                                   "dspark_full_s0"))
     assert ready.context_window == ready4.context_window == kv.context_window == 16 and full.context_window is None
     assert ready.reader.kind == "state" and ready.reader.rank == 8 and kv.reader.kind == "kv" and full.reader is None
-    assert ready4.reader.rank == 4 and lr.cost_label("ready_rank4_s0") == "ReaDy r4, windowed"
-    designs = lr.cost_drafters(tiny_target, window=16, queries=("content", "tied"))
+    assert ready4.reader.rank == 4 and cost.cost_label("ready_rank4_s0") == "ReaDy r4, windowed"
+    designs = cost.cost_drafters(tiny_target, window=16, queries=("content", "tied"))
     assert designs["ready_content_s0"].config.reader.query == "content"
     assert designs["ready_tied_s0"].config.context_window == 16
-    assert lr.cost_label("ready_tied_s0") == "ReaDy r8, tied query, windowed"
+    assert cost.cost_label("ready_tied_s0") == "ReaDy r8, tied query, windowed"
 
 
 def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target):
@@ -448,8 +449,8 @@ def test_state_carried_accuracy_is_full_accuracy_with_a_full_window(tiny_target)
     the attention is cut to the last position (this random target's states carry little)."""
     ids = np.random.default_rng(3).integers(3, tiny_target.config.vocab_size, (4, 20)).astype(np.int32)
     own = np.asarray(rj.generate(tiny_target, ids, 4).tokens)
-    assert lr.state_carried_accuracy(tiny_target, ids, own, 24) == 1.0
-    assert lr.state_carried_accuracy(tiny_target, ids, own, 1) < 1.0
+    assert probes.state_carried_accuracy(tiny_target, ids, own, 24) == 1.0
+    assert probes.state_carried_accuracy(tiny_target, ids, own, 1) < 1.0
 
 
 @pytest.mark.parametrize("group_layout", ["split", "stacked"])
@@ -462,7 +463,7 @@ def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(ap
                        group_layout=group_layout)
     ids = np.random.default_rng(4).integers(3, config.vocab_size, (3, 20)).astype(np.int32)
     distance = 12
-    retention = lr.state_retention(target, ids, distance)
+    retention = probes.state_retention(target, ids, distance)
     decays = applied_decays(lambda: target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape),
                                                       jnp.asarray(ids)).logits)
     assert len(retention) == len(decays) == config.layer_types.count("linear_attention")
@@ -487,10 +488,10 @@ def test_shipped_testbed_recalls_through_the_states_and_its_drafters_are_lossles
     reference = np.asarray([p["reference"] for p in prompts], np.int32)
     ar = rj.generate(target, ids, reference.shape[1])
     assert (ar.tokens == reference).mean() >= 0.9
-    drafters = {folder: rj.Drafter.load(SHIPPED / folder, dtype=jnp.float32) for folder in lr.ZOO_DRAFTERS}
+    drafters = {folder: rj.Drafter.load(SHIPPED / folder, dtype=jnp.float32) for folder in arms.ZOO_DRAFTERS}
     window = drafters["control"].config.context_window
     assert window is not None and window == drafters["ready"].config.context_window < 32
-    assert lr.state_carried_accuracy(target, ids, reference, window) >= 0.9
+    assert probes.state_carried_accuracy(target, ids, reference, window) >= 0.9
     assert drafters["ready"].config.reader is not None and drafters["control"].config.reader is None
     for drafter in drafters.values():
         np.testing.assert_array_equal(rj.generate(target, ids, reference.shape[1], drafter=drafter).tokens, ar.tokens)
@@ -522,9 +523,9 @@ def test_shipped_reader_at_the_papers_budget_fits_it_and_drafts_the_answers():
 def test_demo_prints_the_shipped_testbeds_table(capsys):
     """``long_range demo`` (the second half of ``make demo``) runs the zoo's control and every shipped reader,
     checks them against AR and prints one row per distance: the control's tau, then each reader's tau and ratio."""
-    lr.main(["demo", "--prompts", "2", "--distances", "32"])
+    main.main(["demo", "--prompts", "2", "--distances", "32"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("32 ")]
-    readers = [f for f in lr.ZOO_DRAFTERS if f != "control" and (SHIPPED / f).exists()]
+    readers = [f for f in arms.ZOO_DRAFTERS if f != "control" and (SHIPPED / f).exists()]
     assert len(rows) == 1 and rows[0][-1] == "yes" and len(rows[0]) == 3 + 2 * len(readers)
     control = float(rows[0][1])
     assert control >= 1

@@ -28,7 +28,7 @@ def _one_line(capsys) -> str:
 
 # ---- the wrapper ---------------------------------------------------------------------------------------------------
 def test_every_script_main_goes_through_the_wrapper():
-    for path in sorted([*REPO.glob("experiments/*.py"), *REPO.glob("convert/*.py")]):
+    for path in sorted([*REPO.glob("experiments/**/*.py"), *REPO.glob("convert/*.py")]):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and node.name == "main":
                 assert any(ast.unparse(d) == "cli.main" for d in node.decorator_list), f"{path}: @cli.main"

@@ -220,7 +220,7 @@ def test_a_script_parser_defaults_to_the_default_cache_dir(jax_cache_options, tm
 
 
 def test_no_script_defines_the_runtime_options_itself():
-    for path in sorted([*REPO.glob("experiments/*.py"), *REPO.glob("convert/*.py")]):
+    for path in sorted([*REPO.glob("experiments/**/*.py"), *REPO.glob("convert/*.py")]):
         text = path.read_text()
         assert "--no-compile-cache" not in text and "--compile-cache-dir" not in text, path
 

@@ -1,0 +1,5 @@
+"""``python -m experiments.long_range <step>``."""
+
+from .main import main
+
+main()
