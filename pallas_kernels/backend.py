@@ -12,15 +12,19 @@ in an interpreter, and the family is a choice:
 
 The choice is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu``), or :func:`set_interpret_family` (which
 ``ready_jax.runtime.configure(pallas_interpret=...)`` calls), read when a kernel is traced.
+
+Every op's ``impl`` switch is :func:`run`: the reference under ``"xla"``; under ``"pallas"`` the family's module of
+the op's folder (:class:`KernelOp`), its block config checked, its kernel called.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
-from collections.abc import Iterator
-from typing import Any, Literal, get_args
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar, get_args
 
 import jax
 
@@ -128,3 +132,37 @@ def check_config(config: Any, expected: type, op: str) -> Any:
         raise ValueError(f"{op}: config {type(config).__name__} is not for the kernels that run here "
                          f"({expected.__name__}); pass None to let the kernel pick its blocks")
     return config
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOp:
+    """Where an op's kernels live: in ``<package>.<family>`` for each of ``families`` (imported on first use, so a
+    machine loads only the kernels it runs), the function ``kernel`` and its block config class ``config``."""
+
+    name: str
+    package: str
+    kernel: str
+    config: str
+    families: tuple[str, ...] = ("triton", "tpu")
+
+    def module(self, family: str) -> Any:
+        """The kernel module of ``family``; a ValueError when the op has no kernel there."""
+        if family not in self.families:
+            raise ValueError(f"{self.name} has no {family} kernel (it has {', '.join(self.families)}); "
+                             "run it with impl='xla'")
+        return importlib.import_module(f"{self.package}.{family}")
+
+
+def run(op: KernelOp, reference: Callable[..., T], *args: Any, impl: str, config: Any, **kwargs: Any) -> T:
+    """``reference(*args, **kwargs)`` when ``impl`` is ``"xla"``; when ``"pallas"``, ``op``'s kernel in the family
+    :func:`kernel_target` picks, with ``config`` (checked by :func:`check_config`) and that target's interpret
+    mode. A ValueError for any other ``impl``."""
+    if check_impl(impl) == "xla":
+        return reference(*args, **kwargs)
+    target = kernel_target()
+    kernels = op.module(target.family)
+    config = check_config(config, getattr(kernels, op.config), op.name)
+    return getattr(kernels, op.kernel)(*args, **kwargs, interpret=target.interpret, config=config)

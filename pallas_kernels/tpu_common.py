@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .config_fields import one_of
+
 MIB = 1 << 20
 SUBLANES, LANES = 8, 128  # a vreg is [8, 128] x 32 bit: the last two block dims tile by (8, 128) or are whole
 
@@ -23,6 +25,7 @@ SUBLANES, LANES = 8, 128  # a vreg is [8, 128] x 32 bit: the last two block dims
 # per core is jax's own table (pltpu.get_tpu_info_for_chip). docs/kernels.md has both side by side.
 DEFAULT_SCOPED_VMEM: dict[str, int] = {"v4": 16 * MIB, "v5e": 16 * MIB, "v5p": 16 * MIB, "v6e": 32 * MIB}
 DEFAULT_GENERATION = "v5e"  # the smallest default budget of the generations above that serve inference today
+GENERATION = one_of(tuple(DEFAULT_SCOPED_VMEM), "a TPU generation")  # the rule of a config's generation field
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -64,10 +64,6 @@ def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def next_power_of_2(n: int) -> int:
     """Smallest power of 2 >= n (>= 1). Triton tensors must have power-of-2 sizes."""
     return 1 << max(n - 1, 0).bit_length()

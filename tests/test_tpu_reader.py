@@ -127,7 +127,7 @@ def test_state_gather_rejects_what_it_does_not_support():
         _eval(state_gather, states, n, u, v, interpret=False, config=GatherConfig(block_heads=2))
     with pytest.raises(ValueError, match="block_heads must be a positive int"):
         GatherConfig(block_heads=0)
-    with pytest.raises(ValueError, match="unknown TPU generation"):
+    with pytest.raises(ValueError, match="generation must be a TPU generation"):
         GatherConfig(generation="v3")
 
 

@@ -1,7 +1,8 @@
 """Gated DeltaNet, one function per fused op: ``gated_delta_recurrent`` (decode / verify) and
 ``gated_delta_chunked`` (prefill, training), each run by XLA from its jnp reference (``reference.py``) or by the
-Pallas kernel of this machine's family (``triton.py`` on a GPU, ``tpu.py`` on a TPU; on a CPU, interpreted:
-``pallas_kernels.backend``).
+Pallas kernel of this machine's family (``triton.py`` on a GPU, ``tpu.py`` on a TPU; on a CPU, interpreted), both
+through ``pallas_kernels.backend.run``: the op's entry here (:data:`RECURRENT`, :data:`CHUNKED`) names its
+kernel and block config in each family's module.
 
 Both implementations take the reference's arguments and return the same shapes and dtypes. ``config`` is the
 kernel's frozen block config (static; None lets the kernel pick one for the shapes); XLA ignores it.
@@ -9,14 +10,18 @@ kernel's frozen block config (static; None lets the kernel pick one for the shap
 
 from __future__ import annotations
 
+import functools
+
 import jax
-import jax.numpy as jnp
 
 from .. import backend
 from . import reference
 from .reference import gated_delta_naive, normalized_query_key
 
 __all__ = ["gated_delta_chunked", "gated_delta_naive", "gated_delta_recurrent", "normalized_query_key"]
+
+RECURRENT = backend.KernelOp("gated_delta_recurrent", __name__, kernel="gdn_recurrent", config="GDNRecurrentConfig")
+CHUNKED = backend.KernelOp("gated_delta_chunked", __name__, kernel="gdn_chunked", config="GDNChunkedConfig")
 
 
 def gated_delta_recurrent(
@@ -41,22 +46,9 @@ def gated_delta_recurrent(
     token per loop iteration, so a token rounds the same in a call of any length (the reference's
     ``looped``); the kernels always step token by token, and ignore it.
     """
-    backend.check_impl(impl)
-    if include_initial_state and not output_all_states:
-        raise ValueError("include_initial_state=True needs output_all_states=True")
-    if impl == "pallas":
-        target = backend.kernel_target()
-        kernels = _kernels(target.family)
-        config = backend.check_config(config, kernels.GDNRecurrentConfig, "gated_delta_recurrent")
-        return kernels.gdn_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
-                                     include_initial_state=include_initial_state, interpret=target.interpret,
-                                     config=config)
-    o, states = reference.gated_delta_recurrent(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
-                                                looped=looped)
-    if include_initial_state:  # the kernels write this layout directly; here every state is copied once more
-        first = jnp.zeros_like(states[:, 0]) if initial_state is None else initial_state.astype(jnp.float32)
-        states = jnp.concatenate([first[:, None], states], axis=1)
-    return o, states
+    return backend.run(RECURRENT, functools.partial(reference.gated_delta_recurrent, looped=looped), q, k, v, g,
+                       beta, initial_state, output_all_states=output_all_states,
+                       include_initial_state=include_initial_state, impl=impl, config=config)
 
 
 def gated_delta_chunked(
@@ -77,23 +69,5 @@ def gated_delta_chunked(
     Returns o ``[B, T, H_v, d_v]`` and the fp32 final state ``[B, H_v, d_k, d_v]``. Differentiable either way;
     the Pallas kernels' gradient is the reference's.
     """
-    backend.check_impl(impl)
-    if impl == "pallas":
-        target = backend.kernel_target()
-        kernels = _kernels(target.family)
-        config = backend.check_config(config, kernels.GDNChunkedConfig, "gated_delta_chunked")
-        return kernels.gdn_chunked(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
-                                   chunk_size=chunk_size, interpret=target.interpret, config=config)
-    return reference.gated_delta_chunked(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
-                                         chunk_size=chunk_size)
-
-
-def _kernels(family: str):
-    """The kernel module of ``family`` (imported on first use: a machine loads only the kernels it runs)."""
-    if family == "tpu":
-        from . import tpu
-
-        return tpu
-    from . import triton
-
-    return triton
+    return backend.run(CHUNKED, reference.gated_delta_chunked, q, k, v, g, beta, initial_state,
+                       output_all_states=output_all_states, chunk_size=chunk_size, impl=impl, config=config)

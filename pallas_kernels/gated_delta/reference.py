@@ -69,6 +69,17 @@ def check_shapes(q, k, v, g, beta, initial_state) -> None:
         raise ValueError(f"initial_state must be [B, H_v, d_k, d_v] = {state_shape}; got {initial_state.shape}")
 
 
+def check_state_options(*, output_all_states: bool, include_initial_state: bool = False,
+                        chunked: bool = False) -> None:
+    """Raise ValueError on a combination of state options no form returns: the entering state without the state
+    after every token, or (``chunked``) the state after every token, which the chunked form never forms."""
+    if include_initial_state and not output_all_states:
+        raise ValueError("include_initial_state=True needs output_all_states=True")
+    if chunked and output_all_states:
+        raise ValueError("the chunked form returns only the final state (it is for prefill and training); use the "
+                         "recurrent form for the state after every token")
+
+
 def _prepare(
     q: jax.Array,
     k: jax.Array,
@@ -153,6 +164,7 @@ def gated_delta_recurrent(
     initial_state: jax.Array | None = None,
     *,
     output_all_states: bool = False,
+    include_initial_state: bool = False,
     chunk_size: int | None = None,
     looped: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -160,25 +172,31 @@ def gated_delta_recurrent(
 
     Unrolling lets XLA fuse the few steps with no while-loop overhead; compile time grows with T, so use
     ``gated_delta_chunked`` for long sequences. With ``output_all_states=True`` it returns the state after
-    every token, from which speculative verification commits the accepted prefix. ``chunk_size`` is ignored;
-    it is accepted only so that all three forms share one signature.
+    every token, from which speculative verification commits the accepted prefix; ``include_initial_state`` (with
+    output_all_states) puts the state before the first token first, ``[B, T + 1, H_v, d_k, d_v]``: a verify
+    pass's candidates. ``chunk_size`` is ignored; it is accepted only so that all three forms share one signature.
 
     ``looped=True`` runs one token per iteration of a while loop whose trip count XLA cannot see, so every
     token's update is compiled once, apart from its neighbours, and rounds the same whether the call holds
     one token (decode) or a block (verify). Unrolled, XLA's CPU fusion recomputes a chain of states inside
     one fused kernel, and how it contracts multiply-adds there depends on the chain (docs/numerics.md).
     """
+    check_state_options(output_all_states=output_all_states, include_initial_state=include_initial_state)
     q, k, v32, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    entering = state
     if looped:
-        return _looped_recurrence(q, k, v32, g, beta, state, output_all_states, v.dtype)
-    outputs, states = [], []
-    for t in range(q.shape[1]):
-        state, o_t = _delta_step(state, q[:, t], k[:, t], v32[:, t], g[:, t], beta[:, t])
-        outputs.append(o_t)
-        if output_all_states:
-            states.append(state)
-    o = jnp.stack(outputs, axis=1).astype(v.dtype)  # [B, T, H, d_v]
-    return o, (jnp.stack(states, axis=1) if output_all_states else state)
+        o, states = _looped_recurrence(q, k, v32, g, beta, state, output_all_states, v.dtype)
+    else:
+        outputs, all_states = [], []
+        for t in range(q.shape[1]):
+            state, o_t = _delta_step(state, q[:, t], k[:, t], v32[:, t], g[:, t], beta[:, t])
+            outputs.append(o_t)
+            all_states.append(state)
+        o = jnp.stack(outputs, axis=1).astype(v.dtype)  # [B, T, H, d_v]
+        states = jnp.stack(all_states, axis=1) if output_all_states else state
+    if include_initial_state:  # the kernels write this layout directly; here every state is copied once more
+        states = jnp.concatenate([entering[:, None], states], axis=1)
+    return o, states
 
 
 def _looped_recurrence(q, k, v32, g, beta, state, output_all_states: bool, out_dtype):
@@ -262,11 +280,7 @@ def gated_delta_chunked(
     solve depends only on the chunk, so it is done for all chunks at once and only S is scanned. Per-token
     states are never formed, so ``output_all_states=True`` raises; use the other forms for those.
     """
-    if output_all_states:
-        raise ValueError(
-            "gated_delta_chunked returns only the final state (it is for prefill and training); "
-            "use gated_delta_recurrent or gated_delta_naive for the state after every token"
-        )
+    check_state_options(output_all_states=output_all_states, chunked=True)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     q, k, v32, g, beta, state = _prepare(q, k, v, g, beta, initial_state)

@@ -65,17 +65,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import tpu_common
+from ..config_fields import check_fields, multiple_of
 from ..tpu_common import LANES, SUBLANES, VmemFootprint, round_up
-from .reference import L2NORM_EPS, check_shapes, gated_delta_chunked
+from .reference import L2NORM_EPS, check_shapes, check_state_options, gated_delta_chunked
 
 MAX_RECURRENT_TOKENS = 64  # the recurrent kernel unrolls its time loop; longer sequences belong to gdn_chunked
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
-
-
-def _check_block_v(block_v: object) -> None:
-    if not isinstance(block_v, int) or block_v < LANES or block_v % LANES:
-        raise ValueError(f"block_v must be a positive multiple of {LANES} (the lane width); got {block_v!r}")
+BLOCK_V = multiple_of(LANES, "the lane width")  # the rule of the configs' block_v
 
 
 def _fitted_block_v(block_v: int, v_dim_padded: int) -> int:
@@ -116,8 +113,7 @@ class GDNRecurrentConfig:
     generation: str = tpu_common.DEFAULT_GENERATION
 
     def __post_init__(self):
-        _check_block_v(self.block_v)
-        tpu_common.vmem_budget_bytes(self.generation)  # raises on an unknown generation
+        check_fields(self, block_v=BLOCK_V, generation=tpu_common.GENERATION)
 
 
 def recurrent_footprint(q_dtype, v_dtype, *, seq_len: int, k_dim: int, v_dim: int, block_v: int,
@@ -168,8 +164,7 @@ def gdn_recurrent(
     ValueError on inputs the reference rejects, on include_initial_state without output_all_states, on T above
     MAX_RECURRENT_TOKENS and on a config whose VMEM footprint exceeds its generation's budget.
     """
-    if include_initial_state and not output_all_states:
-        raise ValueError("include_initial_state=True needs output_all_states=True")
+    check_state_options(output_all_states=output_all_states, include_initial_state=include_initial_state)
     check_shapes(q, k, v, g, beta, initial_state)
     seq_len, k_dim, v_dim = q.shape[1], q.shape[3], v.shape[3]
     if seq_len > MAX_RECURRENT_TOKENS:
@@ -336,8 +331,7 @@ class GDNChunkedConfig:
     generation: str = tpu_common.DEFAULT_GENERATION
 
     def __post_init__(self):
-        _check_block_v(self.block_v)
-        tpu_common.vmem_budget_bytes(self.generation)
+        check_fields(self, block_v=BLOCK_V, generation=tpu_common.GENERATION)
 
 
 def _kernel_chunk(chunk_size: int, seq_len: int) -> int:
@@ -391,9 +385,7 @@ def gdn_chunked(
     pullback at the same inputs (a ``custom_vjp``), so gradients are the XLA path's exactly; only the forward
     runs on the kernel.
     """
-    if output_all_states:
-        raise ValueError("gdn_chunked returns only the final state (it is for prefill and training); "
-                         "use gdn_recurrent for the state after every token")
+    check_state_options(output_all_states=output_all_states, chunked=True)
     if not isinstance(chunk_size, int) or chunk_size < SUBLANES or chunk_size % SUBLANES:
         raise ValueError(f"the TPU kernel needs a chunk_size that is a positive multiple of {SUBLANES} "
                          f"(a chunk's rows tile the sublanes); got {chunk_size!r}")

@@ -31,15 +31,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..config_fields import POSITIVE, POWER_OF_2, check_fields, is_power_of_2, power_of_2_at_least
 from ..triton_common import (
     MIN_DOT_DIM,
-    is_power_of_2,
     largest_power_of_2_divisor,
     matmul,
     next_power_of_2,
     triton_compiler_params,
 )
-from .reference import L2NORM_EPS, check_shapes, gated_delta_chunked
+from .reference import L2NORM_EPS, check_shapes, check_state_options, gated_delta_chunked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +59,7 @@ class GDNRecurrentConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        if not is_power_of_2(self.block_v):
-            raise ValueError(f"block_v must be a power of 2; got {self.block_v}")
-        if not is_power_of_2(self.num_warps):
-            raise ValueError(f"num_warps must be a power of 2; got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1; got {self.num_stages}")
+        check_fields(self, block_v=POWER_OF_2, num_warps=POWER_OF_2, num_stages=POSITIVE)
 
 
 def gdn_recurrent(
@@ -86,8 +81,7 @@ def gdn_recurrent(
     parameters. Raises ValueError on inputs the reference rejects, on include_initial_state without
     output_all_states, and (compiled) on states of 2**31 elements or more.
     """
-    if include_initial_state and not output_all_states:
-        raise ValueError("include_initial_state=True needs output_all_states=True")
+    check_state_options(output_all_states=output_all_states, include_initial_state=include_initial_state)
     check_shapes(q, k, v, g, beta, initial_state)
     config = GDNRecurrentConfig() if config is None else config
     if not interpret:  # Triton computes element offsets in int32
@@ -222,13 +216,8 @@ class GDNChunkedConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        if not is_power_of_2(self.block_v) or self.block_v < MIN_DOT_DIM:
-            raise ValueError(f"block_v must be a power of 2 >= {MIN_DOT_DIM}; got {self.block_v}")
-        for name in ("prepare_warps", "scan_warps"):
-            if not is_power_of_2(getattr(self, name)):
-                raise ValueError(f"{name} must be a power of 2; got {getattr(self, name)}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1; got {self.num_stages}")
+        check_fields(self, block_v=power_of_2_at_least(MIN_DOT_DIM), prepare_warps=POWER_OF_2, scan_warps=POWER_OF_2,
+                     num_stages=POSITIVE)
 
 
 def gdn_chunked(
@@ -250,9 +239,7 @@ def gdn_chunked(
     ``output_all_states`` must be False (only the final state exists, as in the reference). ``interpret``: run
     in Pallas interpret mode (the only mode on a CPU). ``config``: block sizes and launch parameters.
     """
-    if output_all_states:
-        raise ValueError("gdn_chunked returns only the final state (it is for prefill and training); "
-                         "use gdn_recurrent for the state after every token")
+    check_state_options(output_all_states=output_all_states, chunked=True)
     if not isinstance(chunk_size, int) or not is_power_of_2(chunk_size) or chunk_size < MIN_DOT_DIM:
         raise ValueError(f"the Pallas kernel needs a power-of-2 chunk_size >= {MIN_DOT_DIM}; got {chunk_size!r}")
     check_shapes(q, k, v, g, beta, initial_state)

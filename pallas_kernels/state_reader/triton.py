@@ -52,15 +52,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..config_fields import POSITIVE, POWER_OF_2, check_fields, is_power_of_2
 from ..triton_common import (
     MIN_DOT_DIM,
-    is_power_of_2,
     largest_power_of_2_divisor,
     matmul,
     next_power_of_2,
     triton_compiler_params,
 )
-from .reference import QUERY_EPS, Layers, content_contract_problems, per_position_arrays
+from .reference import QUERY_EPS, Layers, check_content_shapes, check_read_shapes, per_position_arrays
+from .reference import check_gather_shapes as _check_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +86,8 @@ class ReaderKernelConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
-                    for name in ("block_m", "block_d", "block_n", "block_out", "num_warps")
-                    if not is_power_of_2(getattr(self, name))]
-        if self.num_stages < 1:
-            problems.append(f"num_stages must be >= 1; got {self.num_stages}")
-        if problems:
-            raise ValueError("invalid ReaderKernelConfig: " + "; ".join(problems))
+        check_fields(self, block_m=POWER_OF_2, block_d=POWER_OF_2, block_n=POWER_OF_2, block_out=POWER_OF_2,
+                     num_warps=POWER_OF_2, num_stages=POSITIVE)
 
 
 # ---- kernel 1: a = h W_q, y = C^T a, partial sums of squares -------------------------------------------------
@@ -154,14 +150,7 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
     b, g, d = h.shape
     _, m, r, _ = compressed.shape
     n = m * r
-    problems = []
-    if compressed.shape != (b, m, r, r):
-        problems.append(f"compressed {compressed.shape} must be [B, M, r, r] with B = {b}")
-    if w_q.shape != (d, n) or w_o.shape != (n, d) or norm_weight.shape != (n,):
-        problems.append(f"w_q {w_q.shape}, w_o {w_o.shape}, norm_weight {norm_weight.shape} must be "
-                        f"[{d}, {n}], [{n}, {d}], [{n}] (d = {d}, M r = {m} x {r})")
-    if problems:
-        raise ValueError("state_reader: " + "; ".join(problems))
+    check_read_shapes(h, compressed, w_q, w_o, norm_weight)
     if not is_power_of_2(r):
         raise ValueError(f"state_reader needs a power-of-2 rank for Triton tiles; got {r}. "
                          "Use the reference (impl='xla') for this rank.")
@@ -249,13 +238,8 @@ class ContentReaderConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
-                    for name in ("block_m", "block_k", "block_n", "block_out", "num_warps")
-                    if not is_power_of_2(getattr(self, name))]
-        if self.num_stages < 1:
-            problems.append(f"num_stages must be >= 1; got {self.num_stages}")
-        if problems:
-            raise ValueError("invalid ContentReaderConfig: " + "; ".join(problems))
+        check_fields(self, block_m=POWER_OF_2, block_k=POWER_OF_2, block_n=POWER_OF_2, block_out=POWER_OF_2,
+                     num_warps=POWER_OF_2, num_stages=POSITIVE)
 
 
 def _content_kernel(q_ref, p_ref, y_ref, *ss_refs, block_m: int, block_k: int, d_k: int, rank: int, group: int):
@@ -286,12 +270,9 @@ def _content_kernel(q_ref, p_ref, y_ref, *ss_refs, block_m: int, block_k: int, d
         ss_ref[...] = sum(jnp.sum(jnp.square(y.astype(jnp.float32)), axis=1) for y in ys)
 
 
-def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int, **read_out) -> None:
-    """ValueError naming ``op`` for every break of ``reference.content_contract_problems`` (``read_out``: its
-    ``w_o``, ``norm_weight``, ``hidden``), then for tiles Triton cannot take."""
-    problems = content_contract_problems(queries, values, batch, draft, **read_out)
-    if problems:
-        raise ValueError(f"{op}: " + "; ".join(problems))
+def _check_content(op: str, queries: jax.Array, values: jax.Array, h=None, w_o=None, norm_weight=None) -> None:
+    """``reference.check_content_shapes``, then a ValueError naming ``op`` for tiles Triton cannot take."""
+    check_content_shapes(op, queries, values, h, w_o, norm_weight)
     _, _, d_k, r = values.shape
     unsupported = [f"{name} = {v}" for name, v in (("rank", r), ("d_k", d_k)) if not is_power_of_2(v)]
     if unsupported:
@@ -343,9 +324,9 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     ``config``: block sizes and launch parameters (None: the defaults).
     """
     config = ContentReaderConfig() if config is None else config
-    b, g, d = h.shape
+    d = h.shape[2]
     n = values.shape[1] * values.shape[3]   # M r
-    _check_content("content_reader", queries, values, b, g, w_o=w_o, norm_weight=norm_weight, hidden=d)
+    _check_content("content_reader", queries, values, h, w_o, norm_weight)
     params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
     y, ss = _content_values(queries, values, h.dtype, sums=True, config=config, params=params, interpret=interpret,
                             name="reader_content")
@@ -363,8 +344,8 @@ def content_read(queries: jax.Array, values: jax.Array, *, interpret: bool = Fal
     (None: the defaults).
     """
     config = ContentReaderConfig() if config is None else config
-    b, g = queries.shape[:2] if queries.ndim == 4 else (values.shape[0], 0)
-    _check_content("content_read", queries, values, b, g)
+    _check_content("content_read", queries, values)
+    b, g = queries.shape[:2]
     _, m, _, r = values.shape
     params = triton_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
     (y,) = _content_values(queries, values, jnp.float32, sums=False, config=config, params=params,
@@ -391,12 +372,7 @@ class GatherConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        problems = [f"{name} must be a power of 2; got {getattr(self, name)}"
-                    for name in ("block_k", "num_warps") if not is_power_of_2(getattr(self, name))]
-        problems += [f"{name} must be >= 1; got {getattr(self, name)}"
-                     for name in ("block_m", "num_stages") if getattr(self, name) < 1]
-        if problems:
-            raise ValueError("invalid GatherConfig: " + "; ".join(problems))
+        check_fields(self, block_m=POSITIVE, block_k=POWER_OF_2, num_warps=POWER_OF_2, num_stages=POSITIVE)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------------
@@ -467,28 +443,6 @@ def _gather_kernel(n_ref, *refs, num_arrays: int, layers: Layers, num_heads: int
             pl.when(m < num_pairs)(functools.partial(pair, m))
         else:
             pair(m)
-
-
-def _check_shapes(arrays, layers, n_committed, key_basis, value_basis):
-    """The gather's ``(B, T+1, H_v, d_k, d_v, M, r)``, r the columns written per pair (d_v without a value basis);
-    a ValueError lists every mismatch."""
-    _, b, t1, h, d_k, d_v = arrays[0].shape
-    problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
-                for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
-    m, r = len(layers) * h, d_v if value_basis is None else value_basis.shape[-1]
-    if value_basis is None and key_basis is not None:
-        problems.append("a key basis needs a value basis (C = U^T S V); pass neither to gather the states whole")
-    elif key_basis is None and value_basis is not None and value_basis.shape != (m, d_v, r):
-        problems.append(f"value basis V {value_basis.shape} must be [{m}, {d_v}, r] "
-                        f"(M = {len(layers)} source layers x {h} heads)")
-    elif key_basis is not None and (key_basis.shape != (m, d_k, r) or value_basis.shape != (m, d_v, r)):
-        problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], [{m}, {d_v}, r] "
-                        f"(M = {len(layers)} source layers x {h} heads)")
-    if n_committed.shape != (b,):
-        problems.append(f"n_committed shape {n_committed.shape} must be [B] = [{b}]")
-    if problems:
-        raise ValueError("state_gather: " + "; ".join(problems))
-    return b, t1, h, d_k, d_v, m, r
 
 
 def state_gather(per_position, n_committed: jax.Array, key_basis: jax.Array | None, value_basis: jax.Array | None,

@@ -43,8 +43,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ... import tpu_common
+from ...config_fields import POSITIVE, check_fields
 from ...tpu_common import LANES, VmemFootprint, round_up
-from ..reference import QUERY_EPS, content_contract_problems
+from ..reference import QUERY_EPS, check_content_shapes
 from .common import F32, NT, STEP_BYTES, check_dtypes, lane_block, mxu_dot, sublane_tile
 from .read import norm_and_out
 
@@ -65,13 +66,7 @@ class ContentReaderConfig:
     generation: str = tpu_common.DEFAULT_GENERATION
 
     def __post_init__(self):
-        tpu_common.vmem_budget_bytes(self.generation)
-        bad = [f"{name} must be a positive int or None; got {getattr(self, name)!r}"
-               for name in ("block_q", "block_out")
-               if getattr(self, name) is not None and (not isinstance(getattr(self, name), int)
-                                                      or getattr(self, name) < 1)]
-        if bad:
-            raise ValueError("invalid ContentReaderConfig: " + "; ".join(bad))
+        check_fields(self, block_q=POSITIVE.or_none(), block_out=POSITIVE.or_none(), generation=tpu_common.GENERATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,15 +300,9 @@ def _content_read_kernel(q_ref, pt_ref, o_ref, *, shapes: ContentReadShapes, blo
         o_ref[b] = y
 
 
-def _check_content(op: str, queries: jax.Array, values: jax.Array, batch: int, draft: int, h=None, w_o=None,
-                   norm_weight=None) -> None:
-    """ValueError naming ``op`` for every break of ``reference.content_contract_problems`` (with ``h [B, G, d]``,
-    ``w_o`` and ``norm_weight`` for the read with ``W_o``), then for any dtype of the arrays the kernels do not
-    take."""
-    hidden = None if h is None else h.shape[-1]
-    problems = content_contract_problems(queries, values, batch, draft, w_o, norm_weight, hidden)
-    if problems:
-        raise ValueError(f"{op}: " + "; ".join(problems))
+def _check_content(op: str, queries: jax.Array, values: jax.Array, h=None, w_o=None, norm_weight=None) -> None:
+    """``reference.check_content_shapes``, then a ValueError naming ``op`` for any dtype the kernels do not take."""
+    check_content_shapes(op, queries, values, h, w_o, norm_weight)
     arrays = {name: a for name, a in (("h", h), ("w_o", w_o), ("norm_weight", norm_weight)) if a is not None}
     check_dtypes(op, queries=queries, values=values, **arrays)
 
@@ -339,7 +328,7 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     """
     b, g, d = h.shape
     n = values.shape[1] * values.shape[3]   # M r
-    _check_content("content_reader", queries, values, b, g, h=h, w_o=w_o, norm_weight=norm_weight)
+    _check_content("content_reader", queries, values, h, w_o, norm_weight)
     shapes = ContentShapes.of(h, queries, values, w_o, norm_weight)
     config, _ = resolve_content_config(config, shapes)
     bq, bo = config.block_q, config.block_out
@@ -382,8 +371,8 @@ def content_read(queries: jax.Array, values: jax.Array, *, interpret=False,
     ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``. ``config``: the read block and
     generation (None: the heuristic for the default one; ``block_out`` is not used).
     """
-    b, g = queries.shape[:2] if queries.ndim == 4 else (values.shape[0], 0)
-    _check_content("content_read", queries, values, b, g)
+    _check_content("content_read", queries, values)
+    b, g = queries.shape[:2]
     shapes = ContentReadShapes.of(queries, values)
     config, _ = resolve_content_read_config(config, shapes)
     bq, g_pad, n = config.block_q, shapes.draft_padded, shapes.num_cols

@@ -52,8 +52,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ... import tpu_common
+from ...config_fields import POSITIVE, check_fields
 from ...tpu_common import VmemFootprint
-from ..reference import Layers, per_position_arrays
+from ..reference import Layers, check_gather_shapes, per_position_arrays
 from .common import F32, NT, STEP_BYTES, TN, check_dtypes, mxu_dot
 
 
@@ -70,10 +71,7 @@ class GatherConfig:
     generation: str = tpu_common.DEFAULT_GENERATION
 
     def __post_init__(self):
-        tpu_common.vmem_budget_bytes(self.generation)  # ValueError for an unknown generation
-        if self.block_heads is not None and (not isinstance(self.block_heads, int) or self.block_heads < 1):
-            raise ValueError(f"invalid GatherConfig: block_heads must be a positive int or None; "
-                             f"got {self.block_heads!r}")
+        check_fields(self, block_heads=POSITIVE.or_none(), generation=tpu_common.GENERATION)
 
 
 def gather_footprint(block_heads: int, *, d_k: int, d_v: int, rank: int, state_dtypes: Sequence,
@@ -172,24 +170,9 @@ def _state_gather(per_position, n_committed, key_basis, value_basis, *, layers: 
                   config: GatherConfig | None) -> jax.Array:
     arrays, layers = per_position_arrays(per_position, layers)
     n_committed = jnp.asarray(n_committed, jnp.int32)
-    _, batch, positions, heads, d_k, d_v = arrays[0].shape
-    num_src, rank = len(layers), d_v if value_basis is None else value_basis.shape[-1]
-    m = num_src * heads
-    keyed = key_basis is not None
-    problems = [f"per_position[{i}] shape {a.shape} does not match {arrays[0].shape} after the layer axis"
-                for i, a in enumerate(arrays) if a.shape[1:] != arrays[0].shape[1:]]
-    if value_basis is None and keyed:
-        problems.append("a key basis needs a value basis (C = U^T S V); pass neither to gather the states whole")
-    elif not keyed and value_basis is not None and value_basis.shape != (m, d_v, rank):
-        problems.append(f"value basis V {value_basis.shape} must be [{m}, {d_v}, r] "
-                        f"(M = {num_src} source layers x {heads} heads)")
-    elif keyed and (key_basis.shape != (m, d_k, rank) or value_basis.shape != (m, d_v, rank)):
-        problems.append(f"bases U {key_basis.shape}, V {value_basis.shape} must be [{m}, {d_k}, r], "
-                        f"[{m}, {d_v}, r] (M = {num_src} source layers x {heads} heads)")
-    if n_committed.shape != (batch,):
-        problems.append(f"n_committed shape {n_committed.shape} must be [B] = [{batch}]")
-    if problems:
-        raise ValueError("state_gather: " + "; ".join(problems))
+    batch, positions, heads, d_k, d_v, m, rank = check_gather_shapes(arrays, layers, n_committed, key_basis,
+                                                                     value_basis)
+    num_src, keyed = len(layers), key_basis is not None
     check_dtypes("state_gather", **{f"per_position[{i}]": a for i, a in enumerate(arrays)},
                   **{name: x for name, x in (("key_basis", key_basis), ("value_basis", value_basis)) if x is not None})
 

@@ -50,7 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ... import tpu_common
+from ...config_fields import POSITIVE, check_fields
 from ...tpu_common import LANES, VmemFootprint, round_up
+from ..reference import check_read_shapes
 from .common import F32, STEP_BYTES, check_dtypes, lane_block, mxu_dot, sublane_tile
 
 
@@ -70,13 +72,7 @@ class ReaderKernelConfig:
     generation: str = tpu_common.DEFAULT_GENERATION
 
     def __post_init__(self):
-        tpu_common.vmem_budget_bytes(self.generation)
-        bad = [f"{name} must be a positive int or None; got {getattr(self, name)!r}"
-               for name in ("block_q", "block_out")
-               if getattr(self, name) is not None and (not isinstance(getattr(self, name), int)
-                                                      or getattr(self, name) < 1)]
-        if bad:
-            raise ValueError("invalid ReaderKernelConfig: " + "; ".join(bad))
+        check_fields(self, block_q=POSITIVE.or_none(), block_out=POSITIVE.or_none(), generation=tpu_common.GENERATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,14 +301,7 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
     b, g, d = h.shape
     _, m, r, _ = compressed.shape
     n = m * r
-    problems = []
-    if compressed.shape != (b, m, r, r):
-        problems.append(f"compressed {compressed.shape} must be [B, M, r, r] with B = {b}")
-    if w_q.shape != (d, n) or w_o.shape != (n, d) or norm_weight.shape != (n,):
-        problems.append(f"w_q {w_q.shape}, w_o {w_o.shape}, norm_weight {norm_weight.shape} must be "
-                        f"[{d}, {n}], [{n}, {d}], [{n}] (d = {d}, M r = {m} x {r})")
-    if problems:
-        raise ValueError("state_reader: " + "; ".join(problems))
+    check_read_shapes(h, compressed, w_q, w_o, norm_weight)
     check_dtypes("state_reader", h=h, w_q=w_q, w_o=w_o, norm_weight=norm_weight)
     shapes = ReaderShapes.of(h, compressed, w_q, w_o, norm_weight)
     config, _ = resolve_reader_config(config, shapes)
