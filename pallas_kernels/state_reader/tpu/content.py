@@ -43,15 +43,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ... import tpu_common
-from ...config_fields import POSITIVE, check_fields
 from ...tpu_common import LANES, VmemFootprint, round_up
 from ..reference import QUERY_EPS, check_content_shapes
-from .common import F32, NT, STEP_BYTES, check_dtypes, lane_block, mxu_dot, sublane_tile
-from .read import norm_and_out
+from .common import (
+    F32,
+    NT,
+    STEP_BYTES,
+    ReadBlocks,
+    block_problems,
+    check_dtypes,
+    dividing_blocks,
+    fit_read_blocks,
+    lane_block,
+    mxu_dot,
+    resident,
+    sublane_tile,
+)
+from .read import launch_read_and_out, norm_and_out
 
 
 @dataclasses.dataclass(frozen=True)
-class ContentReaderConfig:
+class ContentReaderConfig(ReadBlocks):
     """Blocks of the content read kernels (static; part of the jit cache key).
 
     block_q: ``(S V)^T`` rows (columns of y) per read step: a multiple of ``lcm(r, 128)`` dividing M r, or M r
@@ -60,13 +72,6 @@ class ContentReaderConfig:
         ``content_read`` has no W_o). None: the heuristic.
     generation: the TPU generation whose VMEM budget the footprint is checked against.
     """
-
-    block_q: int | None = None
-    block_out: int | None = None
-    generation: str = tpu_common.DEFAULT_GENERATION
-
-    def __post_init__(self):
-        check_fields(self, block_q=POSITIVE.or_none(), block_out=POSITIVE.or_none(), generation=tpu_common.GENERATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +107,7 @@ class ContentReadShapes:
         return round_up(self.draft, sublane_tile(self.y_dtype))
 
     def q_blocks(self) -> list[int]:
-        n, unit = self.num_cols, math.lcm(self.rank, LANES)
-        return [c for c in range(n, 0, -unit) if n % c == 0] if n % unit == 0 else [n]
+        return dividing_blocks(self.num_cols, math.lcm(self.rank, LANES))
 
     def key_heads(self, block_q: int) -> int:
         """The most key heads whose pairs one read step of ``block_q`` columns touches."""
@@ -129,10 +133,6 @@ class ContentShapes(ContentReadShapes):
         return cls(batch=b, draft=g, num_pairs=m, num_queries=queries.shape[2], key_dim=d_k, rank=r,
                    y_dtype=jnp.dtype(h.dtype), hidden=d, o_dtype=jnp.result_type(h.dtype, w_o.dtype),
                    wo_dtype=jnp.dtype(w_o.dtype), norm_dtype=jnp.dtype(norm_weight.dtype))
-
-    def out_blocks(self) -> list[int]:
-        d = self.hidden
-        return [c for c in range(d, 0, -LANES) if d % c == 0] if d % LANES == 0 else [d]
 
 
 def _read_values(block_q: int, s: ContentReadShapes) -> tuple:
@@ -166,12 +166,8 @@ def content_read_footprint(block_q: int, shapes: ContentReadShapes) -> VmemFootp
         scratch=(((s.batch, s.num_queries, s.draft_padded, s.key_dim), F32), *_read_values(block_q, s)))
 
 
-def _block_q_problems(block_q: int | None, shapes: ContentReadShapes) -> list[str]:
-    """What is wrong with an explicit read block (nothing for None)."""
-    if block_q is None or block_q in shapes.q_blocks():
-        return []
-    return [f"block_q = {block_q} must be one of {shapes.q_blocks()} (multiples of {math.lcm(shapes.rank, LANES)} "
-            f"dividing M r = {shapes.num_cols}, or M r)"]
+def _q_rule(shapes: ContentReadShapes) -> str:
+    return f"multiples of {math.lcm(shapes.rank, LANES)} dividing M r = {shapes.num_cols}, or M r"
 
 
 def _widest_read_block(shapes: ContentReadShapes) -> int:
@@ -185,39 +181,16 @@ def _widest_read_block(shapes: ContentReadShapes) -> int:
 
 def resolve_content_config(config: ContentReaderConfig | None,
                            shapes: ContentShapes) -> tuple[ContentReaderConfig, VmemFootprint]:
-    """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when a block does not
-    tile its axis or the footprint exceeds the generation's budget. The read block's heuristic is
-    :func:`_widest_read_block`."""
-    config = ContentReaderConfig() if config is None else config
-    q_blocks, out_blocks = shapes.q_blocks(), shapes.out_blocks()
-    problems = _block_q_problems(config.block_q, shapes)
-    if config.block_out is not None and config.block_out not in out_blocks:
-        problems.append(f"block_out = {config.block_out} must be one of {out_blocks} (multiples of {LANES} "
-                        f"dividing d = {shapes.hidden}, or d)")
-    if problems:
-        raise ValueError("content_reader: " + "; ".join(problems))
-    bq = config.block_q or _widest_read_block(shapes)
-    bo = config.block_out or next(
-        (c for c in out_blocks if c * shapes.num_cols * jnp.dtype(shapes.wo_dtype).itemsize <= STEP_BYTES),
-        out_blocks[-1])
-    fp = content_footprint(bq, bo, shapes)
-    budget = tpu_common.vmem_budget_bytes(config.generation)
-    while fp.bytes > budget:  # shrink whichever free block is wider in bytes until the footprint fits
-        q_next = [c for c in q_blocks if c < bq] if config.block_q is None else []
-        o_next = [c for c in out_blocks if c < bo] if config.block_out is None else []
-        if not q_next and not o_next:
-            break
-        q_bytes = shapes.batch * bq * shapes.key_dim * 4
-        o_bytes = shapes.num_cols * bo * jnp.dtype(shapes.wo_dtype).itemsize
-        if q_next and (q_bytes >= o_bytes or not o_next):
-            bq = q_next[0]
-        else:
-            bo = o_next[0]
-        fp = content_footprint(bq, bo, shapes)
-    fp.check(config.generation, f"content_reader (B = {shapes.batch}, G = {shapes.draft}, d = {shapes.hidden}, "
-                                f"Q = {shapes.num_queries}, M r = {shapes.num_cols}, block_q = {bq}, "
-                                f"block_out = {bo}; split the batch if the smallest blocks do not fit)")
-    return dataclasses.replace(config, block_q=bq, block_out=bo), fp
+    """``config`` with its blocks filled in for these shapes, and its footprint (``common.fit_read_blocks``, the
+    read block's heuristic :func:`_widest_read_block`); ValueError when a block does not tile its axis or the
+    footprint exceeds the generation's budget."""
+    s = shapes
+    return fit_read_blocks(
+        "content_reader", ContentReaderConfig() if config is None else config, q_blocks=s.q_blocks(),
+        q_rule=_q_rule(s), q_col_bytes=s.batch * s.key_dim * 4, first_q=_widest_read_block(s), hidden=s.hidden,
+        out_col_bytes=s.num_cols * jnp.dtype(s.wo_dtype).itemsize,
+        footprint=lambda bq, bo: content_footprint(bq, bo, s),
+        sizes=f"B = {s.batch}, G = {s.draft}, d = {s.hidden}, Q = {s.num_queries}, M r = {s.num_cols}")
 
 
 def resolve_content_read_config(config: ContentReaderConfig | None,
@@ -226,7 +199,7 @@ def resolve_content_read_config(config: ContentReaderConfig | None,
     ValueError when the block does not tile M r or the footprint exceeds the generation's budget. The heuristic is
     :func:`_widest_read_block`, narrowed until the footprint fits."""
     config = ContentReaderConfig() if config is None else config
-    problems = _block_q_problems(config.block_q, shapes)
+    problems = block_problems("block_q", config.block_q, shapes.q_blocks(), _q_rule(shapes))
     if problems:
         raise ValueError("content_read: " + "; ".join(problems))
     bq = config.block_q or _widest_read_block(shapes)
@@ -333,34 +306,18 @@ def content_reader(h: jax.Array, queries: jax.Array, values: jax.Array, w_o: jax
     config, _ = resolve_content_config(config, shapes)
     bq, bo = config.block_q, config.block_out
     g_pad = shapes.draft_padded
-    num_q, num_out = n // bq, d // bo
+    num_q = n // bq
     q_t, values_t = _content_operands(queries, values, g_pad)
-    resident = pl.Buffered(1)  # constant block index: fetched once, a second buffer would never be used
     cost = pl.CostEstimate(flops=2 * b * g * (n * shapes.key_dim + n * d),
                            transcendentals=b * g * (shapes.num_queries + 1),
                            bytes_accessed=values_t.nbytes + q_t.nbytes + w_o.nbytes + h.nbytes
                            + b * g * d * jnp.dtype(shapes.o_dtype).itemsize)
-    return pl.pallas_call(
-        functools.partial(_content_kernel, shapes=shapes, num_q_steps=num_q, block_q=bq, block_out=bo,
-                          key_heads=shapes.key_heads(bq), eps=float(eps)),
-        out_shape=jax.ShapeDtypeStruct((b, g, d), shapes.o_dtype),
-        grid=(num_q + num_out,),
-        in_specs=[
-            pl.BlockSpec((b, g_pad, d), lambda i: (0, 0, 0), pipeline_mode=resident),
-            pl.BlockSpec(q_t.shape, lambda i: (0, 0, 0, 0), pipeline_mode=resident),
-            pl.BlockSpec((b, bq, shapes.key_dim), lambda i: (0, jnp.minimum(i, num_q - 1), 0)),  # parked: last block
-            pl.BlockSpec((1, n), lambda i: (0, 0), pipeline_mode=resident),
-            pl.BlockSpec((n, bo), lambda i: (0, jnp.maximum(i - num_q, 0))),      # first W_o block prefetched
-        ],
-        out_specs=pl.BlockSpec((b, g_pad, bo), lambda i: (0, 0, jnp.maximum(i - num_q, 0))),
-        scratch_shapes=[pltpu.VMEM((b * g_pad, n), shapes.y_dtype),    # y = P^T q, rounded to h's dtype
-                        pltpu.VMEM((b * g_pad, n), shapes.o_dtype),    # rmsnorm(y), W_o's operand
-                        pltpu.VMEM((b * g_pad, 1), F32)],             # sum of y^2 per row
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=interpret,
-        cost_estimate=cost,
-        name="content_reader",
-    )(h, q_t, values_t, norm_weight.reshape(1, n), w_o)
+    kernel = functools.partial(_content_kernel, shapes=shapes, num_q_steps=num_q, block_q=bq, block_out=bo,
+                               key_heads=shapes.key_heads(bq), eps=float(eps))
+    values_spec = pl.BlockSpec((b, bq, shapes.key_dim), lambda i: (0, jnp.minimum(i, num_q - 1), 0))
+    return launch_read_and_out(kernel, h, (q_t, values_t), (resident(q_t.shape), values_spec), norm_weight, w_o,
+                               num_q_steps=num_q, block_out=bo, draft_padded=g_pad, y_dtype=shapes.y_dtype,
+                               o_dtype=shapes.o_dtype, cost=cost, interpret=interpret, name="content_reader")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -381,7 +338,7 @@ def content_read(queries: jax.Array, values: jax.Array, *, interpret=False,
         functools.partial(_content_read_kernel, shapes=shapes, block_q=bq, key_heads=shapes.key_heads(bq)),
         out_shape=jax.ShapeDtypeStruct((b, g_pad, n), F32),
         grid=(n // bq,),
-        in_specs=[pl.BlockSpec(q_t.shape, lambda i: (0, 0, 0, 0), pipeline_mode=pl.Buffered(1)),   # resident
+        in_specs=[resident(q_t.shape),
                   pl.BlockSpec((b, bq, shapes.key_dim), lambda i: (0, i, 0))],
         out_specs=pl.BlockSpec((b, g_pad, bq), lambda i: (0, 0, i)),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),  # each step its own y block

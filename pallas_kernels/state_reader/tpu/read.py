@@ -49,15 +49,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ... import tpu_common
-from ...config_fields import POSITIVE, check_fields
 from ...tpu_common import LANES, VmemFootprint, round_up
 from ..reference import check_read_shapes
-from .common import F32, STEP_BYTES, check_dtypes, lane_block, mxu_dot, sublane_tile
+from .common import (
+    F32,
+    ReadBlocks,
+    check_dtypes,
+    dividing_blocks,
+    fit_read_blocks,
+    lane_block,
+    mxu_dot,
+    resident,
+    sublane_tile,
+    widest_block,
+)
 
 
 @dataclasses.dataclass(frozen=True)
-class ReaderKernelConfig:
+class ReaderKernelConfig(ReadBlocks):
     """Blocks of the read kernel (static; part of the jit cache key).
 
     block_q: W_q columns per query step: a multiple of ``lcm(r, 128)`` (of r when r is a multiple of 128) that
@@ -66,13 +75,6 @@ class ReaderKernelConfig:
         the heuristic.
     generation: the TPU generation whose VMEM budget the footprint is checked against.
     """
-
-    block_q: int | None = None
-    block_out: int | None = None
-    generation: str = tpu_common.DEFAULT_GENERATION
-
-    def __post_init__(self):
-        check_fields(self, block_q=POSITIVE.or_none(), block_out=POSITIVE.or_none(), generation=tpu_common.GENERATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +121,7 @@ class ReaderShapes:
         return round_up(self.draft, sublane_tile(self.h_dtype))
 
     def q_blocks(self) -> list[int]:
-        n, unit = self.num_cols, self.pair_unit
-        return [c for c in range(n, 0, -unit) if n % c == 0] if n % unit == 0 else [n]
-
-    def out_blocks(self) -> list[int]:
-        d = self.hidden
-        return [c for c in range(d, 0, -LANES) if d % c == 0] if d % LANES == 0 else [d]
+        return dividing_blocks(self.num_cols, self.pair_unit)
 
     def c_block(self, block_q: int) -> tuple[int, ...]:
         r = self.rank
@@ -146,45 +143,18 @@ def reader_footprint(block_q: int, block_out: int, shapes: ReaderShapes) -> Vmem
 
 def resolve_reader_config(config: ReaderKernelConfig | None,
                           shapes: ReaderShapes) -> tuple[ReaderKernelConfig, VmemFootprint]:
-    """``config`` with its blocks filled in for these shapes, and its footprint; ValueError when a block does not
-    tile its axis or the footprint exceeds the generation's budget."""
-    config = ReaderKernelConfig() if config is None else config
-    q_blocks, out_blocks = shapes.q_blocks(), shapes.out_blocks()
-    problems = []
-    if config.block_q is not None and config.block_q not in q_blocks:
-        problems.append(f"block_q = {config.block_q} must be one of {q_blocks} (multiples of {shapes.pair_unit} "
-                        f"dividing M r = {shapes.num_cols}, or M r)")
-    if config.block_out is not None and config.block_out not in out_blocks:
-        problems.append(f"block_out = {config.block_out} must be one of {out_blocks} (multiples of {LANES} "
-                        f"dividing d = {shapes.hidden}, or d)")
-    if problems:
-        raise ValueError("state_reader: " + "; ".join(problems))
-
-    def widest(blocks: list[int], bytes_per_col: int) -> int:
-        return next((c for c in blocks if c * bytes_per_col <= STEP_BYTES), blocks[-1])
-
-    c_bytes = shapes.batch * shapes.rank * 4  # C's fp32 numbers per W_q column, either layout
-    bq = config.block_q or widest(q_blocks, shapes.hidden * jnp.dtype(shapes.wq_dtype).itemsize + c_bytes)
-    bo = config.block_out or widest(out_blocks, shapes.num_cols * jnp.dtype(shapes.wo_dtype).itemsize)
-    fp = reader_footprint(bq, bo, shapes)
-    budget = tpu_common.vmem_budget_bytes(config.generation)
-    # Shrink whichever free block is wider in bytes until the footprint fits.
-    while fp.bytes > budget:
-        q_next = [c for c in q_blocks if c < bq] if config.block_q is None else []
-        o_next = [c for c in out_blocks if c < bo] if config.block_out is None else []
-        if not q_next and not o_next:
-            break
-        q_bytes = shapes.hidden * bq * jnp.dtype(shapes.wq_dtype).itemsize
-        o_bytes = shapes.num_cols * bo * jnp.dtype(shapes.wo_dtype).itemsize
-        if q_next and (q_bytes >= o_bytes or not o_next):
-            bq = q_next[0]
-        else:
-            bo = o_next[0]
-        fp = reader_footprint(bq, bo, shapes)
-    fp.check(config.generation, f"state_reader (B = {shapes.batch}, G = {shapes.draft}, d = {shapes.hidden}, "
-                                f"M r = {shapes.num_cols}, block_q = {bq}, block_out = {bo}; "
-                                "split the batch if the smallest blocks do not fit)")
-    return dataclasses.replace(config, block_q=bq, block_out=bo), fp
+    """``config`` with its blocks filled in for these shapes, and its footprint (``common.fit_read_blocks``; a W_q
+    column moves d weights and B r numbers of C); ValueError when a block does not tile its axis or the footprint
+    exceeds the generation's budget."""
+    s = shapes
+    q_blocks, wq_col_bytes = s.q_blocks(), s.hidden * jnp.dtype(s.wq_dtype).itemsize
+    return fit_read_blocks(
+        "state_reader", ReaderKernelConfig() if config is None else config, q_blocks=q_blocks,
+        q_rule=f"multiples of {s.pair_unit} dividing M r = {s.num_cols}, or M r", q_col_bytes=wq_col_bytes,
+        first_q=widest_block(q_blocks, wq_col_bytes + s.batch * s.rank * 4), hidden=s.hidden,
+        out_col_bytes=s.num_cols * jnp.dtype(s.wo_dtype).itemsize,
+        footprint=lambda bq, bo: reader_footprint(bq, bo, s),
+        sizes=f"B = {s.batch}, G = {s.draft}, d = {s.hidden}, M r = {s.num_cols}")
 
 
 def _read_rotations(a: jax.Array, coef_ref, *, rank: int, draft_padded: int) -> jax.Array:
@@ -307,35 +277,47 @@ def state_reader(h: jax.Array, compressed: jax.Array, w_q: jax.Array, w_o: jax.A
     config, _ = resolve_reader_config(config, shapes)
     bq, bo = config.block_q, config.block_out
     g_pad = shapes.draft_padded
-    num_q, num_out = n // bq, d // bo
+    num_q = n // bq
     if shapes.mxu_read:
         c_in = compressed
         c_spec = pl.BlockSpec((b, bq // r, r, r), lambda i: (0, jnp.minimum(i, num_q - 1), 0, 0))
     else:
         c_in = _rotated_coefficients(compressed)
         c_spec = pl.BlockSpec((b, r, bq), lambda i: (0, 0, jnp.minimum(i, num_q - 1)))
-    resident = pl.Buffered(1)  # constant block index: fetched once, a second buffer would never be used
     cost = pl.CostEstimate(flops=2 * b * g * (2 * d * n + n * r), transcendentals=b * g,
                            bytes_accessed=w_q.nbytes + w_o.nbytes + c_in.nbytes + h.nbytes
                            + b * g * d * jnp.dtype(shapes.o_dtype).itemsize)
+    kernel = functools.partial(_reader_kernel, shapes=shapes, num_q_steps=num_q, block_q=bq, block_out=bo,
+                               eps=float(eps))
+    wq_spec = pl.BlockSpec((d, bq), lambda i: (0, jnp.minimum(i, num_q - 1)))
+    return launch_read_and_out(kernel, h, (w_q, c_in), (wq_spec, c_spec), norm_weight, w_o, num_q_steps=num_q,
+                               block_out=bo, draft_padded=g_pad, y_dtype=shapes.h_dtype, o_dtype=shapes.o_dtype,
+                               cost=cost, interpret=interpret, name="state_reader")
+
+
+def launch_read_and_out(kernel, h: jax.Array, read_operands: tuple[jax.Array, ...],
+                        read_specs: tuple[pl.BlockSpec, ...], norm_weight: jax.Array, w_o: jax.Array, *,
+                        num_q_steps: int, block_out: int, draft_padded: int, y_dtype, o_dtype, cost, interpret,
+                        name: str) -> jax.Array:
+    """The launch both reads share, grid ``(num_q_steps + d / block_out,)``, "arbitrary": ``kernel(h_ref,
+    *read_refs, w_ref, wo_ref, o_ref, y_ref, z_ref, ss_ref)`` with h ``[B, G_p, d]`` and the norm weight ``[1, N]``
+    resident, the read operands in ``read_specs`` (each parked at its last block during the W_o steps), W_o
+    streamed in ``[N, block_out]`` blocks (the first prefetched during the read steps), the output in
+    ``[B, G_p, block_out]`` blocks, and the scratch y ``[B G_p, N]`` (``y_dtype``), rmsnorm(y) (``o_dtype``) and
+    y's sum of squares per row (fp32)."""
+    b, g, d = h.shape
+    n = w_o.shape[0]
+    rows = b * draft_padded
     return pl.pallas_call(
-        functools.partial(_reader_kernel, shapes=shapes, num_q_steps=num_q, block_q=bq, block_out=bo,
-                          eps=float(eps)),
-        out_shape=jax.ShapeDtypeStruct((b, g, d), shapes.o_dtype),
-        grid=(num_q + num_out,),
-        in_specs=[
-            pl.BlockSpec((b, g_pad, d), lambda i: (0, 0, 0), pipeline_mode=resident),
-            pl.BlockSpec((d, bq), lambda i: (0, jnp.minimum(i, num_q - 1))),     # parked at the last W_q block
-            c_spec,
-            pl.BlockSpec((1, n), lambda i: (0, 0), pipeline_mode=resident),
-            pl.BlockSpec((n, bo), lambda i: (0, jnp.maximum(i - num_q, 0))),      # first W_o block prefetched
-        ],
-        out_specs=pl.BlockSpec((b, g_pad, bo), lambda i: (0, 0, jnp.maximum(i - num_q, 0))),
-        scratch_shapes=[pltpu.VMEM((b * g_pad, n), shapes.h_dtype),    # y = C^T a, rounded to h's dtype
-                        pltpu.VMEM((b * g_pad, n), shapes.o_dtype),    # rmsnorm(y), W_o's operand
-                        pltpu.VMEM((b * g_pad, 1), F32)],             # sum of y^2 per row
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, g, d), o_dtype),
+        grid=(num_q_steps + d // block_out,),
+        in_specs=[resident((b, draft_padded, d)), *read_specs, resident((1, n)),
+                  pl.BlockSpec((n, block_out), lambda i: (0, jnp.maximum(i - num_q_steps, 0)))],
+        out_specs=pl.BlockSpec((b, draft_padded, block_out), lambda i: (0, 0, jnp.maximum(i - num_q_steps, 0))),
+        scratch_shapes=[pltpu.VMEM((rows, n), y_dtype), pltpu.VMEM((rows, n), o_dtype), pltpu.VMEM((rows, 1), F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
         cost_estimate=cost,
-        name="state_reader",
-    )(h, w_q, c_in, norm_weight.reshape(1, n), w_o)
+        name=name,
+    )(h, *read_operands, norm_weight.reshape(1, n), w_o)
