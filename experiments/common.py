@@ -1,10 +1,11 @@
-"""What every experiment records beside its figures (its environment, in one JSON file) and its plots, and
-how a script reaches the converters beside it."""
+"""What every experiment records beside its figures (its environment, in one JSON file) and its plots, how a
+report shows a tau that no round measured, and how a script reaches the converters beside it."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 from types import ModuleType
 
@@ -23,12 +24,14 @@ def convert_module(name: str) -> ModuleType:
 
 def write_json(path: str | os.PathLike | None, data: dict) -> None:
     """Write ``data`` (paths in it as strings) plus ``environment`` (:func:`ready_jax.provenance.environment`) to
-    ``path``; nothing when path is None. The file is replaced whole (:func:`ready_jax.files.write_text`): a full
-    disk or a kill leaves the previous one."""
+    ``path``; nothing when path is None. A NaN or infinite number is written as null (JSON has neither: a tau of
+    no round, a ratio of nothing). The file is replaced whole (:func:`ready_jax.files.write_text`): a full disk or
+    a kill leaves the previous one."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    text = json.dumps(portable_paths({**data, "environment": environment()}), indent=2, default=os.fspath)
+    text = json.dumps(finite_or_null(portable_paths({**data, "environment": environment()})), indent=2,
+                      default=os.fspath, allow_nan=False)
     files.write_text(path, text)
     print(f"wrote {path}")
 
@@ -49,6 +52,28 @@ def portable_paths(value):
         if home not in ("", "/") and value.startswith(home + os.sep):
             return "~" + value[len(home):]
     return value
+
+
+def finite_or_null(value):
+    """``value`` (JSON-like) with every NaN or infinite float replaced by None."""
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def measured_tau(out) -> float | None:
+    """``out.tau`` (a ``GenerateOutput``), or None when no verification round ran (one new token: the prefill
+    made it), where ``tau`` itself is NaN."""
+    return None if math.isnan(out.tau) else out.tau
+
+
+def shown(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``n/a`` for a figure nothing measured (None or NaN)."""
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def pyplot():

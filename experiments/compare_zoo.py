@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cli
 
-from .common import write_json
+from .common import shown, write_json
 from .timing import timed
 from .zoo_runs import DRAFTERS, held_out_prompts, summarize
 
@@ -50,7 +50,8 @@ def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, 
     for name, drafter in drafters.items():
         outs = run(drafter)
         accepted = np.concatenate([o.accept_lengths[o.accept_lengths > 0] for o in outs])
-        results[name] = {"tau": float(accepted.mean()), "seconds": sum(o.run_seconds for o in outs),
+        results[name] = {"tau": float(accepted.mean()) if accepted.size else None,
+                         "seconds": sum(o.run_seconds for o in outs),
                          "speedup": ar_seconds / sum(o.run_seconds for o in outs),
                          "identical_to_ar": all(np.array_equal(a.tokens, b.tokens) for a, b in zip(outs, ar,
                                                                                                     strict=True))}
@@ -62,17 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.compare_zoo", __doc__)
     parser.add_argument("--zoo", default=cli.repo_path("zoo"), type=cli.existing_directory,
                         help="the target and drafters directory")
-    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (half code, half prose)")
-    parser.add_argument("--batch1-prompts", type=int, default=4,
+    parser.add_argument("--prompts", type=cli.positive_int, default=16, help="held-out prompts (half code, half prose)")
+    parser.add_argument("--batch1-prompts", type=cli.non_negative_int, default=4,
                         help="of those, how many also run one at a time (batch 1; 0: none)")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (the fastest is kept)")
-    parser.add_argument("--seed", type=int, default=0, help="which held-out prompts")
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=64, help="tokens per prompt")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=96,
+                        help="tokens generated per prompt (with --prompt-tokens, within the target's positions)")
+    parser.add_argument("--repeats", type=cli.positive_int, default=2,
+                        help="timed runs per method (the fastest is kept)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="which held-out prompts")
     parser.add_argument("--dtype", choices=("saved", "float32", "bfloat16"), default="saved",
                         help="compute dtype of the target and drafters (saved: the zoo's own, bfloat16)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     return parser
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """The arguments, with the prompt and the new tokens checked against the zoo target's positions."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check_positions(parser, Path(args.zoo) / "target", args.prompt_tokens, args.max_new_tokens)
+    return args
 
 
 LOOP_EFFICIENCY = ("results", "loop_efficiency_cpu.json")  # experiments.loop_efficiency's committed measurement
@@ -93,7 +104,7 @@ def speed_note() -> str:
 
 @cli.main
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     zoo = Path(args.zoo)
 
     start = time.perf_counter()
@@ -113,7 +124,7 @@ def main(argv=None) -> None:
         print(f"batch 1 (latency), {min(args.batch1_prompts, len(ids))} prompts one at a time:")
         print(f"{'method':<16}{'tau':>6}{'seconds':>9}{'speedup':>9}  same as AR")
         for name, r in single.items():
-            print(f"{name:<16}{r['tau']:>6.2f}{r['seconds']:>9.2f}{r['speedup']:>8.2f}x  "
+            print(f"{name:<16}{shown(r['tau'], '.2f'):>6}{r['seconds']:>9.2f}{r['speedup']:>8.2f}x  "
                   f"{'yes' if r['identical_to_ar'] else 'NO'}")
         print(f"\nbatch {len(ids)} (throughput):")
 
@@ -124,7 +135,10 @@ def main(argv=None) -> None:
                                       identical_to_ar=True)}
     for name, drafter in drafters.items():
         out, compile_seconds = timed(target, ids, args.max_new_tokens, drafter, args.repeats)
-        results[name] = dict(summarize(out, kinds), compile_seconds=compile_seconds,
+        # A drafter of an earlier one's config runs that one's compiled program: its weights are arguments.
+        shared = next((other for other in results if other in drafters and drafters[other].config == drafter.config),
+                      None)
+        results[name] = dict(summarize(out, kinds), compile_seconds=compile_seconds, compiled_program_of=shared,
                              speedup=ar.run_seconds / out.run_seconds,
                              identical_to_ar=bool(np.array_equal(out.tokens, ar.tokens)))
         progress.update(detail=f"{name} done")
@@ -134,11 +148,16 @@ def main(argv=None) -> None:
           f"{'speedup':>9}{'compile s':>11}  same as AR")
     for name, r in results.items():
         by_kind = r["tau_by_kind"]
-        print(f"{name:<16}{r['tau']:>6.2f}{by_kind.get('code', float('nan')):>10.2f}"
-              f"{by_kind.get('prose', float('nan')):>10.2f}"
+        compile_s = "shared" if r.get("compiled_program_of") else f"{r['compile_seconds']:.1f}"
+        print(f"{name:<16}{shown(r['tau'], '.2f'):>6}{shown(by_kind.get('code'), '.2f'):>10}"
+              f"{shown(by_kind.get('prose'), '.2f'):>10}"
               f"{'-' if r['all_drafts_survive'] is None else format(r['all_drafts_survive'], '.1%'):>13}"
-              f"{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{r['compile_seconds']:>11.1f}  "
+              f"{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{compile_s:>11}  "
               f"{'yes' if r['identical_to_ar'] else 'NO'}")
+    for name, r in results.items():
+        if r.get("compiled_program_of"):
+            print(f"compile s shared: {name} has {r['compiled_program_of']}'s config, so it runs the program "
+                  f"compiled for {r['compiled_program_of']} (the weights are its arguments)")
     print(f"\n{speed_note()}")
     sample, tokenizer = prompts[0], Tokenizer.from_file(str(zoo / "target" / "tokenizer.json"))
     print(f"\nprompt [{sample['kind']}: {sample['name']}] ...{sample['text'][-120:]!r}\n"

@@ -20,6 +20,8 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cli, data
 
+from .common import measured_tau
+
 DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))  # (label, zoo folder)
 
 
@@ -35,10 +37,15 @@ def held_out_prompts(target_dir: Path, count: int, prompt_tokens: int, seed: int
 
 
 def summarize(out: rj.GenerateOutput, kinds: np.ndarray) -> dict:
+    """tau overall and per prompt kind (None where no round ran), the all-drafts-survive rate and the speed."""
     accepted = out.accept_lengths                                          # [rounds, B]; 0 once done
-    per_kind = {k: float(accepted[:, kinds == k][accepted[:, kinds == k] > 0].mean()) for k in np.unique(kinds)}
-    survive = out.full_accept_rate if out.block_size else None  # AR has no drafts
-    return {"tau": out.tau, "tau_by_kind": per_kind, "all_drafts_survive": survive,
+    per_kind = {}
+    for kind in np.unique(kinds):
+        rounds = accepted[:, kinds == kind]
+        rounds = rounds[rounds > 0]
+        per_kind[kind] = float(rounds.mean()) if rounds.size else None
+    survive = out.full_accept_rate if out.block_size and out.rounds else None  # AR has no drafts
+    return {"tau": measured_tau(out), "tau_by_kind": per_kind, "all_drafts_survive": survive,
             "rounds": out.rounds, "tokens_per_second": out.tokens_per_second, "run_seconds": out.run_seconds}
 
 
