@@ -32,6 +32,7 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cli
+from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import ROLLBACKS
 
 from .common import write_json
@@ -106,14 +107,16 @@ def _parameter_bytes(c: rj.TargetConfig, itemsize: int) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.bench_generate", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry and run sizes")
-    parser.add_argument("--batch", type=int, help="sequences per batch (None: the preset's)")
-    parser.add_argument("--prompt", type=int, help="prompt length (None: the preset's)")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (None: the preset's)")
-    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma)")
+    parser.add_argument("--batch", type=cli.positive_int, help="sequences per batch (None: the preset's)")
+    parser.add_argument("--prompt", type=cli.positive_int, help="prompt length (None: the preset's)")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int,
+                        help="tokens generated per sequence (None: the preset's)")
+    parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7, help="drafts per round (gamma)")
     parser.add_argument("--error-rates", default="0.0,0.25,0.5",
                         help="scripted drafters: fraction of wrong drafts")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and scripted errors")
+    parser.add_argument("--repeats", type=cli.positive_int, default=3,
+                        help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights, prompts and scripted errors")
     parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
                         help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
                              "(for a GPU or TPU: on a CPU they run interpreted, very slowly)")

@@ -101,14 +101,15 @@ def bench_jax(target: rj.Target, prompts: np.ndarray, new_tokens: int, repeats: 
 @cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.bench_target", __doc__)
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size (heads of 64)")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
-    parser.add_argument("--prompt", type=int, default=256, help="prompt length")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per sequence")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    parser.add_argument("--hidden", type=cli.positive_int, default=512, help="hidden size (heads of 64)")
+    parser.add_argument("--layers", type=cli.positive_int, default=8, help="decoder layers")
+    parser.add_argument("--vocab", type=cli.positive_int, default=8192, help="vocabulary size")
+    parser.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per batch")
+    parser.add_argument("--prompt", type=cli.positive_int, default=256, help="prompt length")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens decoded per sequence")
+    parser.add_argument("--repeats", type=cli.positive_int, default=5,
+                        help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights and prompts")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
 

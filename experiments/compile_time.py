@@ -22,6 +22,7 @@ import ready_jax as rj
 from ready_jax import cache as cache_lib
 from ready_jax import cli
 from ready_jax import target as target_lib
+from ready_jax.drafter_config import MAX_BLOCK_SIZE
 
 from .common import write_json
 from .presets import PRESETS
@@ -52,10 +53,11 @@ def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block_si
 def main(argv=None) -> None:
     parser = cli.parser("experiments.compile_time", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-27b", help="target geometry")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
-    parser.add_argument("--capacity", type=int, default=4096, help="cache capacity in tokens")
-    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (verify: anchor + drafts)")
-    parser.add_argument("--prompt", type=int, default=512, help="prefill length")
+    parser.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per batch")
+    parser.add_argument("--capacity", type=cli.positive_int, default=4096, help="cache capacity in tokens")
+    parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7,
+                        help="drafts per round (verify: anchor + drafts)")
+    parser.add_argument("--prompt", type=cli.positive_int, default=512, help="prefill length")
     parser.add_argument("--out", help="write the figures as JSON here")
     # What this measures is the compile itself: a program loaded from JAX's persistent cache would time a file read.
     parser.set_defaults(no_compile_cache=True)

@@ -44,7 +44,7 @@ import numpy as np
 
 import ready_jax as rj
 from ready_jax import cli
-from ready_jax.drafter_config import KV, READER_DESIGNS, STATE
+from ready_jax.drafter_config import KV, MAX_BLOCK_SIZE, READER_DESIGNS, STATE
 
 from .common import pyplot, save_figure, write_json
 from .presets import PRESETS
@@ -161,7 +161,7 @@ def measure_reader_rounds(drafters: dict, config: rj.TargetConfig, prefixes: lis
 def reader_shares(target: rj.Target, drafters: dict, rng: np.random.Generator, args) -> dict:
     """Each reader kind's round as a share of a whole round (replay rollback) at each ``--round-prompts`` length."""
     shares = {}
-    for length in (int(t) for t in args.round_prompts.split(",")):
+    for length in args.round_prompts:
         prompts = rng.integers(0, target.config.vocab_size, size=(args.batch, length))
         for kind in KINDS:
             b = round_breakdown(target, drafters[kind], prompts, args.repeats, rollbacks=("replay",))
@@ -177,29 +177,48 @@ def reader_shares(target: rj.Target, drafters: dict, rng: np.random.Generator, a
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.cost_model", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
-    parser.add_argument("--prefixes", default="128,256,512,1024,2048,4096,8192,16384",
+    parser.add_argument("--prefixes", type=cli.positive_ints, default="128,256,512,1024,2048,4096,8192,16384",
                         help="committed tokens for the latency sweep")
-    parser.add_argument("--round-prompts", default="128,2048", help="prompt lengths for the reader's share of a round")
-    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma)")
-    parser.add_argument("--rank", type=int, default=8, help="reader rank")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, caches and prompts")
+    parser.add_argument("--round-prompts", type=cli.positive_ints, default="128,2048",
+                        help="prompt lengths for the reader's share of a round")
+    parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7, help="drafts per round (gamma)")
+    parser.add_argument("--rank", type=cli.positive_int, default=8, help="reader rank")
+    parser.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per batch")
+    parser.add_argument("--repeats", type=cli.positive_int, default=15,
+                        help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights, caches and prompts")
     parser.add_argument("--queries", nargs="*", default=list(READER_DESIGNS), choices=tuple(READER_DESIGNS),
                         help="reader designs costed beside the basis reader")
-    parser.add_argument("--query-rank", type=int, default=None,
+    parser.add_argument("--query-rank", type=cli.positive_int, default=None,
                         help="the designs' query rank (ReaderConfig.query_rank; default: each design's own)")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     return parser
 
 
+def parse_args(argv) -> argparse.Namespace:
+    """The arguments, with every reader the run builds (each kind and design at ``--rank`` / ``--query-rank``)
+    resolved against the preset first: a rank the geometry cannot take is a usage error, not a failure minutes in."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    readers = [rj.ReaderConfig(rank=args.rank, kind=kind) for kind in KINDS]
+    readers += [rj.ReaderConfig(rank=args.rank, **READER_DESIGNS[query][1] | {"query_rank": args.query_rank})
+                for query in args.queries]
+    try:
+        for reader in readers:
+            reader.resolve(preset.target, preset.drafter_layers)
+    except ValueError as e:
+        parser.error(f"argument --rank / --query-rank: {e}")
+    return args
+
+
 @cli.main
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     preset = PRESETS[args.preset]
     dtype = jnp.dtype(preset.dtype)
-    prefixes = [int(t) for t in args.prefixes.split(",")]
+    prefixes = args.prefixes
     config = preset.target
     paper_preset = PRESETS["qwen3.5-27b"]
 
@@ -238,7 +257,7 @@ def query_designs(target: rj.Target, preset, args, dtype, rng, basis: rj.Drafter
     """Per state-reader design at ``args.rank``: its analytic cost here and at Qwen3.5-27B, and its
     measured reader round and share of a round (replay rollback) at the first ``--round-prompts`` length."""
     paper = PRESETS["qwen3.5-27b"]
-    length = int(args.round_prompts.split(",")[0])
+    length = args.round_prompts[0]
     prompts = rng.integers(0, preset.target.vocab_size, size=(args.batch, length))
     out = {}
     for query in ("basis", *args.queries):

@@ -16,6 +16,7 @@ import numpy as np
 
 import ready_jax as rj
 from ready_jax import cli
+from ready_jax.drafter_config import MAX_BLOCK_SIZE
 
 GDN, ATTN = "linear_attention", "full_attention"
 
@@ -32,10 +33,10 @@ def demo_config(num_layers: int) -> rj.TargetConfig:
 @cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.demo", __doc__)
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
-    parser.add_argument("--block-size", type=int, default=7, help="drafts per round")
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    parser.add_argument("--layers", type=cli.positive_int, default=8, help="decoder layers (a multiple of 4)")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=48, help="tokens generated per prompt")
+    parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7, help="drafts per round")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights and prompts")
     args = parser.parse_args(argv)
     if args.layers % 4:
         parser.error("--layers must be a multiple of 4")

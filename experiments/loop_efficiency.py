@@ -32,9 +32,10 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, numerics
+from ready_jax import cli
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
+from ready_jax.drafter_config import MAX_BLOCK_SIZE, numerics
 
 from .common import write_json
 from .presets import PRESETS
@@ -319,17 +320,19 @@ def zoo_section(args) -> dict:
 def main(argv=None) -> None:
     parser = cli.parser("experiments.loop_efficiency", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="the random target's geometry")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per measured run")
-    parser.add_argument("--block-size", type=int, default=7, help="drafts per round (gamma) of the measured loop")
+    parser.add_argument("--prompt", type=cli.positive_int, default=128, help="prompt tokens")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens generated per measured run")
+    parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7,
+                        help="drafts per round (gamma) of the measured loop")
     parser.add_argument("--gammas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 7, 15],
                         help="verify of gamma + 1 tokens is timed for each")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per component (the median is kept)")
-    parser.add_argument("--repeats-generate", type=int, default=3, help="timed runs per generation")
+    parser.add_argument("--repeats", type=cli.positive_int, default=20,
+                        help="timed calls per component (the median is kept)")
+    parser.add_argument("--repeats-generate", type=cli.positive_int, default=3, help="timed runs per generation")
     parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="the shipped zoo ('' to skip it)")
-    parser.add_argument("--zoo-prompts", type=int, default=8, help="held-out zoo prompts, each at batch 1")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per zoo prompt")
-    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and scripted errors")
+    parser.add_argument("--zoo-prompts", type=cli.positive_int, default=8, help="held-out zoo prompts, each at batch 1")
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=64, help="tokens per zoo prompt")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights, prompts and scripted errors")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     start = time.perf_counter()

@@ -180,12 +180,13 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
 @cli.main
 def main(argv=None) -> None:
     parser = cli.parser("experiments.memory", __doc__)
-    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens of the 27B programs")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per sequence")
+    parser.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per batch")
+    parser.add_argument("--prompt", type=cli.positive_int, default=512, help="prompt tokens of the 27B programs")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=128, help="tokens generated per sequence")
     parser.add_argument("--skip-27b", action="store_true", help="skip the 27B generate programs")
     parser.add_argument("--skip-init", action="store_true", help="skip the 27B initialisation programs")
-    parser.add_argument("--layers", type=int, default=64, help="depth of the 27B geometry (64; less for quick runs)")
+    parser.add_argument("--layers", type=cli.positive_int, default=64,
+                        help="depth of the 27B geometry (64; less for quick runs)")
     parser.add_argument("--mesh", default=None, help="DxM: compile the 27B programs for a data x model mesh")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)

@@ -204,17 +204,22 @@ def main(argv=None) -> None:
                         help="trained target (project format, with tokenizer)")
     parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
     parser.add_argument("--runs", default=cli.repo_path("runs", "table"), help="drafters, their work dirs and logs")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the main arms")
-    parser.add_argument("--window", type=int, default=16, help="context window of the sliding-window arms")
-    parser.add_argument("--jobs", type=int, default=2, help="trainings at a time")
-    parser.add_argument("--sequences", type=int, default=256, help="self-distilled training sequences")
-    parser.add_argument("--dspark-steps", type=int, default=300, help="steps of drafters trained from scratch")
-    parser.add_argument("--extra-steps", type=int, default=200, help="steps of drafters continued from a DSpark")
-    parser.add_argument("--prompts", type=int, default=24, help="held-out prompts, a third of each kind")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per held-out prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
-    parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out prompts")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per drafter (the fastest is kept)")
+    parser.add_argument("--seeds", type=cli.non_negative_int, nargs="+", default=[0, 1, 2],
+                        help="seeds of the main arms")
+    parser.add_argument("--window", type=cli.positive_int, default=16, help="context window of the sliding-window arms")
+    parser.add_argument("--jobs", type=cli.positive_int, default=2, help="trainings at a time")
+    parser.add_argument("--sequences", type=cli.positive_int, default=256, help="self-distilled training sequences")
+    parser.add_argument("--dspark-steps", type=cli.positive_int, default=300,
+                        help="steps of drafters trained from scratch")
+    parser.add_argument("--extra-steps", type=cli.positive_int, default=200,
+                        help="steps of drafters continued from a DSpark")
+    parser.add_argument("--prompts", type=cli.positive_int, default=24, help="held-out prompts, a third of each kind")
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=64, help="tokens per held-out prompt")
+    parser.add_argument("--max-new-tokens", type=cli.int_in(2, 2**31 - 1), default=96,
+                        help="tokens generated per prompt")
+    parser.add_argument("--prompt-seed", type=cli.non_negative_int, default=0, help="which held-out prompts")
+    parser.add_argument("--repeats", type=cli.positive_int, default=1,
+                        help="timed runs per drafter (the fastest is kept)")
     parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="ship: the zoo directory to replace")
     parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
     parser.add_argument("--plot", default=None, help="write a PNG of tau per arm here (needs matplotlib)")

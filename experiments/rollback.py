@@ -87,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.rollback", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
     parser.add_argument("--block-sizes", default="1,2,4,8,16", help="drafts per round (gamma) to measure")
-    parser.add_argument("--prompt", type=int, help="prompt length (None: the preset's)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per batch")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per figure (the median is kept)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, prompt and blocks")
+    parser.add_argument("--prompt", type=cli.positive_int, help="prompt length (None: the preset's)")
+    parser.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per batch")
+    parser.add_argument("--repeats", type=cli.positive_int, default=10,
+                        help="timed runs per figure (the median is kept)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights, prompt and blocks")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
     return parser
