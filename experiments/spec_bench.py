@@ -39,7 +39,7 @@ of the checkpoint's tokenizer_config.json / chat_template.jinja: rendered by the
 ``--enable-thinking`` passes ``enable_thinking=True`` to it, as Qwen3.5's templates read).
 
     python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR.jsonl] \\
-        [--questions ../shared/data/spec_bench/question.jsonl] [--categories qa,rag] [--per-category N] \\
+        [--questions experiments/data/spec_bench_questions.jsonl] [--categories qa,rag] [--per-category N] \\
         [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
         [--enable-thinking] [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench] \\
         [--model-id ID] [--answer-file PATH]
@@ -72,7 +72,8 @@ from ready_jax import checkpoint, cli, files
 
 from .common import convert_module, write_json
 
-QUESTIONS = cli.repo_path("..", "shared", "data", "spec_bench", "question.jsonl")
+# The project's own questions in Spec-Bench's format and categories; Spec-Bench's are passed with --questions.
+QUESTIONS = cli.repo_path("experiments", "data", "spec_bench_questions.jsonl")
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -115,7 +116,7 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
         expanded = {name: set(MT_BENCH if name == "mt_bench" else (name,)) for name in categories}
         unknown = [name for name, names in expanded.items() if not names & present]
         if unknown:
-            raise SystemExit(f"no questions of categories {unknown} in {path}")
+            raise ValueError(f"no questions of categories {unknown} in {path}")
         questions = [q for q in questions if any(q["category"] in names for names in expanded.values())]
     if per_category is not None:
         counts, kept = collections.Counter(), []
@@ -129,15 +130,15 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
 
 def read_jsonl(path: str | Path, what: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
     """(``"path:line"``, object) for each non-blank line of a JSON-lines file of ``what`` records, each holding
-    ``fields``; a missing or unreadable file, a line that is not a JSON object or one without a field exits
-    with a message naming the file and line."""
+    ``fields``; a missing or unreadable file, a line that is not a JSON object or one without a field is a
+    ``ValueError`` naming the file and line (one line and exit status 2 from ``main``)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        raise SystemExit(f"the {what} file {path} does not exist") from None
+        raise ValueError(f"the {what} file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"cannot read the {what} file {path}: {e}") from None
+        raise ValueError(f"cannot read the {what} file {path}: {e}") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -146,25 +147,33 @@ def read_jsonl(path: str | Path, what: str, fields: tuple[str, ...]) -> list[tup
         try:
             record = json.loads(line)
         except ValueError as e:
-            raise SystemExit(f"{where}: not valid JSON ({e})") from None
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(record, dict):
-            raise SystemExit(f"{where}: each {what} must be a JSON object, got a JSON {type(record).__name__}")
+            raise ValueError(f"{where}: each {what} must be a JSON object, got a JSON {type(record).__name__}")
         missing = [k for k in fields if k not in record]
         if missing:
-            raise SystemExit(f"{where}: each {what} needs {missing}")
+            raise ValueError(f"{where}: each {what} needs {missing}")
         records.append((where, record))
     return records
 
 
 def _check_question(q: dict, where: str) -> None:
-    """Exit naming ``where`` unless ``q`` has an integer id, a category name and a list of turn texts."""
+    """A ``ValueError`` naming ``where`` unless ``q`` has an integer id, a category name and a list of turn texts
+    that UTF-8 can encode: JSON's ``\\ud800`` escape gives a lone surrogate, which no tokenizer takes, so such a
+    question is refused with the file before any work, not when its turn comes."""
     if isinstance(q["question_id"], bool) or not isinstance(q["question_id"], int):
-        raise SystemExit(f"{where}: question_id must be an integer, got {q['question_id']!r}")
+        raise ValueError(f"{where}: question_id must be an integer, got {q['question_id']!r}")
     if not isinstance(q["category"], str):
-        raise SystemExit(f"{where}: category must be a string, got {q['category']!r}")
+        raise ValueError(f"{where}: category must be a string, got {q['category']!r}")
     turns = q["turns"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-        raise SystemExit(f"{where}: turns must be a non-empty list of strings, got {turns!r}")
+        raise ValueError(f"{where}: turns must be a non-empty list of strings, got {turns!r}")
+    for number, turn in enumerate(turns, 1):
+        try:
+            turn.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where}: question {q['question_id']}, turn {number}: character {e.start} is "
+                             f"{turn[e.start]!r}, a lone surrogate, which is not text") from None
 
 
 class ChatTemplate:
@@ -332,10 +341,10 @@ def read_answers(path: str | Path) -> list[dict]:
     for where, answer in read_jsonl(path, "answer", ("question_id", "category", "choices")):
         choices = answer["choices"]
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise SystemExit(f"{where}: choices must be a non-empty list of objects, got {choices!r}")
+            raise ValueError(f"{where}: choices must be a non-empty list of objects, got {choices!r}")
         missing = [k for k in ("turns", "new_tokens", "wall_time") if k not in choices[0]]
         if missing:
-            raise SystemExit(f"{where}: each answer's first choice needs {missing}")
+            raise ValueError(f"{where}: each answer's first choice needs {missing}")
         answers.append(answer)
     return answers
 
@@ -461,11 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF or project-format target directory")
     parser.add_argument("--drafter", type=cli.existing_directory,
                         help="project-format or DeepSpec drafter directory (none: autoregressive)")
-    parser.add_argument("--tokenizer", help="tokenizer.json (None: the target directory's)")
-    parser.add_argument("--questions", default=QUESTIONS, help="Spec-Bench question JSONL")
+    parser.add_argument("--tokenizer", type=cli.existing_file, help="tokenizer.json (None: the target directory's)")
+    parser.add_argument("--questions", default=QUESTIONS,
+                        help="questions in Spec-Bench's JSONL format (default: the project's own 80, docs/results.md "
+                        "says where Spec-Bench's are)")
     parser.add_argument("--categories", help="comma-separated categories (mt_bench: its 8 categories)")
-    parser.add_argument("--per-category", type=int, help="only the first N questions of each category")
-    parser.add_argument("--limit", type=int, help="at most this many questions (after the other selections)")
+    parser.add_argument("--per-category", type=cli.positive_int, help="only the first N questions of each category")
+    parser.add_argument("--limit", type=cli.positive_int,
+                        help="at most this many questions (after the other selections)")
     parser.add_argument("--chat-template", choices=("chatml", "none", "hf"), default="chatml",
                         help="how turns become a prompt (see above)")
     parser.add_argument("--enable-thinking", action="store_true",
@@ -478,12 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prompt over --max-prompt-tokens: skip its question, or keep its last tokens")
     parser.add_argument("--temperature", type=cli.non_negative_float, default=0.0,
                         help="sampling temperature (0: greedy)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (plus the question id)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="sampling seed (plus the question id)")
     parser.add_argument("--dtype", choices=("saved", "float32", "bfloat16"), default="saved",
                         help="compute dtype (saved: a project checkpoint's own, bfloat16 for an HF directory)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question first")
+    parser.add_argument("--warmup", type=cli.non_negative_int, default=1,
+                        help="untimed runs of the first question first")
     parser.add_argument("--with-ar", action="store_true", help="also run the AR baseline, question by question")
-    parser.add_argument("--baseline", help="AR answers (Spec-Bench JSONL) of an earlier run to compare against")
+    parser.add_argument("--baseline", type=cli.existing_file,
+                        help="AR answers (Spec-Bench JSONL) of an earlier run to compare against")
     parser.add_argument("--model-id", help="answers' model id (None: <target>-<drafter or ar>-temp-<temperature>, "
                                            "e.g. target-ready-temp-0.0)")
     parser.add_argument("--answer-file", help="write the answers to this file (None: <out-dir>/<model id>.jsonl)")
@@ -502,6 +516,7 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("--with-ar compares a drafter with AR: pass --drafter")
     if args.enable_thinking and args.chat_template != "hf":
         parser.error("--enable-thinking is passed to the checkpoint's chat template: use --chat-template hf")
+    cli.check_positions(parser, args.target, 1, args.max_new_tokens)
     return args
 
 

@@ -164,18 +164,21 @@ def test_question_selection(tmp_path):
     assert [q["question_id"] for q in spec_bench.read_questions(str(path), ["mt_bench", "qa"])] == [7, 81, 8]
     assert [q["question_id"] for q in spec_bench.read_questions(str(path), per_category=1)] == [7, 81, 402]
     assert [q["question_id"] for q in spec_bench.read_questions(str(path), limit=1)] == [7]
-    with pytest.raises(SystemExit, match=r"no questions of categories \['rag'\]"):
+    with pytest.raises(ValueError, match=r"no questions of categories \['rag'\]"):
         spec_bench.read_questions(str(path), ["rag"])
 
 
 # ---- input errors: a clear message and a non-zero exit before any model loads --------------------------------
-def _main_fails(tmp_path, *argv: str) -> str:
-    """``spec_bench.main`` on the zoo target with ``argv``: its exit message (nothing may be written)."""
+def _main_fails(tmp_path, capsys, *argv: str) -> str:
+    """``spec_bench.main`` on the zoo target with ``argv``: its one-line error, exit status 2 (nothing may be
+    written)."""
     with pytest.raises(SystemExit) as info:
         spec_bench.main(["--target", str(ZOO / "target"), "--out-dir", str(tmp_path / "out"), *argv])
-    assert info.value.code not in (0, None)
+    assert info.value.code == 2
     assert not (tmp_path / "out").exists()
-    return str(info.value.code)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err.removeprefix("error: ").strip()
 
 
 def _jsonl(path: Path, lines: list[str]) -> Path:
@@ -195,18 +198,40 @@ GOOD = json.dumps(QUESTIONS[0])
     ([json.dumps({**QUESTIONS[0], "question_id": "7"})], ":1: question_id must be an integer"),
     ([json.dumps({**QUESTIONS[0], "category": None})], ":1: category must be a string"),
 ])
-def test_a_malformed_questions_file_is_named_with_its_line_and_field(tmp_path, lines, message):
+def test_a_malformed_questions_file_is_named_with_its_line_and_field(tmp_path, capsys, lines, message):
     path = _jsonl(tmp_path / "question.jsonl", lines)
-    assert _main_fails(tmp_path, "--questions", str(path)).startswith(f"{path}{message}")
+    assert _main_fails(tmp_path, capsys, "--questions", str(path)).startswith(f"{path}{message}")
 
 
-def test_a_missing_or_unreadable_questions_file_is_named(tmp_path):
+def test_a_missing_or_unreadable_questions_file_is_named(tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
-    assert _main_fails(tmp_path, "--questions", str(missing)) == f"the question file {missing} does not exist"
+    assert _main_fails(tmp_path, capsys, "--questions", str(missing)) == f"the question file {missing} does not exist"
     binary = tmp_path / "question.jsonl"
     binary.write_bytes(b"\xff\xfe{}\n")
-    assert _main_fails(tmp_path, "--questions", str(binary)).startswith(f"cannot read the question file {binary}")
-    assert _main_fails(tmp_path, "--questions", str(tmp_path)).startswith(f"cannot read the question file {tmp_path}")
+    for path in (binary, tmp_path):
+        line = _main_fails(tmp_path, capsys, "--questions", str(path))
+        assert line.startswith(f"cannot read the question file {path}")
+
+
+def test_a_question_with_a_lone_surrogate_is_refused_whole_before_any_work(tmp_path, capsys):
+    """JSON's ``\\ud800`` escape makes a string no tokenizer takes: the file is refused up front, naming the line,
+    the question and the character, so no answer is lost to a failure halfway."""
+    bad = json.dumps({"question_id": 9, "category": "qa", "turns": ["Fine.", "Broken \ud800 here."]})
+    path = _jsonl(tmp_path / "question.jsonl", [GOOD, bad])
+    line = _main_fails(tmp_path, capsys, "--questions", str(path))
+    assert line == f"{path}:2: question 9, turn 2: character 7 is '\\ud800', a lone surrogate, which is not text"
+
+
+def test_the_default_questions_ship_with_the_repository_and_the_quick_command_reads_them():
+    assert spec_bench.QUESTIONS.is_file() and spec_bench.QUESTIONS.is_relative_to(ZOO.parent)
+    questions = spec_bench.read_questions(spec_bench.QUESTIONS)
+    categories = {q["category"] for q in questions}
+    assert len(questions) >= 80 and set(spec_bench.MT_BENCH) | {"translation", "summarization", "qa",
+                                                                   "math_reasoning", "rag"} <= categories
+    quick = ["--target", str(ZOO / "target"), "--drafter", str(ZOO / "ready"), "--with-ar", "--chat-template", "none",
+             "--per-category", "1", "--max-new-tokens", "64", "--no-compile-cache"]
+    assert " ".join(quick[:-1]).replace(str(ZOO), "zoo") in " ".join(spec_bench.__doc__.replace("\\", " ").split())
+    assert spec_bench.parse_args(quick).questions == spec_bench.QUESTIONS
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -215,10 +240,10 @@ def test_a_missing_or_unreadable_questions_file_is_named(tmp_path):
     ({"question_id": 7, "category": "qa", "choices": [{"turns": ["Hi."]}]},
      ":1: each answer's first choice needs ['new_tokens', 'wall_time']"),
 ])
-def test_a_malformed_baseline_file_is_named_before_anything_runs(tmp_path, answer, message):
+def test_a_malformed_baseline_file_is_named_before_anything_runs(tmp_path, capsys, answer, message):
     questions = _jsonl(tmp_path / "question.jsonl", [GOOD])
     baseline = _jsonl(tmp_path / "ar.jsonl", [json.dumps(answer)])
-    assert _main_fails(tmp_path, "--questions", str(questions), "--baseline", str(baseline)).startswith(
+    assert _main_fails(tmp_path, capsys, "--questions", str(questions), "--baseline", str(baseline)).startswith(
         f"{baseline}{message}")
 
 
@@ -226,7 +251,7 @@ def test_the_command_line_exits_non_zero_with_the_message_and_no_traceback(tmp_p
     path = _jsonl(tmp_path / "question.jsonl", [GOOD, "{not json"])
     proc = subprocess.run([sys.executable, "-m", "experiments.spec_bench", "--target", str(ZOO / "target"),
                            "--questions", str(path)], capture_output=True, text=True, cwd=ZOO.parent)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert f"{path}:2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -235,7 +260,7 @@ def test_the_default_questions_file_resolves_against_the_repository_from_any_dir
                            "--categories", "no_such_category", "--out-dir", str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ZOO.parent)})
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert spec_bench.QUESTIONS.is_absolute() and str(spec_bench.QUESTIONS) in proc.stderr
     assert not (tmp_path / "out").exists()
 
