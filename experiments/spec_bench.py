@@ -70,7 +70,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import checkpoint, cli, files
 
-from .common import convert_module, write_json
+from .common import convert_module, shown, write_json
 
 # The project's own questions in Spec-Bench's format and categories; Spec-Bench's are passed with --questions.
 QUESTIONS = cli.repo_path("experiments", "data", "spec_bench_questions.jsonl")
@@ -411,7 +411,7 @@ def print_summary(summary: dict, with_baseline: bool) -> None:
     print(f"{'category':<16}{'questions':>10}{'tau':>7}{'tok/s':>9}"
           + (f"{'AR tok/s':>10}{'speedup':>9}{'speed.py':>10}{'same':>6}" if with_baseline else ""))
     for group, row in summary.items():
-        line = f"{group:<16}{row['questions']:>10}{row['tau'] or float('nan'):>7.2f}{row['tokens_per_s']:>9.1f}"
+        line = f"{group:<16}{row['questions']:>10}{shown(row['tau'], '.2f'):>7}{row['tokens_per_s']:>9.1f}"
         if with_baseline and row["speedup"] is not None:
             speed_py = row["speedup_speed_py"] or float("nan")
             line += (f"{row['baseline_tokens_per_s']:>10.1f}{row['speedup']:>8.2f}x{speed_py:>9.2f}x"
@@ -457,7 +457,7 @@ def answer_all(target: rj.Target, tokenizer: Tokenizer, template: ChatTemplate, 
         choice = result[0]["choices"][0]
         print(f"[{number}/{len(questions)}] question {question['question_id']} ({question['category']}): "
               f"{sum(choice['new_tokens'])} tokens in {sum(choice['wall_time']):.2f} s, tau "
-              f"{np.mean(choice['accept_lengths']) if choice['accept_lengths'] else float('nan'):.2f}")
+              f"{shown(float(np.mean(choice['accept_lengths'])) if choice['accept_lengths'] else None, '.2f')}")
     progress.close()
     if not answers[0]:
         raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
