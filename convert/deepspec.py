@@ -340,6 +340,8 @@ def main(argv=None) -> int:
         parser.error("--export needs --target: DeepSpec checkpoints carry the target's embedding and LM head")
     try:
         _convert(args)
+    except files.DestinationTaken:
+        raise  # another conversion wrote dst first: a usage error, as a dst that existed from the start is
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -354,13 +356,14 @@ def _convert(args) -> None:
         drafter = Drafter.load(args.src)
         drafter.check_target(target.config)
         shared = SharedWeights.from_target(target)
-        export_deepspec(drafter, shared, args.dst)
+        files.write_directory(args.dst, lambda tmp: export_deepspec(drafter, shared, tmp), replace=False)
     else:
         drafter, shared = load_deepspec(args.src, _DTYPES[args.dtype])
         if target is not None:
             drafter.check_target(target.config)
             _check_shared(shared, SharedWeights.from_target(target))
-        files.write_directory(args.dst, drafter.save)  # nothing at dst unless the whole checkpoint was written
+        # nothing at dst unless the whole checkpoint was written, and never over what another writer put there
+        files.write_directory(args.dst, drafter.save, replace=False)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "checkpoint, or (--export-hf) a ready-jax target checkpoint back to an HF directory.")
     parser.add_argument("src", help="HF directory (config.json + safetensors or pytorch_model*.bin); "
                                     "with --export-hf a ready-jax target checkpoint")
-    parser.add_argument("dst", help="output directory; must not exist (or be empty); written atomically")
+    parser.add_argument("dst", help="output directory; must not exist (or be empty); written atomically, and "
+                        "never over another conversion's output written meanwhile")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parameter dtype of the output (None: float32 for HF -> ready-jax, the "
                              "checkpoint's own dtype for --export-hf)")
@@ -114,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             write(tmp)
             copy_tokenizer_files(args.src, tmp)
 
-        files.write_directory(args.dst, write_with_tokenizer)
+        files.write_directory(args.dst, write_with_tokenizer, replace=False)
+    except files.DestinationTaken:
+        raise  # another conversion wrote dst first: a usage error, as a dst that existed from the start is
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

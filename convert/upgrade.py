@@ -13,7 +13,6 @@ ones under ``upgraded_from``. Files beside the checkpoint (``tokenizer.json``, .
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,19 +55,22 @@ def upgrade(directory: Path) -> bool:
 
 
 def record_in_manifest(directory: Path, old: dict[str, dict], argv: Sequence[str]) -> None:
-    """Update the parent's MANIFEST.json entries of ``directory``'s checkpoint files, if it has them."""
+    """Update the parent's MANIFEST.json entries of ``directory``'s checkpoint files, if it has them (taking turns
+    with other processes updating it: :func:`ready_jax.files.update_json`)."""
     manifest_path = directory.parent / "MANIFEST.json"
     if not manifest_path.exists():
         return
-    manifest = json.loads(manifest_path.read_text())
-    for name in CHECKPOINT_FILES:
-        entry = manifest["files"].get(f"{directory.name}/{name}")
-        if entry is None:
-            continue
-        path = directory / name
-        entry["upgraded_from"] = {**old[name], "by": provenance.record("convert.upgrade", argv)}
-        entry.update(sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
-    files.write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
+
+    def update(manifest: dict) -> None:
+        for name in CHECKPOINT_FILES:
+            entry = manifest["files"].get(f"{directory.name}/{name}")
+            if entry is None:
+                continue
+            path = directory / name
+            entry["upgraded_from"] = {**old[name], "by": provenance.record("convert.upgrade", argv)}
+            entry.update(sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
+
+    files.update_json(manifest_path, update)
 
 
 @cli.main

@@ -1,9 +1,16 @@
-"""Crash-safe writes: every checkpoint, conversion and result file becomes current in one atomic step.
+"""Crash-safe and race-free writes: every checkpoint, conversion and result file becomes current in one atomic
+step, and two processes writing the same place never silently lose one's work.
 
 A file is written whole under a temporary name beside its destination, flushed to disk and renamed over it
 (:func:`write_file`); a directory is written whole beside its destination and swapped into place
-(:func:`write_directory`). A process killed at any instant, or a write that runs out of disk, leaves the
+(:func:`write_directory`), or, where the destination must be new, renamed into place only if nothing holds
+it yet (``replace=False``). A process killed at any instant, or a write that runs out of disk, leaves the
 previous version or the new one, never a part of one or a mix of both.
+
+Processes that must not share a place take a lock on it: :func:`exclusive_lock` (a run's working directory:
+a second run is refused at once, told who holds it) and :func:`update_json` (a manifest several writers add
+to: they wait their turn). Both are ``flock`` locks, which die with their process, so a crash never leaves
+one behind.
 
 Temporaries are hidden names that carry their writer's process id (``.NAME.PID-RANDOM.tmp`` for a file,
 ``.NAME.PID-RANDOM.partial`` for a directory, ``.NAME.PID-RANDOM.old`` for a directory renamed aside), so
@@ -20,12 +27,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import json
 import os
 import re
 import secrets
 import shutil
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 # A temporary of a write to NAME; a write to a temporary (a checkpoint saved inside a conversion's directory)
 # adds a suffix of its own, so every process id of the chain is captured.
@@ -35,6 +45,16 @@ _SUFFIX = re.compile(r"\.(\d+)-[0-9a-f]+\.(?:tmp|partial|old)")
 _OLD_FILE_LEFTOVER = r"{name}\.tmp-(?P<pid>\d+)"
 _OLD_DIRECTORY_LEFTOVER = r"\.{name}\.[a-z0-9_]{{8}}\.partial"
 _RENAME_EXCHANGE = 2  # linux/fs.h
+_held_locks: set[str] = set()  # lock files this process holds (exclusive_lock), so a nested claim passes
+
+
+class DestinationTaken(FileExistsError):
+    """Another writer made a directory that had to be new while this one was being written; nothing was
+    replaced and this write's temporary was removed."""
+
+
+class LockHeld(BlockingIOError):
+    """Another running process holds the lock (:func:`exclusive_lock`); the message names it and what it runs."""
 
 
 def write_file(dst: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -65,10 +85,16 @@ def write_text(dst: str | os.PathLike, text: str) -> None:
     write_file(dst, write)
 
 
-def write_directory(dst: str | os.PathLike, write: Callable[[str], None], *, keep_other_files: bool = False) -> None:
+def write_directory(dst: str | os.PathLike, write: Callable[[str], None], *, keep_other_files: bool = False,
+                    replace: bool = True) -> None:
     """``write(tmp)`` a fresh directory beside ``dst``, then make it ``dst`` in one atomic step.
 
-    A missing or empty ``dst`` is replaced by one rename. An existing ``dst`` is exchanged with the new
+    With ``replace=False`` (a destination that must be new: a conversion's output) the new directory is renamed
+    onto ``dst`` with rename(2), which takes a missing or empty ``dst`` and refuses, atomically, one that holds
+    anything: when another writer got there first, :class:`DestinationTaken` is raised, its output is kept
+    and this write's temporary removed.
+
+    Otherwise a missing or empty ``dst`` is replaced by one rename. An existing ``dst`` is exchanged with the new
     directory in one step (``renameat2(RENAME_EXCHANGE)``) and then removed from its temporary name; where the
     system cannot exchange, it is renamed aside first, and a kill between the two renames leaves it under
     the aside name, which the next write to ``dst`` moves back before anything else. With
@@ -83,12 +109,14 @@ def write_directory(dst: str | os.PathLike, write: Callable[[str], None], *, kee
     os.mkdir(tmp)
     try:
         write(tmp)
-        old_exists = os.path.isdir(dst) and bool(os.listdir(dst))
+        old_exists = replace and os.path.isdir(dst) and bool(os.listdir(dst))
         if old_exists and keep_other_files:
             _carry_other_files(dst, tmp)
         os.chmod(tmp, os.stat(dst).st_mode & 0o7777 if old_exists else 0o777 & ~_umask())
         _fsync_tree(tmp)
-        if not old_exists:
+        if not replace:
+            _rename_onto_nothing(tmp, dst)
+        elif not old_exists:
             os.rename(tmp, dst)  # also replaces an empty directory
         elif not _exchange(tmp, dst):
             aside = temporary_name(dst, "old")
@@ -101,6 +129,102 @@ def write_directory(dst: str | os.PathLike, write: Callable[[str], None], *, kee
         raise
     if old_exists:
         shutil.rmtree(tmp, ignore_errors=True)  # the old version, now under the temporary name
+
+
+def _rename_onto_nothing(tmp: str, dst: str) -> None:
+    """Rename directory ``tmp`` to ``dst`` if ``dst`` is missing or an empty directory; the check and the rename
+    are one step of the kernel's, so of two writers exactly one succeeds."""
+    try:
+        os.rename(tmp, dst)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise DestinationTaken(errno.EEXIST, f"cannot write {dst}: another process wrote it while this one was "
+                               "writing; its output was kept and nothing was replaced (write to another "
+                               "directory, or remove that one and rerun)") from None
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, record: dict, *, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` for the block, or raise :class:`LockHeld` at once, naming the
+    holder's process id and ``record``, if another process holds it.
+
+    The file exists while the lock is held: made on taking it, with ``record`` (and this process id and the start
+    time) written in for a refused process to report (by convention its ``command`` says what the holder runs),
+    and removed on release. The kernel drops the lock when the process ends however it ends, so the file a killed
+    process leaves blocks nothing: the next claim takes it over. ``what`` names the locked thing in the refusal
+    (``"workdir runs/x"``). A claim this process already holds passes (a script and the library function it calls
+    both claiming one workdir)."""
+    path = os.path.abspath(path)
+    if path in _held_locks:
+        yield
+        return
+    fd = _lock_file(path, what)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 **record}).encode())
+        _held_locks.add(path)
+        try:
+            yield
+        finally:
+            _held_locks.discard(path)
+            os.remove(path)  # while still locked: a claim waiting on this file finds it gone and makes a new one
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_file(path: str, what: str) -> int:
+    """A descriptor of the file at ``path`` (made if missing) holding its exclusive ``flock``: retried when the file
+    was removed by its releasing holder between opening and locking it, so two claims never lock two files."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise LockHeld(errno.EWOULDBLOCK, f"{what} is in use by {holder}; wait for it to end or choose "
+                           "another") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock on ``fd``, from what it wrote there: waits up to a second for a holder that has the lock
+    but has not written yet."""
+    for _ in range(20):
+        try:
+            record = json.loads(os.pread(fd, 1 << 16, 0))
+            break
+        except ValueError:
+            time.sleep(0.05)
+    else:
+        return "another process (it has not said which yet)"
+    settings = record.get("command") or ", ".join(f"{k}={v}" for k, v in record.items()
+                                                   if k not in ("pid", "started"))
+    return f"process {record.get('pid')} (started {record.get('started')}: {settings})"
+
+
+def update_json(path: str | os.PathLike, update: Callable[[dict], None], *, empty: dict | None = None) -> None:
+    """Read the JSON object at ``path`` (``empty``, or {}, if missing), let ``update`` change it in place and write it
+    back (:func:`write_file`), holding an exclusive ``flock`` on its directory throughout, so that writers in other
+    processes adding their entries to the same file (a ``MANIFEST.json``) take turns and none loses another's."""
+    path = os.path.abspath(path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except FileNotFoundError:
+            record = dict(empty or {})
+        update(record)
+        write_text(path, json.dumps(record, indent=1, sort_keys=True))
+    finally:
+        os.close(fd)
 
 
 def give_default_mode(path: str) -> None:

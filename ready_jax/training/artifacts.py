@@ -26,14 +26,14 @@ def run_provenance(workdir: str | os.PathLike, module: str, argv: Sequence[str])
 
 
 def record_artifacts(directory: str | os.PathLike, produced_by: dict) -> None:
-    """Add every file of ``directory`` (sha256, size, how it was made) to ``MANIFEST.json`` in its parent."""
+    """Add every file of ``directory`` (sha256, size, how it was made) to ``MANIFEST.json`` in its parent (taking
+    turns with other processes recording theirs: :func:`ready_jax.files.update_json`)."""
     directory = Path(directory).absolute()
-    manifest_path = directory.parent / "MANIFEST.json"
-    record = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": {}}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        record["files"][path.relative_to(directory.parent).as_posix()] = {
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size, **produced_by}
-    files.write_text(manifest_path, json.dumps(record, indent=1, sort_keys=True))
+    entries = {path.relative_to(directory.parent).as_posix(): {
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size, **produced_by}
+        for path in sorted(p for p in directory.rglob("*") if p.is_file())}
+    files.update_json(directory.parent / "MANIFEST.json", lambda record: record["files"].update(entries),
+                      empty={"files": {}})
 
 
 def cast(params, dtype):
