@@ -17,7 +17,8 @@ A workdir is never wiped: rerunning into one that holds a run with other setting
 ``--num-layers``) exits with an error naming them and deletes nothing; rerun with the saved settings or
 give another ``--workdir``. A checkpoint whose hash record (``<workdir>/checkpoint_hashes/<step>.json``)
 is missing is kept and refused too, unless ``--resume-unverified``; only checkpoints proven damaged or
-cut short mid-save are deleted.
+cut short mid-save are deleted. One run at a time owns a workdir: a second run there, whatever its
+settings, is refused at once with the first one's process id and command line, and changes nothing.
 
     python -m experiments.train_drafter --variant dspark --target zoo/target --steps 400 --save-dir zoo/dspark
     python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 200 --save-dir zoo/ready
@@ -46,14 +47,13 @@ from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
 from ready_jax.training import (
     artifacts,
-    checkpoints,
     distillation,
     drafter_loss,
     drafter_trainer,
     drafter_variants,
     optimiser,
 )
-from ready_jax.training.loop import LoopConfig
+from ready_jax.training.loop import LoopConfig, claim_workdir
 
 
 def build_drafter(args, target: rj.Target) -> rj.Drafter:
@@ -64,10 +64,10 @@ def build_drafter(args, target: rj.Target) -> rj.Drafter:
         config = drafter_variants.default_config(target.config, data.MASK_ID, **overrides)
         return rj.Drafter.init(target.config, config, seed=args.seed)
     if args.init_from is None:
-        raise SystemExit(f"--variant {args.variant} needs --init-from (a DSpark drafter directory)")
+        raise ValueError(f"--variant {args.variant} needs --init-from (a DSpark drafter directory)")
     base = rj.Drafter.load(args.init_from, dtype=jnp.float32)
     if base.config.reader is not None:
-        raise SystemExit(f"--init-from {args.init_from} already has a reader; give a DSpark drafter")
+        raise ValueError(f"--init-from {args.init_from} already has a reader; give a DSpark drafter")
     if args.variant == "dspark-ft":
         return base
     reader = rj.ReaderConfig(source_layers=args.source_layers, rank=args.rank, inject_layers=args.inject_layers,
@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
-    """(the arguments, the workdir, the distill cache), the paths checked before any work."""
+    """(the arguments, the workdir, the distill cache), the paths checked before any work. ``args.replace_save_dir``
+    says whether ``--save-dir`` holds an earlier export to replace; if not, the export never replaces what another
+    writer puts there meanwhile."""
     parser = build_parser()
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
@@ -180,20 +182,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
             checkpoint.check_destination(args.save_dir, DRAFTER_FORMAT)
     except OSError as e:
         parser.error(e.strerror or str(e))
+    args.replace_save_dir = bool(args.save_dir and os.path.isdir(args.save_dir) and os.listdir(args.save_dir))
     return args, workdir, distill_cache
 
 
 def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter]:
     """The target (its shipped weights computed in fp32), its corpus and the variant's starting drafter."""
     target = rj.Target.load(args.target, dtype=jnp.float32)
-    try:
-        corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    try:  # before distilling, so a drafter shape the target cannot feed fails at once
-        drafter = build_drafter(args, target)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
+    drafter = build_drafter(args, target)  # before distilling, so a shape the target cannot feed fails at once
     return target, corpus, drafter
 
 
@@ -201,8 +198,15 @@ def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter]:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, workdir, distill_cache = parse_args(argv)
+    inputs = load_inputs(args)
+    with claim_workdir(workdir, provenance.command_line("experiments.train_drafter", argv)):
+        train(args, argv, workdir, distill_cache, *inputs)
+
+
+def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.Target, corpus: data.Corpus,
+          drafter: rj.Drafter) -> None:
+    """Distil, train ``drafter`` in ``workdir`` (resuming) and export it to ``--save-dir``, as the arguments say."""
     produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
-    target, corpus, drafter = load_inputs(args)
     distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
                                                 num_sequences=args.sequences, temperature=args.distill_temperature,
                                                 seed=args.data_seed,
@@ -224,11 +228,8 @@ def main(argv=None) -> None:
             "optim": dataclasses.asdict(optim), "distill": dataclasses.asdict(distill_config),
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from}
     start = time.perf_counter()
-    try:
-        trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
-                                                batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
-    except checkpoints.ResumeError as e:
-        raise SystemExit(f"error: {e}") from None
+    trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
+                                            batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
     final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size,
                                               args.impl)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
@@ -236,8 +237,8 @@ def main(argv=None) -> None:
     print(json.dumps(summary))
     files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
     if args.save_dir:
-        rj.Drafter(nnx.merge(trained.graphdef, artifacts.cast(trained.params, jnp.dtype(args.export_dtype)))).save(
-            args.save_dir)
+        exported = rj.Drafter(nnx.merge(trained.graphdef, artifacts.cast(trained.params, jnp.dtype(args.export_dtype))))
+        files.write_directory(args.save_dir, exported.save, replace=args.replace_save_dir)
         export_command = provenance.command_line("experiments.train_drafter", argv)
         artifacts.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
         print(f"wrote {args.save_dir}")

@@ -9,7 +9,9 @@ A workdir is never wiped: rerunning into one that holds a run with other setting
 changes the model, optimiser or data, e.g. ``--hidden``) exits with an error naming them and deletes
 nothing; rerun with the saved settings or give another ``--workdir``. A checkpoint whose hash record
 (``<workdir>/checkpoint_hashes/<step>.json``) is missing is kept and refused too, unless
-``--resume-unverified``; only checkpoints proven damaged or cut short mid-save are deleted.
+``--resume-unverified``; only checkpoints proven damaged or cut short mid-save are deleted. One run at a
+time owns a workdir: a second run there, whatever its settings, is refused at once with the first one's
+process id and command line, and changes nothing.
 
     python -m experiments.train_target --workdir runs/target --steps 2000 --save-dir zoo/target
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
@@ -39,8 +42,8 @@ from ready_jax.long_range_task import (
     long_range_windows,
     save_long_range_settings,
 )
-from ready_jax.training import artifacts, checkpoints, optimiser, target_init, target_recipe, train_state
-from ready_jax.training.loop import LoopConfig, train_loop
+from ready_jax.training import artifacts, optimiser, target_init, target_recipe, train_state
+from ready_jax.training.loop import LoopConfig, claim_workdir, train_loop
 
 # The seed of the long-range validation windows' records: far from any --seed a run uses, so they are records no
 # training batch holds (and their text is the validation split's).
@@ -148,6 +151,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             checkpoint.check_destination(args.save_dir, target_lib.FORMAT)
     except OSError as e:
         parser.error(e.strerror or str(e))
+    # An earlier export at --save-dir is replaced; if there is none, the export never replaces what another writer
+    # puts there meanwhile.
+    args.replace_save_dir = bool(args.save_dir and os.path.isdir(args.save_dir) and os.listdir(args.save_dir))
     return args
 
 
@@ -159,7 +165,7 @@ def target_config(args, corpus: data.Corpus) -> rj.TargetConfig:
     config = dataclasses.replace(config, linear_key_head_dim=args.linear_head_dim,
                                  linear_value_head_dim=args.linear_head_dim)
     if args.linear_memory is not None and args.linear_memory_heads > config.linear_num_value_heads:
-        raise SystemExit(f"error: --linear-memory-heads {args.linear_memory_heads} exceeds the "
+        raise ValueError(f"--linear-memory-heads {args.linear_memory_heads} exceeds the "
                          f"{config.linear_num_value_heads} value heads of each Gated DeltaNet layer")
     return config
 
@@ -175,8 +181,7 @@ def initial_target(args, config: rj.TargetConfig) -> rj.Target:
         if start_from.config != config:
             theirs, ours = start_from.config.to_dict(), config.to_dict()
             differs = {k: (v, ours[k]) for k, v in theirs.items() if ours[k] != v}
-            raise SystemExit(f"error: {args.init_from} is not the target the flags describe "
-                             f"(its, the flags'): {differs}")
+            raise ValueError(f"{args.init_from} is not the target the flags describe (its, the flags'): {differs}")
         target = rj.Target(nnx.merge(target.graphdef, start_from.stacked_params()), group_layout="stacked")
     if args.mimetic_init:
         target = rj.Target(nnx.merge(target.graphdef, target_init.mimetic_recall_init(target.params, config)),
@@ -263,14 +268,20 @@ def run_meta(args, config: rj.TargetConfig, optim: optimiser.OptimConfig, long_r
 
 
 def save_target(args, target: rj.Target, params, long_range: LongRangeTask | None, record: dict) -> None:
-    """Write the trained target to ``--save-dir`` with its tokenizer, corpus manifest, long-range settings and
-    the artifact ``record`` (provenance and summary)."""
-    rj.Target(nnx.merge(target.graphdef, artifacts.cast(params, jnp.dtype(args.export_dtype)))).save(args.save_dir)
-    # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
-    shutil.copy(Path(args.corpus) / "tokenizer.json", Path(args.save_dir) / "tokenizer.json")
-    shutil.copy(Path(args.corpus) / "manifest.json", Path(args.save_dir) / "corpus_manifest.json")
-    if long_range is not None:
-        save_long_range_settings(args.save_dir, args.long_range_values, args.long_range_pool)
+    """Write the trained target to ``--save-dir`` in one step (:func:`ready_jax.files.write_directory`: an earlier
+    export there is replaced, what another writer puts there meanwhile never is) with its tokenizer, corpus
+    manifest and long-range settings, then record the artifact ``record`` (provenance and summary)."""
+    exported = rj.Target(nnx.merge(target.graphdef, artifacts.cast(params, jnp.dtype(args.export_dtype))))
+
+    def write(directory: str) -> None:
+        exported.save(directory)
+        # The tokenizer and the split manifest travel with the target: prompts and held-out data need both.
+        shutil.copy(Path(args.corpus) / "tokenizer.json", Path(directory) / "tokenizer.json")
+        shutil.copy(Path(args.corpus) / "manifest.json", Path(directory) / "corpus_manifest.json")
+        if long_range is not None:
+            save_long_range_settings(directory, args.long_range_values, args.long_range_pool)
+
+    files.write_directory(args.save_dir, write, replace=args.replace_save_dir)
     artifacts.record_artifacts(args.save_dir, record)
     print(f"wrote {args.save_dir}")
 
@@ -281,6 +292,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     corpus = data.prepare_corpus(args.corpus, args.vocab)
     config = target_config(args, corpus)
+    with claim_workdir(args.workdir, provenance.command_line("experiments.train_target", argv)):
+        train(args, argv, corpus, config)
+
+
+def train(args, argv: list[str], corpus: data.Corpus, config: rj.TargetConfig) -> None:
+    """Train ``config`` on ``corpus`` in ``--workdir`` (resuming) and export to ``--save-dir``, as the arguments
+    say."""
     produced_by = artifacts.run_provenance(args.workdir, "experiments.train_target", argv)
     target = initial_target(args, config)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(target.params))
@@ -301,12 +319,9 @@ def main(argv=None) -> None:
                       checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
                       resume_unverified=args.resume_unverified)
     start = time.perf_counter()
-    try:
-        state = train_loop(train_state.TrainState.create(target.params, optimizer, args.seed), step_fn,
-                           make_batch_fn(args, train_windows, long_range), loop, args.workdir,
-                           eval_fn=eval_fn, meta=run_meta(args, config, optim, long_range))
-    except checkpoints.ResumeError as e:
-        raise SystemExit(f"error: {e}") from None
+    state = train_loop(train_state.TrainState.create(target.params, optimizer, args.seed), step_fn,
+                       make_batch_fn(args, train_windows, long_range), loop, args.workdir,
+                       eval_fn=eval_fn, meta=run_meta(args, config, optim, long_range))
     final = eval_fn(state.params)
     summary = {"steps": int(state.step), "params": num_params, "wall_seconds_this_run": time.perf_counter() - start,
                **final, "tokens_seen": int(state.step) * args.batch_size * args.seq_len}

@@ -1,10 +1,12 @@
 """The train loop: :func:`train_loop` runs jitted, state-donating steps, prints a plain progress line, appends JSON
 lines to ``<workdir>/metrics.jsonl``, evaluates and checkpoints every so often, and resumes from the latest good
-checkpoint, provided the run's settings (``<workdir>/settings.json``) are the same.
+checkpoint, provided the run's settings (``<workdir>/settings.json``) are the same. One run at a time owns a
+workdir (:func:`claim_workdir`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +36,7 @@ class LoopConfig:
 
 SETTINGS_FILE = "settings.json"   # in the workdir: the run's settings, recorded when it first starts
 METRICS_FILE = "metrics.jsonl"    # in the workdir: one JSON line per logged or evaluated step
+LOCK_FILE = "run.lock"            # in the workdir while a run owns it: locked, naming its process and command
 _POSITION_KEYS = ("step", "data_position")  # what a checkpoint's metadata holds besides the run's settings
 
 
@@ -74,6 +77,18 @@ def _recorded_settings(workdir: Path, checkpointer: Checkpointer) -> tuple[str, 
     return None
 
 
+def claim_workdir(workdir: str | os.PathLike, command: str) -> contextlib.AbstractContextManager:
+    """Own ``workdir`` (made if missing) for the block: a lock (:func:`ready_jax.files.exclusive_lock`) on its
+    ``run.lock``, which exists while the run holds it and names ``command`` (the run's command line) and this
+    process id. While it is held, another run in the same workdir, whatever its settings, is refused at once with a
+    :class:`~ready_jax.files.LockHeld` naming this process and its command, before it changes anything there;
+    two runs checkpointing into one workdir would each resume the other's state. A killed run's lock dies with
+    its process."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return files.exclusive_lock(workdir / LOCK_FILE, {"command": command}, what=f"workdir {workdir}")
+
+
 def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Checkpointer) -> None:
     """Raise :class:`ResumeError` naming every setting that differs from those of the run already in
     ``workdir``; otherwise record ``settings`` as the run's (``settings.json``) if they are not yet."""
@@ -81,8 +96,8 @@ def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Ch
     recorded = _recorded_settings(workdir, checkpointer)
     changed = _differences(recorded[1], settings) if recorded is not None else []
     if changed:
-        raise ResumeError(f"{workdir} holds a run with other settings (recorded in {recorded[0]}; saved -> now):\n  "
-                          + "\n  ".join(changed) + "\nNothing was deleted. Rerun with the saved settings to resume "
+        raise ResumeError(f"{workdir} holds a run with other settings (recorded in {recorded[0]}; saved -> now: "
+                          + "; ".join(changed) + "). Nothing was deleted. Rerun with the saved settings to resume "
                           "that run, or train in another workdir")
     path = workdir / SETTINGS_FILE
     if not path.exists():
@@ -131,12 +146,12 @@ def train_loop(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], A
     ``state``, or one that cannot be verified (unless ``loop.resume_unverified``) is refused with a
     :class:`ResumeError`; the only checkpoint steps ever deleted are those proven incomplete or altered
     (:meth:`Checkpointer.restore_latest`). ``metrics.jsonl`` keeps its records up
-    to the step training starts from, so every step is recorded once.
+    to the step training starts from, so every step is recorded once. The run owns ``workdir`` throughout
+    (:func:`claim_workdir`; a script that claimed it first keeps its claim): another run there is refused.
     """
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     settings = json.loads(json.dumps(meta or {}))  # as it reads back from JSON (tuples become lists)
-    with Checkpointer(workdir) as checkpointer:
+    with claim_workdir(workdir, f"{__name__}.train_loop"), Checkpointer(workdir) as checkpointer:
         state = _resume(state, workdir, settings, checkpointer, loop, log)
         save = lambda s: checkpointer.save(s, dict(settings, data_position=int(s.step)))
         return _train(state, step_fn, batch_fn, loop, eval_fn, save, workdir / METRICS_FILE, log)
