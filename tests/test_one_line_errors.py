@@ -161,8 +161,9 @@ def test_a_write_that_fails_inside_orbax_is_an_oserror_and_the_rerun_resumes(tmp
         return save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "save", full_at_step_4)
-    with pytest.raises(OSError, match=r"cannot save checkpoint .*/4: RESOURCE_EXHAUSTED.*No space left on device\. "
-                                      "The checkpoints before it are kept"):
+    with pytest.raises(OSError, match=r"cannot write the checkpoint of step 4 in .*/checkpoints: it needs .* MiB and "
+                                      r"the disk filled while it was written \(.* MiB free\)\. The checkpoints before "
+                                      "it are kept: once the disk has room"):
         _run(tmp_path)
     monkeypatch.undo()
     assert int(_run(tmp_path).step) == 4

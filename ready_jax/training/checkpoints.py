@@ -2,6 +2,10 @@
 ``<workdir>/checkpoints``, plus a sidecar ``<workdir>/checkpoint_hashes/<step>.json`` with the size and sha256 of
 every file of the step, written after orbax finalised the step.
 
+A save that fails inside orbax (the disk filled while it was written) is one :class:`OSError` that says so; the
+error reports that orbax's writer threads, asyncio and tensorstore's callbacks print about it as it unwinds are
+kept off the terminal (:func:`_failure_echoes_muted`).
+
 Restoring checks the sidecar first, so a truncated, deleted or altered file is a :class:`CheckpointError` naming
 it rather than garbage parameters; :meth:`Checkpointer.restore_latest` deletes such steps (and those whose save was
 cut short), saying why, and falls back to an older one. Nothing else is ever deleted: another run's checkpoint, or
@@ -10,10 +14,16 @@ one whose sidecar is missing, is a :class:`ResumeError` saying what to do.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Callable
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -32,6 +42,66 @@ class CheckpointError(RuntimeError):
 class ResumeError(RuntimeError):
     """The workdir holds checkpoints this run must not resume from: another run's (other settings or array
     shapes), or one that cannot be verified. Nothing was deleted; the message says what to do."""
+
+
+# Loggers through which orbax's writer threads (absl) and asyncio (futures whose exception nobody retrieved) report
+# the parts of a failed save; the save's own exception reports it once.
+_ECHO_LOGGERS = ("absl", "asyncio")
+# What arrives after a failed save returned: orbax's writer threads that fail last (absl), and asyncio collecting the
+# futures whose exception nobody retrieved.
+_LATE_ECHOES = ("_SignalingThread.run() raised an exception", "exception was never retrieved")
+_DISK_FULL = re.compile(r"No space left on device|RESOURCE_EXHAUSTED|os_error_code='28'")
+
+
+class _ErrorsOfTheSave(logging.Filter):
+    """Drops error records while a save runs; once a save has failed, also the :data:`_LATE_ECHOES` of it."""
+
+    saving = False
+    failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.saving:
+            return record.levelno < logging.ERROR
+        return not any(echo in str(record.msg) for echo in _LATE_ECHOES)
+
+
+_echo_filter = _ErrorsOfTheSave()
+
+
+def _closed_loop_muted(hook: Callable) -> Callable:
+    """``sys.unraisablehook`` less the "Event loop is closed" errors of tensorstore callbacks that complete after the
+    event loop of a failed orbax save was closed."""
+    def unraisable(info) -> None:
+        if not (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"):
+            hook(info)
+
+    return unraisable
+
+
+@contextlib.contextmanager
+def _failure_echoes_muted() -> Iterator[None]:
+    """Run an orbax save with the reports its background machinery prints about a failure muted: while it runs, the
+    error records of :data:`_ECHO_LOGGERS`; and, once a save has failed, for the rest of the process, the echoes that
+    arrive after it returned ("Event loop is closed" from tensorstore's callbacks, :data:`_LATE_ECHOES`). Until a
+    save fails, logging and ``sys.unraisablehook`` are left as they were after each save."""
+    loggers = [logging.getLogger(name) for name in _ECHO_LOGGERS]
+    hook = sys.unraisablehook
+    if not _echo_filter.failed:
+        for logger in loggers:
+            logger.addFilter(_echo_filter)
+        sys.unraisablehook = _closed_loop_muted(hook)
+    _echo_filter.saving = True
+    try:
+        yield
+    except BaseException:
+        _echo_filter.failed = True  # the filter and the hook stay: the failure's late echoes are still to come
+        raise
+    finally:
+        _echo_filter.saving = False
+        if not _echo_filter.failed:
+            sys.unraisablehook = hook
+            for logger in loggers:
+                logger.removeFilter(_echo_filter)
 
 
 def _file_hashes(directory: Path) -> dict[str, dict]:
@@ -94,21 +164,36 @@ class Checkpointer:
         step = int(state.step)
         # A full disk is refused here, before orbax writes anything: its writer threads report a failed write in
         # dozens of log lines and tracebacks of their own.
-        files.check_output(self.directory, size=self._room_needed(state), what=f"checkpoint of step {step} in")
+        needed = self._room_needed(state)
+        files.check_output(self.directory, size=needed, what=f"checkpoint of step {step} in")
         self._pending_path(step).touch()
         try:
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
-                                                            meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
-            self.manager.wait_until_finished()
+            with _failure_echoes_muted():
+                self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
+                                                                meta=ocp.args.JsonSave(dict(meta, step=step))),
+                                  force=True)
+                self.manager.wait_until_finished()
         except (OSError, ValueError) as e:  # tensorstore reports a full disk as a ValueError (RESOURCE_EXHAUSTED)
-            raise OSError(f"cannot save checkpoint {self.step_dir(step)}: {e}. The checkpoints before it are "
-                          "kept: once the disk has room, the same command resumes from the last one") from e
+            raise self._save_error(step, needed, e) from e
         self._write_record(step)
         self._pending_path(step).unlink()
         kept = set(self.manager.all_steps())
         for stale in [*self.hashes.glob("*.json"), *self.hashes.glob("*.pending")]:
             if int(stale.stem) not in kept:  # orbax pruned old steps: drop their records too
                 stale.unlink()
+
+    def _save_error(self, step: int, needed: int, error: Exception) -> OSError:
+        """One line for a save of ``step`` that failed inside orbax: a full disk as the check before saving words it,
+        anything else with the first line of orbax's message (tensorstore's spec of the array left out)."""
+        kept = "The checkpoints before it are kept"
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or _DISK_FULL.search(str(error)):
+            free = shutil.disk_usage(self.directory).free
+            return OSError(errno.ENOSPC, f"cannot write the checkpoint of step {step} in {self.directory}: it needs "
+                           f"{needed / 2**20:.1f} MiB and the disk filled while it was written ({free / 2**20:.1f} MiB "
+                           f"free). {kept}: once the disk has room, the same command resumes from the last one")
+        text = re.sub(r" \[tensorstore_spec=.*", "", str(error).splitlines()[0] if str(error) else repr(error))
+        return OSError(errno.EIO, f"cannot save checkpoint {self.step_dir(step)}: {text}. {kept}: the same command "
+                       "resumes from the last one")
 
     def _room_needed(self, state: TrainState) -> int:
         """The bytes a save of ``state`` takes: what the newest saved step holds on disk, else (the first save)
