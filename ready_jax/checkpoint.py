@@ -8,7 +8,9 @@ fields load all the same), ``format_version``, ``dtype``,
 the model's config under its section name, ``weights_sha256`` and ``sha256``: the hash of the whole
 record (the config fields and the weights' hash), so an edited config field or a flipped weight byte is
 refused at load. Loading also checks that every expected tensor is present with the right shape and that
-nothing unexpected is in the file, and reports all problems at once. Only safetensors are read: nothing
+nothing unexpected is in the file, and reports all problems at once; and, where a ``MANIFEST.json`` above the
+directory lists its files (``zoo/MANIFEST.json``), that each of them is the file listed (:func:`check_manifest`).
+Only safetensors are read: nothing
 here unpickles. safetensors is imported where files are read or written, so that ``import ready_jax``
 needs only jax, flax, optax and numpy (all a bare GPU box has).
 """
@@ -211,14 +213,60 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
         flat = load_file(weights_path)
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
         raise ValueError(f"cannot read {weights_path}: {e}") from e
-    if "weights_sha256" in meta and _sha256(weights_path) != meta["weights_sha256"]:
+    weights_sha256 = _sha256(weights_path)
+    if "weights_sha256" in meta and weights_sha256 != meta["weights_sha256"]:
         raise ValueError(f"cannot read {weights_path}: its sha256 differs from the one {config_path} records "
                          "(the weights are corrupted, or the config belongs to other weights)")
+    check_manifest(path, known={"model.safetensors": weights_sha256})
     if version < 2:
         warnings.warn(f"{path} is a format-version-1 checkpoint: its config is not integrity-checked"
                       + ("" if "weights_sha256" in meta else " and neither are its weights")
                       + "; load and save it once to add the hashes", stacklevel=3)
     return meta[section], flat, _DTYPES[meta["dtype"]]
+
+
+def check_manifest(directory, known: dict[str, str] | None = None) -> None:
+    """Raise ValueError if a file of ``directory`` differs from its entry in the nearest ``MANIFEST.json`` above it
+    (the parent's, or further up: ``zoo/MANIFEST.json`` lists ``long_range/target/...``), naming the file, the
+    sha256 listed and the one found, and how to fix it. Files the manifest does not list, and directories
+    no manifest lists, pass. Sizes are compared first; ``known`` gives hashes already computed (``{name:
+    sha256}``), so the weights, hashed once for their own record, are not read again."""
+    directory = os.path.abspath(os.fspath(directory))
+    manifest_path, prefix = _nearest_manifest(directory)
+    if manifest_path is None:
+        return
+    try:
+        listed = read_json(manifest_path).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return  # not a manifest this project wrote
+    for name in sorted(os.listdir(directory)):
+        entry, path = listed.get(prefix + name), os.path.join(directory, name)
+        if not isinstance(entry, dict) or "sha256" not in entry or not os.path.isfile(path):
+            continue
+        size = os.path.getsize(path)
+        found = (known or {}).get(name) or (_sha256(path) if size == entry.get("bytes", size) else None)
+        if found != entry["sha256"]:
+            found_text = f"sha256 {found}" if found else f"{size} bytes, not {entry['bytes']}"
+            raise ValueError(f"{path} is not the file {manifest_path} lists for {prefix + name}: it lists sha256 "
+                             f"{entry['sha256']}, the file has {found_text}. Fetch the file again (git checkout "
+                             "zoo/, for the shipped zoo); if it was changed on purpose, write it again with the "
+                             "command that made it (the trainers' --save-dir and convert.upgrade record what they "
+                             "write in the manifest)")
+
+
+def _nearest_manifest(directory: str) -> tuple[str | None, str]:
+    """(the nearest ``MANIFEST.json`` in an ancestor of ``directory``, the prefix its entries give ``directory``'s
+    files), or (None, "")."""
+    parts, parent = [], os.path.dirname(directory)
+    parts.append(os.path.basename(directory))
+    while True:
+        candidate = os.path.join(parent, "MANIFEST.json")
+        if os.path.isfile(candidate):
+            return candidate, "/".join(reversed(parts)) + "/"
+        if os.path.dirname(parent) == parent:
+            return None, ""
+        parts.append(os.path.basename(parent))
+        parent = os.path.dirname(parent)
 
 
 def load_model(path, fmt: str, section: str, hint: str, config_from_dict: Callable[[dict], Any],
