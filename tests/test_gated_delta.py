@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import gdn_inputs, rel_err
 
 from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_naive, gated_delta_recurrent
 
@@ -29,36 +30,14 @@ naive, chunked, recurrent = _jit(gated_delta_naive), _jit(gated_delta_chunked), 
 
 
 def make_inputs(seq_len, heads="gqa", *, with_state=True, dtype=jnp.float32, seed=0):
-    """Raw (un-normalised) q, k, v in ``dtype``, fp32 log-decay g <= 0, beta in (0, 1) and optional state.
-
-    The decay strength differs per value head, from long memory (exp(g) ~ 0.99) to so short that a chunk's
-    cumulative log-decay is far outside exp's fp32 range, which the chunked form must mask, not overflow.
-    """
-    h_k, h_v = HEADS[heads]
-    rng = np.random.default_rng(seed)
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-    q = (2.0 * normal(B, seq_len, h_k, D_K)).astype(dtype)
-    k = (2.0 * normal(B, seq_len, h_k, D_K)).astype(dtype)
-    v = normal(B, seq_len, h_v, D_V).astype(dtype)
-    g = -jnp.geomspace(0.05, 10.0, h_v) * jax.nn.softplus(normal(B, seq_len, h_v) - 1.0)
-    beta = jax.nn.sigmoid(normal(B, seq_len, h_v))
-    state = normal(B, h_v, D_K, D_V) if with_state else None
-    return q, k, v, g, beta, state
+    """:func:`kernel_cases.gdn_inputs` at this module's B, head counts and widths."""
+    return gdn_inputs(B, seq_len, *HEADS[heads], D_K, D_V, with_state=with_state, dtype=dtype, seed=seed)
 
 
 @functools.cache
 def naive_reference(seq_len, heads, with_state, dtype=jnp.float32):
     """Naive (oracle) output and final state, cached because many tests compare against the same case."""
     return naive(*make_inputs(seq_len, heads, with_state=with_state, dtype=dtype))
-
-
-def rel_err(x, ref):
-    """Max abs error relative to the largest reference magnitude, in float64."""
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.max(np.abs(x - ref)) / np.max(np.abs(ref))
 
 
 @pytest.mark.parametrize(

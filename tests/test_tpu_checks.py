@@ -1,4 +1,4 @@
-"""The TPU interpreter's checks, as tests/test_tpu_gdn.py uses them, do fail on kernels that have the fault.
+"""The TPU interpreter's checks, as the kernel tests use them (tests/kernel_cases.py), fail on kernels with the fault.
 
 Each fault is planted in a small kernel shaped like the Gated DeltaNet kernels (a value carried in VMEM scratch
 over an "arbitrary" grid axis, blocks indexed by program), next to the same kernel without it:
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from test_tpu_gdn import INTERPRET, RaceDetected, assert_close, run_checked
+from kernel_cases import TPU_INTERPRET as INTERPRET
+from kernel_cases import RaceDetected, assert_close, run_checked
 
 pytestmark = pytest.mark.interpret
 
@@ -87,7 +88,7 @@ def test_the_interpreter_has_two_cores_and_every_check_on():
 
 def test_race_on_a_carried_axis_declared_parallel_is_detected(chunks):
     x, want = chunks
-    assert_close(run_checked(_chunk_sum, x), want, 1e-6)
+    assert_close("chunk sums", run_checked(_chunk_sum, x), want, tol=1e-6)
     # Two cores each take half the chunks and both write the one output block back: unordered writes of one range.
     with pytest.raises(RaceDetected, match="RACE DETECTED"):
         run_checked(_chunk_sum, x, semantics=("parallel", "parallel"))
@@ -96,15 +97,15 @@ def test_race_on_a_carried_axis_declared_parallel_is_detected(chunks):
 def test_scratch_never_initialised_reads_nan_and_fails_the_comparison(chunks):
     x, want = chunks
     with pytest.raises(AssertionError, match="non-finite"):
-        assert_close(run_checked(_chunk_sum, x, initialise=False), want, 1e-6)
+        assert_close("chunk sums", run_checked(_chunk_sum, x, initialise=False), want, tol=1e-6)
     # The NaN fill is what exposes it: memory zeroed instead hides the missing initialisation.
     zeroed = dataclasses.replace(INTERPRET, uninitialized_memory="zero")
-    assert_close(run_checked(_chunk_sum, x, initialise=False, interpret=zeroed), want, 1e-6)
+    assert_close("chunk sums", run_checked(_chunk_sum, x, initialise=False, interpret=zeroed), want, tol=1e-6)
 
 
 def test_out_of_bounds_read_raises(chunks):
     x = chunks[0][:, :128]
     x = jnp.concatenate([x, -x])  # two blocks
-    assert_close(run_checked(_doubled, x, global_offset=False), 2.0 * x, 1e-6)
+    assert_close("doubled", run_checked(_doubled, x, global_offset=False), 2.0 * x, tol=1e-6)
     with pytest.raises(Exception, match="Out-of-bounds read"):
         run_checked(_doubled, x, global_offset=True)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from kernel_cases import BF16, F32, S, gdn_specs
 
 from experiments import deviceless, lower
 from pallas_kernels.gated_delta import tpu as gdn_tpu
@@ -20,8 +21,6 @@ from pallas_kernels.state_reader import tpu as reader_tpu
 
 pytestmark = pytest.mark.skipif(not deviceless.has_libtpu(), reason="needs libtpu (the tpu extra)")
 
-S = jax.ShapeDtypeStruct
-F32, BF16 = jnp.float32, jnp.bfloat16
 GENERATION = "v5e"
 # Every generation's compile of every shape; the ones past the first in the slow set.
 GENERATIONS = [pytest.param(g, marks=[] if g == GENERATION else [pytest.mark.slow]) for g in deviceless.TPU_TOPOLOGIES]
@@ -33,7 +32,7 @@ def _compiles(fn, *specs, generation=GENERATION, **static):
     return result
 
 
-# (B, G, d, M, r, dtype, block_q, block_out): tests/test_tpu_reader.py's grid, then the zoo's ReaDy (M r = 32,
+# (B, G, d, M, r, dtype, block_q, block_out): tests/test_state_read.py's TPU cases, then the zoo's ReaDy (M r = 32,
 # d = 256), the long-range zoo's (r = 64, d = 128), the tiny test models' (d = 32) and r = 16 (rotations).
 READER_SHAPES = [
     (1, 1, 64, 2, 8, F32, None, None), (3, 7, 256, 2, 8, BF16, None, 128), (1, 16, 64, 32, 8, F32, 128, None),
@@ -85,23 +84,16 @@ def test_content_kernels_compile(batch, draft, queries, key_dim, pairs, rank, hi
     _compiles(reader_tpu.content_read, q, values, generation=generation)
 
 
-# (d_k, d_v, B, T, (H_k, H_v), dtype): decode and verify (tests/test_tpu_gdn.py's, the zoo's, the tiny models').
+# (d_k, d_v, B, T, (H_k, H_v), dtype): decode and verify (tests/test_gdn_recurrent.py's, the zoo's, the tiny models').
 RECURRENT_SHAPES = [(128, 128, 1, 1, (1, 2), BF16), (128, 128, 1, 8, (1, 2), BF16), (128, 128, 1, 16, (1, 2), F32),
                     (64, 64, 2, 16, (1, 2), F32), (48, 24, 2, 5, (1, 3), F32), (8, 8, 2, 3, (2, 4), BF16)]
-
-
-def _gdn_specs(d_k, d_v, batch, seq_len, heads, dtype):
-    h_k, h_v = heads
-    return (S((batch, seq_len, h_k, d_k), dtype), S((batch, seq_len, h_k, d_k), dtype),
-            S((batch, seq_len, h_v, d_v), dtype), S((batch, seq_len, h_v), F32), S((batch, seq_len, h_v), F32),
-            S((batch, h_v, d_k, d_v), F32))
 
 
 @pytest.mark.parametrize("d_k,d_v,batch,seq_len,heads,dtype", RECURRENT_SHAPES)
 @pytest.mark.parametrize("states", ["final", "all"])
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_gdn_recurrent_compiles(d_k, d_v, batch, seq_len, heads, dtype, states, generation):
-    _compiles(gdn_tpu.gdn_recurrent, *_gdn_specs(d_k, d_v, batch, seq_len, heads, dtype),
+    _compiles(gdn_tpu.gdn_recurrent, *gdn_specs(batch, seq_len, (*heads, d_k, d_v), dtype),
               output_all_states=states == "all", include_initial_state=states == "all", generation=generation)
 
 
@@ -113,7 +105,7 @@ CHUNKED_SHAPES = [(128, 128, 1, 65, (1, 2), BF16, 64), (64, 64, 1, 63, (1, 2), F
 @pytest.mark.parametrize("d_k,d_v,batch,seq_len,heads,dtype,chunk", CHUNKED_SHAPES)
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_gdn_chunked_compiles(d_k, d_v, batch, seq_len, heads, dtype, chunk, generation):
-    _compiles(gdn_tpu.gdn_chunked, *_gdn_specs(d_k, d_v, batch, seq_len, heads, dtype), chunk_size=chunk,
+    _compiles(gdn_tpu.gdn_chunked, *gdn_specs(batch, seq_len, (*heads, d_k, d_v), dtype), chunk_size=chunk,
               generation=generation)
 
 

@@ -1,0 +1,188 @@
+"""What the kernel tests share: their inputs (Gated DeltaNet's q, k, v, g, beta and state; the reader's states,
+bases, hidden states, weights and queries), the tolerances each check holds per dtype, one comparison that names the
+tensor it compares, and the TPU interpreter with every check on.
+
+Inputs come from numpy (eager jax.random would compile a program per shape: seconds per test here).
+"""
+
+import contextlib
+import io
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import backend
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+S = jax.ShapeDtypeStruct
+EPS = 1e-6  # the reader's RMSNorm epsilon
+QWEN35_27B = (16, 48, 128, 128)  # (H_k, H_v, d_k, d_v) of a Qwen3.5-27B Gated DeltaNet layer
+TINY = (2, 4, 8, 8)  # the tiny test target of conftest.py
+
+# Max error relative to the largest reference magnitude, per check and per dtype of the compared tensor.
+# "xla": the reference forms against the naive oracle (fp32 errors observed <= ~5e-7); their bf16 outputs round
+#   independently, one bf16 ulp apart at most.
+# "recurrent", "chunked": the kernels against the oracle run in fp32 on the same (upcast) inputs: the kernels
+#   compute in fp32 too, so states match to fp32 accuracy (the chunked form sums in another order) and a bf16 o to
+#   its rounding.
+# "reader": the reader's kernels, fp32 accumulation either way; bf16 rounds where the reference rounds, one bf16
+#   ulp of h.
+TOLERANCES = {
+    "xla": {"float32": 2e-6, "bfloat16": 1e-2},
+    "recurrent": {"float32": 2e-6, "bfloat16": 2.0**-8},
+    "chunked": {"float32": 5e-6, "bfloat16": 2.0**-8},
+    "reader": {"float32": 1e-5, "bfloat16": 2.0**-7},
+}
+
+
+def rel_err(actual, expected) -> float:
+    """Max abs error relative to the largest reference magnitude, in float64 (NaN when actual holds a NaN)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / (np.max(np.abs(expected)) + 1e-30))
+
+
+def assert_close(name: str, actual, expected, dtype=F32, kind: str = "xla", tol: float | None = None) -> None:
+    """``actual`` matches ``expected`` to the tolerance of ``kind`` for ``dtype`` (or ``tol``) and holds no NaN or
+    inf (memory a kernel never wrote reads as NaN in the TPU interpreter); the failure names ``name``."""
+    tol = TOLERANCES[kind][jnp.dtype(dtype).name] if tol is None else tol
+    values = np.asarray(actual, np.float64)
+    assert np.isfinite(values).all(), f"{name}: non-finite values (a kernel read or left unwritten memory)"
+    err = rel_err(values, expected)
+    assert err < tol, f"{name}: relative error {err:.3g} >= {tol:.3g} ({jnp.dtype(dtype).name}, {kind})"
+
+
+# ---- Gated DeltaNet ----------------------------------------------------------------------------------------
+def gdn_inputs(batch, seq_len, h_k, h_v, k_dim, v_dim, *, with_state=True, dtype=F32, seed=0):
+    """Raw (un-normalised) q, k, v in ``dtype``, fp32 log-decay g <= 0 and beta in (0, 1) ``[B, T, H_v]``, and an
+    fp32 state ``[B, H_v, d_k, d_v]`` or None.
+
+    The decay strength differs per value head, from long memory (exp(g) ~ 0.99) to so short that a chunk's
+    cumulative log-decay is far outside exp's fp32 range, which the chunked forms must mask, not overflow.
+    """
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    q = (2.0 * normal(batch, seq_len, h_k, k_dim)).astype(dtype)
+    k = (2.0 * normal(batch, seq_len, h_k, k_dim)).astype(dtype)
+    v = normal(batch, seq_len, h_v, v_dim).astype(dtype)
+    g = -jnp.geomspace(0.05, 10.0, h_v) * jax.nn.softplus(normal(batch, seq_len, h_v) - 1.0)
+    beta = jax.nn.sigmoid(normal(batch, seq_len, h_v))
+    state = normal(batch, h_v, k_dim, v_dim) if with_state else None
+    return q, k, v, g, beta, state
+
+
+def upcast(inputs):
+    """The inputs in fp32 (None stays None): the oracle's view of bf16 inputs."""
+    return [None if x is None else x.astype(jnp.float32) for x in inputs]
+
+
+def gdn_specs(batch, seq_len, dims=QWEN35_27B, dtype=BF16, with_state=True):
+    """``jax.ShapeDtypeStruct`` s of :func:`gdn_inputs` for ``dims`` = (H_k, H_v, d_k, d_v): for lowering."""
+    h_k, h_v, k_dim, v_dim = dims
+    return [S((batch, seq_len, h_k, k_dim), dtype), S((batch, seq_len, h_k, k_dim), dtype),
+            S((batch, seq_len, h_v, v_dim), dtype), S((batch, seq_len, h_v), F32), S((batch, seq_len, h_v), F32),
+            S((batch, h_v, k_dim, v_dim), F32) if with_state else None]
+
+
+# ---- the reader --------------------------------------------------------------------------------------------
+def gather_inputs(layers, heads, batch, positions, head_dim, rank, dtype, *, sources=None, seed=0):
+    """states ``[L, B, T+1, H_v, d, d]`` in ``dtype``, n ``[B]`` covering T, 0 and a middle position, and fp32 bases
+    U, V ``[M, d, r]`` for M = ``sources`` (default L) source layers x H_v heads."""
+    rng = np.random.default_rng(seed)
+    states = np.asarray(rng.standard_normal((layers, batch, positions, heads, head_dim, head_dim)), dtype)
+    n = rng.integers(0, positions, batch)
+    n[0] = positions - 1
+    n[1:2] = 0
+    n[2:3] = positions // 2
+    m = (layers if sources is None else sources) * heads
+    u, v = (np.asarray(rng.standard_normal((m, head_dim, rank)) / head_dim**0.5, np.float32) for _ in range(2))
+    return states, np.asarray(n, np.int32), u, v
+
+
+def source_layouts(states, layout):
+    """Two source layers as ``state_gather`` receives them (per_position, layers), and the same two stacked for
+    the reference.
+
+    "array": one [2, B, T+1, ...] array; "list": two [B, T+1, ...] arrays, in reverse order (layers picks them);
+    "cache": the target cache's [G, B, T+1, ...] buffer whole, layers 1 and G-1; "two caches": source layers
+    in two buffers, as when they sit at different positions of the target's layer group.
+    """
+    g = states.shape[0]
+    if layout == "array":
+        return states[:2], None, states[:2]
+    if layout == "list":
+        return [states[1], states[0]], ((1, 0), (0, 0)), states[:2]
+    if layout == "cache":
+        return states, ((0, 1), (0, g - 1)), states[[1, g - 1]]
+    assert layout == "two caches"
+    return [states[:2], states[2:]], ((1, 1), (0, 0)), states[[3, 0]]
+
+
+def reader_inputs(batch, block, hidden, pairs, rank, dtype, seed=0):
+    """h ``[B, G, d]``, compressed C ``[B, M, r, r]`` fp32, w_q ``[d, M r]``, w_o ``[M r, d]``, norm weight."""
+    rng = np.random.default_rng(seed)
+    n = pairs * rank
+    h = np.asarray(rng.standard_normal((batch, block, hidden)), dtype)
+    compressed = np.asarray(rng.standard_normal((batch, pairs, rank, rank)), np.float32)
+    w_q = np.asarray(rng.standard_normal((hidden, n)) / hidden**0.5, dtype)
+    w_o = np.asarray(rng.standard_normal((n, hidden)) / n**0.5, dtype)
+    norm_weight = np.asarray(1 + 0.1 * rng.standard_normal(n), dtype)
+    return h, compressed, w_q, w_o, norm_weight
+
+
+def content_inputs(batch, block, hidden, pairs, queries, key_dim, rank, dtype, query_dtype=None, seed=0):
+    """h ``[B, G, d]``, queries ``[B, G, Q, d_k]``, values ``[B, M, d_k, r]`` fp32 (the gather's), w_o, norm
+    weight."""
+    rng = np.random.default_rng(seed)
+    n = pairs * rank
+    h = np.asarray(rng.standard_normal((batch, block, hidden)), dtype)
+    q = np.asarray(rng.standard_normal((batch, block, queries, key_dim)), query_dtype or dtype)
+    values = np.asarray(rng.standard_normal((batch, pairs, key_dim, rank)), np.float32)
+    w_o = np.asarray(rng.standard_normal((n, hidden)) / n**0.5, dtype)
+    norm_weight = np.asarray(1 + 0.1 * rng.standard_normal(n), dtype)
+    return h, q, values, w_o, norm_weight
+
+
+def assert_update_close(name, actual, expected, h, dtype):
+    """A read's result against the reference's, shape and dtype equal, compared as the update ``out - h``."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
+    update, expected_update = (np.asarray(x, np.float32) - np.asarray(h, np.float32) for x in (actual, expected))
+    assert_close(name, update, expected_update, dtype, "reader")
+
+
+# ---- kernel families on this CPU ---------------------------------------------------------------------------
+FAMILIES = ("triton", "tpu")
+TPU_INTERPRET = backend.tpu_interpret_params()  # race detection on two simulated cores, NaN, raising reads
+
+
+def interpret_mode(family: str):
+    """How ``family``'s kernels are interpreted here: Pallas' generic interpreter, or the TPU one."""
+    return True if family == "triton" else TPU_INTERPRET
+
+
+class RaceDetected(AssertionError):
+    """The TPU interpreter's race detector reported a data race."""
+
+
+def run_checked(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run to completion in the TPU interpreter, raising RaceDetected when its race detector
+    reports a race: jax <= 0.11 prints the report and carries on, later versions raise it from the kernel."""
+    pltpu.reset_tpu_interpret_mode_state()  # a kernel that raised leaves the simulated memory behind
+    report = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(report):
+            result = jax.block_until_ready(fn(*args, **kwargs))
+    except Exception as error:
+        if "RACE DETECTED" in str(error):
+            pltpu.reset_tpu_interpret_mode_state()
+            raise RaceDetected(str(error)) from error
+        raise
+    if "RACE DETECTED" in report.getvalue():
+        raise RaceDetected(report.getvalue())
+    sys.stdout.write(report.getvalue())
+    return result
