@@ -46,7 +46,9 @@ def has_libtpu() -> bool:
 
 
 def has_cuda_plugin() -> bool:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    """Whether jax's CUDA plugin is installed (False, not an error, where no jax plugin is)."""
+    return (importlib.util.find_spec("jax_plugins") is not None
+            and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None)
 
 
 @functools.cache

@@ -270,12 +270,12 @@ def compile_all(platform: str, preset: str, impl: str, rollback: str, chips: lis
     return report
 
 
-def compile_on_mesh(preset: str, slice_name: str, model: int | None = None) -> dict:
+def compile_on_mesh(preset: str, slice_name: str, impl: str, model: int | None = None) -> dict:
     """Compile ``preset``'s whole ``generate`` program for every device of a TPU slice (``v5e:2x4``, ...) or a GPU
     node (``h200:1x1x8``: eight H200s on one host), the weights placed by the project's tensor-parallel rules
-    (``ready_jax.sharding``: a ``data x model`` mesh, ``model`` = every device unless given), with XLA's ops: the
-    Pallas kernels are not partitioned (jax asks for a ``shard_map`` around each, which they do not have yet).
-    Memory per device; one line printed."""
+    (``ready_jax.sharding``: a ``data x model`` mesh, ``model`` = every device unless given), the fused ops run by
+    ``impl`` (with Pallas, each kernel per device on its shard: ``pallas_kernels.mesh``). Memory per device; one
+    line printed."""
     kind, _, shape = slice_name.partition(":")
     chip = kind.removeprefix("tpu")
     if chip in deviceless.GPU_TARGETS and shape:
@@ -294,15 +294,17 @@ def compile_on_mesh(preset: str, slice_name: str, model: int | None = None) -> d
     target = target_lib.shard_target(target, layout)
     drafter = drafter_lib.shard_drafter(drafter, layout)
     prompts = np.zeros((geo.batch * (len(devices) // model), geo.prompt), np.int32)
-    program = generation.prepare(target, prompts, geo.max_new_tokens, drafter, impl="xla", batch_invariant=False)
-    result = deviceless.compile_on(program.trace, devices[0])
-    record = {"slice": slice_name, "devices": len(devices), "model": model, "data": len(devices) // model,
+    program = generation.prepare(target, prompts, geo.max_new_tokens, drafter, impl=impl, batch_invariant=False)
+    with backend.lowering_for("cuda" if chip in deviceless.GPU_TARGETS else "tpu"):
+        result = deviceless.compile_on(program.trace, devices[0])
+    record = {"slice": slice_name, "impl": impl, "devices": len(devices), "model": model,
+              "data": len(devices) // model,
               "batch": int(prompts.shape[0]), **dataclasses.asdict(result), "fits_hbm": result.fits(hbm),
               "out_of_memory": result.out_of_memory}
     per_device = ("" if result.memory is None else
                   f"{result.memory['total_bytes'] / 1e9:.2f} GB per device of {hbm / 1e9:.1f}, ")
     status = result.error if result.error else ("fits" if result.fits(hbm) else "does NOT fit")
-    print(f"{slice_name} ({len(devices) // model} x {model} data x model) generate compiled in "
+    print(f"{slice_name} ({len(devices) // model} x {model} data x model, impl {impl}) generate compiled in "
           f"{result.seconds:.1f} s: {per_device}{status}", flush=True)
     return record
 
@@ -354,7 +356,7 @@ def main(argv=None) -> list[Lowered]:
     print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     compiled = compile_all(args.platform, args.preset, args.impl, args.rollback, chips) if chips else {}
-    meshes = [compile_on_mesh(args.preset, name, args.model) for name in args.mesh]
+    meshes = [compile_on_mesh(args.preset, name, args.impl, args.model) for name in args.mesh]
     write_json(args.out, {"settings": vars(args), "lowered": [dataclasses.asdict(r) for r in results],
                           "compiled": compiled, "meshes": meshes})
     failed_compiles = [f"{g} {name}: {r['error']}" for g, programs in compiled.items()

@@ -1,17 +1,22 @@
 """Which kernel family runs a fused op on this machine, and how.
 
 ``impl="pallas"`` runs each op's kernel for the accelerator jax runs on: the Mosaic TPU kernels (``tpu.py`` in
-each op folder) on a TPU, the Triton kernels (``triton.py``) on a GPU. A CPU has neither, so there the kernels run
-in an interpreter, and the family is a choice:
+each op folder) on a TPU; on a GPU the Triton kernels (``triton.py``), or with ``$READY_JAX_GPU_KERNELS=mosaic_gpu``
+(:func:`set_gpu_kernels`) the Mosaic GPU kernels (``mosaic_gpu.py``, jax >= 0.12) of the ops that have one (the
+decode-critical ``gated_delta_recurrent`` and ``state_gather``) and Triton's for the rest. A CPU has neither, so
+there the kernels run in an interpreter, and the family is a choice:
 
 * ``gpu`` (the default): the Triton kernels in Pallas' generic interpret mode (the kernel body evaluated as
   ordinary jax ops, one grid point after another);
 * ``tpu``: the TPU kernels in the TPU interpreter (``pltpu.InterpretParams``), which simulates HBM, VMEM, DMAs
   and semaphores, runs a happens-before race detector, fills memory a kernel never wrote with NaN and raises on
-  out-of-bounds reads.
+  out-of-bounds reads;
+* ``mosaic_gpu``: the Mosaic GPU kernels in jax's GPU interpreter (``plgpu.InterpretGPUParams``, race detector
+  on), the Triton kernels interpreted for the ops without one.
 
-The choice is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu``), or :func:`set_interpret_family` (which
-``ready_jax.runtime.configure(pallas_interpret=...)`` calls), read when a kernel is traced.
+The choice is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu`` | ``mosaic_gpu``), or
+:func:`set_interpret_family` (which ``ready_jax.runtime.configure(pallas_interpret=...)`` calls), read when a
+kernel is traced.
 
 Every op's ``impl`` switch is :func:`run`: the reference under ``"xla"``; under ``"pallas"`` the family's module of
 the op's folder (:class:`KernelOp`), its block config checked, its kernel called.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
 from collections.abc import Callable, Iterator
@@ -28,13 +34,21 @@ from typing import Any, Literal, TypeVar, get_args
 
 import jax
 
+from . import mesh
+
 IMPLS: tuple[str, ...] = ("xla", "pallas")
-Family = Literal["triton", "tpu"]
-InterpretFamily = Literal["gpu", "tpu"]
+Family = Literal["triton", "tpu", "mosaic_gpu"]
+InterpretFamily = Literal["gpu", "tpu", "mosaic_gpu"]
 INTERPRET_FAMILIES: tuple[str, ...] = get_args(InterpretFamily)
 INTERPRET_ENV = "READY_JAX_PALLAS_INTERPRET"
+GpuKernels = Literal["triton", "mosaic_gpu"]
+GPU_KERNEL_FAMILIES: tuple[str, ...] = get_args(GpuKernels)
+GPU_KERNELS_ENV = "READY_JAX_GPU_KERNELS"
+# The family an op runs in when it has no kernel of the chosen one: Mosaic GPU covers the decode-critical ops only.
+FALLBACK: dict[str, str] = {"mosaic_gpu": "triton"}
 
 _interpret_family: str | None = None  # set_interpret_family's choice; None: the environment's
+_gpu_kernels: str | None = None  # set_gpu_kernels' choice; None: the environment's
 _lowering_platform: str | None = None  # lowering_for's platform while it is active
 
 
@@ -45,19 +59,20 @@ def check_impl(impl: object) -> str:
     return impl
 
 
-def _check_family(family: object, where: str) -> str:
-    if not isinstance(family, str) or family.strip().lower() not in INTERPRET_FAMILIES:
-        raise ValueError(f"{where} must be one of {INTERPRET_FAMILIES} (which kernels a CPU interprets), "
-                         f"got {family!r}")
-    return family.strip().lower()
+def _check_choice(value: object, where: str, choices: tuple[str, ...]) -> str:
+    """``value`` lower-cased if it is one of ``choices``; a ValueError naming ``where`` and them otherwise."""
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+    return value.strip().lower()
 
 
 def set_interpret_family(family: InterpretFamily | None) -> None:
-    """Which kernels ``impl="pallas"`` interprets on a CPU: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU), or None
+    """Which kernels ``impl="pallas"`` interprets on a CPU: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU),
+    ``"mosaic_gpu"`` (Mosaic GPU where an op has one, else Triton), or None
     to follow ``$READY_JAX_PALLAS_INTERPRET`` again. Programs already traced keep the kernels they were traced
     with; jit caches key on nothing else, so set this before the first trace."""
     global _interpret_family
-    _interpret_family = None if family is None else _check_family(family, "pallas_interpret")
+    _interpret_family = None if family is None else _check_choice(family, "pallas_interpret", INTERPRET_FAMILIES)
 
 
 def interpret_family() -> str:
@@ -66,7 +81,23 @@ def interpret_family() -> str:
     if _interpret_family is not None:
         return _interpret_family
     value = os.environ.get(INTERPRET_ENV, "").strip()
-    return _check_family(value, f"${INTERPRET_ENV}") if value else "gpu"
+    return _check_choice(value, f"${INTERPRET_ENV}", INTERPRET_FAMILIES) if value else "gpu"
+
+
+def set_gpu_kernels(family: GpuKernels | None) -> None:
+    """Which kernels ``impl="pallas"`` compiles on a GPU: ``"triton"`` or ``"mosaic_gpu"``, or None to follow
+    ``$READY_JAX_GPU_KERNELS`` again (default ``triton``). Set it before the first trace, as
+    :func:`set_interpret_family`."""
+    global _gpu_kernels
+    _gpu_kernels = None if family is None else _check_choice(family, "gpu_kernels", GPU_KERNEL_FAMILIES)
+
+
+def gpu_kernels() -> str:
+    """The family a GPU compiles: :func:`set_gpu_kernels`' choice, else ``$READY_JAX_GPU_KERNELS``, else triton."""
+    if _gpu_kernels is not None:
+        return _gpu_kernels
+    value = os.environ.get(GPU_KERNELS_ENV, "").strip()
+    return _check_choice(value, f"${GPU_KERNELS_ENV}", GPU_KERNEL_FAMILIES) if value else "triton"
 
 
 # Simulated TensorCores: with one, the grid runs in one sequence and the race detector cannot see two programs
@@ -117,10 +148,11 @@ def kernel_target(platform: str | None = None) -> KernelTarget:
     if platform == "tpu":
         return KernelTarget("tpu", False)
     if platform in ("gpu", "cuda", "rocm"):
-        return KernelTarget("triton", False)
-    if interpret_family() == "tpu":
+        return KernelTarget(gpu_kernels(), False)
+    family = interpret_family()
+    if family == "tpu":
         return KernelTarget("tpu", tpu_interpret_params())
-    return KernelTarget("triton", True)
+    return KernelTarget("mosaic_gpu" if family == "mosaic_gpu" else "triton", True)
 
 
 def check_config(config: Any, expected: type, op: str) -> Any:
@@ -147,6 +179,9 @@ class KernelOp:
     kernel: str
     config: str
     families: tuple[str, ...] = ("triton", "tpu")
+    # (args, kwargs) -> (per-argument axes, output axes): which dimensions are the batch and the heads, so that on
+    # a mesh the kernel runs per device on its shard (mesh.per_device); None runs it whole.
+    axes: Callable[..., tuple[list, Any]] | None = None
 
     def module(self, family: str) -> Any:
         """The kernel module of ``family``; a ValueError when the op has no kernel there."""
@@ -159,10 +194,16 @@ class KernelOp:
 def run(op: KernelOp, reference: Callable[..., T], *args: Any, impl: str, config: Any, **kwargs: Any) -> T:
     """``reference(*args, **kwargs)`` when ``impl`` is ``"xla"``; when ``"pallas"``, ``op``'s kernel in the family
     :func:`kernel_target` picks, with ``config`` (checked by :func:`check_config`) and that target's interpret
-    mode. A ValueError for any other ``impl``."""
+    mode; inside :func:`mesh.kernels_on`, once per device on its shard (``op.axes``). A ValueError for any other
+    ``impl``."""
     if check_impl(impl) == "xla":
         return reference(*args, **kwargs)
     target = kernel_target()
-    kernels = op.module(target.family)
+    family = target.family if target.family in op.families else FALLBACK.get(target.family, target.family)
+    kernels = op.module(family)
     config = check_config(config, getattr(kernels, op.config), op.name)
-    return getattr(kernels, op.kernel)(*args, **kwargs, interpret=target.interpret, config=config)
+    kernel = functools.partial(getattr(kernels, op.kernel), **kwargs, interpret=target.interpret, config=config)
+    if op.axes is None:
+        return kernel(*args)
+    arg_axes, out_axes = op.axes(*args, **kwargs)
+    return mesh.per_device(kernel, args, arg_axes, out_axes)

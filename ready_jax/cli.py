@@ -93,7 +93,8 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
                             f"across runs (set ${runtime.CACHE_DIR_ENV} to move it)")
     group.add_argument("--pallas-interpret", type=str.lower, choices=backend.INTERPRET_FAMILIES, default=None,
                        help="on a CPU, which kernels impl='pallas' interprets: gpu (Triton, generic interpreter) "
-                            "or tpu (Mosaic TPU, TPU interpreter with race detection), in any case, as "
+                            "or tpu (Mosaic TPU, TPU interpreter with race detection) or mosaic_gpu (Mosaic GPU "
+                            "where an op has one, GPU interpreter, jax >= 0.12), in any case, as "
                             f"${backend.INTERPRET_ENV} is read; default: ${backend.INTERPRET_ENV}, else gpu")
     result.add_argument("--debug", action="store_true",
                         help=f"on an error, show its traceback instead of one line (so does ${DEBUG_ENV}=1)")

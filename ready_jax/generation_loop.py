@@ -217,12 +217,14 @@ def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key
         head = target_params["embed_tokens"]["embedding"].T                                # [D, V]
         if shared is not None:
             shared = dataclasses.replace(shared, lm_head=head)
-    with jax.named_scope("prefill"):
-        carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
-                         max_new_tokens, settings)
-    carry = jax.lax.while_loop(
-        lambda c: ~jnp.all(c.done),
-        lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, settings), carry)
+    with sharding_lib.kernels_on(settings.layout):
+        with jax.named_scope("prefill"):
+            carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
+                             max_new_tokens, settings)
+        carry = jax.lax.while_loop(
+            lambda c: ~jnp.all(c.done),
+            lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, settings),
+            carry)
     tokens = (carry.buffer, carry.generated, carry.accepted, carry.round)
     if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
         tokens = jax.lax.with_sharding_constraint(tokens, settings.layout.replicated)

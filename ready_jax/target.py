@@ -483,7 +483,8 @@ class Target:
         def run(params, cache, tokens, num_new, *, form, hidden_layers, impl, check_finite, batch_invariant):
             step = functools.partial(extend, self.graphdef, form=form, hidden_layers=hidden_layers, impl=impl,
                                      check_finite=check_finite, batch_invariant=batch_invariant)
-            return self._run_step(step, check_finite, params, cache, tokens, num_new)
+            with sharding_lib.kernels_on(self.layout):
+                return self._run_step(step, check_finite, params, cache, tokens, num_new)
 
         return jax.jit(run, static_argnames=("form", "hidden_layers", "impl", "check_finite", "batch_invariant"),
                        donate_argnames=("cache",), compiler_options=numerics.compiler_options(True))
@@ -497,7 +498,8 @@ class Target:
                 return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback,
                               impl=impl, check_finite=check_finite, batch_invariant=batch_invariant)
 
-            return self._run_step(step, check_finite, params, donated, kept, lengths, block)
+            with sharding_lib.kernels_on(self.layout):
+                return self._run_step(step, check_finite, params, donated, kept, lengths, block)
 
         # Only what keeps its shape through verify is donated (see _split_layers).
         return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl", "check_finite", "batch_invariant"),

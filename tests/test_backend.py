@@ -82,14 +82,15 @@ def test_configure_picks_the_family_over_the_environment_and_none_leaves_it(fami
 
 @pytest.mark.parametrize("value", ["cuda", "TPUs", "", 1])
 def test_a_bad_family_is_a_value_error_naming_the_choices(family, value):
-    with pytest.raises(ValueError, match=r"pallas_interpret must be one of \('gpu', 'tpu'\)"):
+    with pytest.raises(ValueError, match=r"pallas_interpret must be one of \('gpu', 'tpu', 'mosaic_gpu'\)"):
         runtime.configure(compile_cache=False, cpu_flags=False, pallas_interpret=value)
     assert backend.interpret_family() == "gpu"  # nothing changed
 
 
 def test_a_bad_environment_value_is_a_value_error_naming_the_variable(family, monkeypatch):
     monkeypatch.setenv(backend.INTERPRET_ENV, "triton")
-    with pytest.raises(ValueError, match=rf"\${backend.INTERPRET_ENV} must be one of \('gpu', 'tpu'\).*'triton'"):
+    choices = r"\('gpu', 'tpu', 'mosaic_gpu'\)"
+    with pytest.raises(ValueError, match=rf"\${backend.INTERPRET_ENV} must be one of {choices}.*'triton'"):
         backend.kernel_target("cpu")
     monkeypatch.setenv(backend.INTERPRET_ENV, " TPU ")  # spacing and case are forgiven
     assert backend.interpret_family() == "tpu"
@@ -97,7 +98,7 @@ def test_a_bad_environment_value_is_a_value_error_naming_the_variable(family, mo
 
 def test_the_scripts_take_pallas_interpret(family):
     parser = cli.parser("experiments.demo", "A script.")
-    assert "--pallas-interpret {gpu,tpu}" in parser.format_help()
+    assert "--pallas-interpret {gpu,tpu,mosaic_gpu}" in parser.format_help()
     assert parser.parse_args(["--no-compile-cache"]).runtime["pallas_interpret"] == "gpu"
     args = parser.parse_args(["--no-compile-cache", "--pallas-interpret", "tpu"])
     assert args.runtime["pallas_interpret"] == "tpu" and backend.interpret_family() == "tpu"

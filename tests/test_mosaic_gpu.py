@@ -206,3 +206,25 @@ def test_interpreting_checks_races_uninitialised_reads_and_bounds():
     params = gpu_interpret_params(True)
     assert (params.detect_races, params.on_race, params.uninitialized_memory, params.out_of_bounds_reads) == (
         True, "raise", "nan", "raise")
+
+
+@needs_interpreter
+def test_generate_with_the_mosaic_gpu_family_equals_xla(monkeypatch):
+    """``READY_JAX_PALLAS_INTERPRET=mosaic_gpu``: generate runs gated_delta_recurrent and state_gather in the Mosaic
+    GPU interpreter (Triton's kernels for the other ops) and gives XLA's greedy tokens; d_k = 64 for the gather's
+    register tiles."""
+    import dataclasses
+
+    import ready_jax as rj
+    from pallas_kernels import backend
+
+    monkeypatch.setattr(backend, "_interpret_family", "mosaic_gpu")
+    config = dataclasses.replace(rj.TargetConfig.tiny(), linear_key_head_dim=64, linear_value_head_dim=16)
+    target = rj.Target.init(config, seed=0)
+    drafter = rj.Drafter.init(config, rj.DrafterConfig(
+        block_size=3, num_layers=1, markov_rank=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=32, reader=rj.ReaderConfig(source_layers=(1,), rank=4)), seed=1)
+    prompts = [np.arange(5) % 97]
+    expected = rj.generate(target, prompts, 4, drafter=drafter).tokens
+    assert backend.kernel_target("cpu").family == "mosaic_gpu"
+    np.testing.assert_array_equal(rj.generate(target, prompts, 4, drafter=drafter, impl="pallas").tokens, expected)

@@ -14,14 +14,29 @@ import functools
 
 import jax
 
-from .. import backend
+from .. import backend, mesh
 from . import reference
 from .reference import gated_delta_naive, normalized_query_key
 
 __all__ = ["gated_delta_chunked", "gated_delta_naive", "gated_delta_recurrent", "normalized_query_key"]
 
-RECURRENT = backend.KernelOp("gated_delta_recurrent", __name__, kernel="gdn_recurrent", config="GDNRecurrentConfig")
-CHUNKED = backend.KernelOp("gated_delta_chunked", __name__, kernel="gdn_chunked", config="GDNChunkedConfig")
+_TOKENS = (mesh.BATCH, None, mesh.HEADS, None)      # q, k [B, T, H_k, d_k]; v, o [B, T, H_v, d_v]
+_GATES = (mesh.BATCH, None, mesh.HEADS)             # g, beta [B, T, H_v]
+_STATE = (mesh.BATCH, mesh.HEADS, None, None)       # [B, H_v, d_k, d_v]
+_STATES = (mesh.BATCH, None, mesh.HEADS, None, None)  # [B, T (+1), H_v, d_k, d_v]
+
+
+def _axes(q, k, v, g, beta, initial_state, *, output_all_states: bool, **options) -> tuple[list, tuple]:
+    """Batch and heads of every argument and output: each (sequence, value head) runs on its own."""
+    state = None if initial_state is None else _STATE
+    return ([_TOKENS, _TOKENS, _TOKENS, _GATES, _GATES, state],
+            (_TOKENS, _STATES if output_all_states else _STATE))
+
+
+RECURRENT = backend.KernelOp("gated_delta_recurrent", __name__, kernel="gdn_recurrent", config="GDNRecurrentConfig",
+                             families=("triton", "tpu", "mosaic_gpu"), axes=_axes)
+CHUNKED = backend.KernelOp("gated_delta_chunked", __name__, kernel="gdn_chunked", config="GDNChunkedConfig",
+                           axes=_axes)
 
 
 def gated_delta_recurrent(

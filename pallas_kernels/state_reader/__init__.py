@@ -16,15 +16,54 @@ from collections.abc import Sequence
 
 import jax
 
-from .. import backend
+from .. import backend, mesh
 from . import reference
 
 __all__ = ["content_read", "content_reader", "state_gather", "state_reader"]
 
-GATHER = backend.KernelOp("state_gather", __name__, kernel="state_gather", config="GatherConfig")
-READ = backend.KernelOp("state_reader", __name__, kernel="state_reader", config="ReaderKernelConfig")
-CONTENT_READER = backend.KernelOp("content_reader", __name__, kernel="content_reader", config="ContentReaderConfig")
-CONTENT_READ = backend.KernelOp("content_read", __name__, kernel="content_read", config="ContentReaderConfig")
+def _per_sequence(x: jax.Array) -> mesh.Axes:
+    """The axes of a per-sequence array ``[B, ...]``."""
+    return (mesh.BATCH,) + (None,) * (x.ndim - 1)
+
+
+def _gather_axes(per_position, n_committed, key_basis, value_basis, *, layers) -> tuple[list, mesh.Axes]:
+    """Each sequence's states ``[B, T+1, ...]`` or ``[L, B, T+1, ...]`` are gathered on their own; the bases are
+    whole on every device. -> ``[B, M, ., .]``."""
+    def states(x: jax.Array) -> mesh.Axes:
+        return (None, mesh.BATCH) + (None,) * (x.ndim - 2) if x.ndim == 6 else _per_sequence(x)
+
+    per_position_axes = (type(per_position)(states(x) for x in per_position)
+                         if isinstance(per_position, list | tuple) else states(per_position))
+    return ([per_position_axes, _per_sequence(n_committed), mesh.whole(key_basis), mesh.whole(value_basis)],
+            (mesh.BATCH, None, None, None))
+
+
+def _read_axes(h, per_sequence, *weights_and_eps) -> tuple[list, mesh.Axes]:
+    """A read is per sequence: ``h`` and the per-sequence input split with the batch, the weights whole (eps
+    passed as it is). -> ``[B, G, d]``."""
+    *weights, _ = weights_and_eps
+    return [_per_sequence(h), _per_sequence(per_sequence), *map(mesh.whole, weights), None], _per_sequence(h)
+
+
+def _content_reader_axes(h, queries, values, w_o, norm_weight, eps) -> tuple[list, mesh.Axes]:
+    """Per sequence; -> ``[B, G, d]``."""
+    return ([_per_sequence(h), _per_sequence(queries), _per_sequence(values), mesh.whole(w_o),
+             mesh.whole(norm_weight), None], _per_sequence(h))
+
+
+def _content_read_axes(queries, values) -> tuple[list, mesh.Axes]:
+    """Per sequence; -> ``[B, G, M, r]``."""
+    return [_per_sequence(queries), _per_sequence(values)], (mesh.BATCH, None, None, None)
+
+
+GATHER = backend.KernelOp("state_gather", __name__, kernel="state_gather", config="GatherConfig",
+                          families=("triton", "tpu", "mosaic_gpu"), axes=_gather_axes)
+READ = backend.KernelOp("state_reader", __name__, kernel="state_reader", config="ReaderKernelConfig",
+                        axes=_read_axes)
+CONTENT_READER = backend.KernelOp("content_reader", __name__, kernel="content_reader", config="ContentReaderConfig",
+                                  axes=_content_reader_axes)
+CONTENT_READ = backend.KernelOp("content_read", __name__, kernel="content_read", config="ContentReaderConfig",
+                                axes=_content_read_axes)
 
 
 def state_gather(
