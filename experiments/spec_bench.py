@@ -73,7 +73,8 @@ from ready_jax import checkpoint, cli, files
 from .common import convert_module, shown, write_json
 
 # The project's own questions in Spec-Bench's format and categories; Spec-Bench's are passed with --questions.
-QUESTIONS = cli.repo_path("experiments", "data", "spec_bench_questions.jsonl")
+# Beside this module, in a checkout and in an installed wheel alike (package data of ready_jax.experiments).
+QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench_questions.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -22,7 +22,7 @@ from test_training_reliability import _drafter_argv, _stand_ins
 
 import ready_jax as rj
 from convert import deepspec, hf_target, upgrade
-from experiments import reproduce_table, train_drafter, zoo_runs
+from experiments import reproduce_table, spec_bench, train_drafter, zoo_runs
 from ready_jax import checkpoint, cli, data
 from ready_jax.hf_format import read_hf_config
 from ready_jax.training import distillation
@@ -323,3 +323,7 @@ def test_the_wheel_holds_no_top_level_convert_or_experiments(tmp_path):
     assert {"ready_jax/convert/hf_target.py", "ready_jax/experiments/compare_zoo.py"} <= set(wheel.namelist())
     entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     assert "ready-jax-spec-bench = ready_jax.experiments.spec_bench:main" in wheel.read(entry_points).decode()
+    # spec_bench's default questions, where the installed module looks for them (beside itself)
+    questions = "ready_jax/experiments/data/spec_bench_questions.jsonl"
+    assert wheel.read(questions) == spec_bench.QUESTIONS.read_bytes()
+    assert spec_bench.QUESTIONS == REPO / "experiments" / "data" / "spec_bench_questions.jsonl"
