@@ -48,7 +48,7 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
     Pallas kernels."""
     results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats, name="ar")}
     reference = results["ar"].pop("tokens")
-    rates = [float(r) for r in args.error_rates.split(",")]
+    rates = args.error_rates
     variants = dict(variants)
     for rate in rates:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=cli.positive_int,
                         help="tokens generated per sequence (None: the preset's)")
     parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7, help="drafts per round (gamma)")
-    parser.add_argument("--error-rates", default="0.0,0.25,0.5",
+    parser.add_argument("--error-rates", type=cli.comma_list(cli.probability), default="0.0,0.25,0.5",
                         help="scripted drafters: fraction of wrong drafts")
     parser.add_argument("--repeats", type=cli.positive_int, default=3,
                         help="timed runs per figure (the median is kept)")

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend, gated_delta, state_reader
 from ready_jax import cli
+from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import IMPLS
 
 from .common import write_json
@@ -95,10 +96,6 @@ def register(name: str) -> Callable[[CaseFactory], CaseFactory]:
 
 def _nbytes(*specs: tuple[tuple[int, ...], Any]) -> int:
     return sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize for shape, dtype in specs)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
 
 
 def _triton_configs(make: Callable[[], tuple]) -> tuple:
@@ -505,29 +502,31 @@ def run_cases(cases: list, args, on_gpu: bool, deadline: float) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("experiments.bench_kernels", __doc__)
-    p.add_argument("--kernels", default=",".join(REGISTRY), help=f"comma list of {sorted(REGISTRY)}")
-    p.add_argument("--batches", type=_ints, default=None, help="batch sizes (GPU / TPU default 1,4; CPU 1)")
-    p.add_argument("--ranks", type=_ints, default=None, help="reader ranks (GPU / TPU default 8,128; CPU 8,16)")
-    p.add_argument("--block-size", type=int, default=7,
+    p.add_argument("--kernels", type=cli.comma_list(cli.one_of(tuple(REGISTRY))), default=",".join(REGISTRY),
+                   help=f"comma list of {sorted(REGISTRY)}")
+    p.add_argument("--batches", type=cli.positive_ints, default=None, help="batch sizes (GPU / TPU default 1,4; CPU 1)")
+    p.add_argument("--ranks", type=cli.positive_ints, default=None,
+                   help="reader ranks (GPU / TPU default 8,128; CPU 8,16)")
+    p.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7,
                    help="drafts per round, gamma (the verify pass keeps gamma + 2 states)")
-    p.add_argument("--prefill-lengths", type=_ints, default=None,
+    p.add_argument("--prefill-lengths", type=cli.positive_ints, default=None,
                    help="gdn_chunked prompt lengths (GPU / TPU default 1024,4096; CPU 100)")
     p.add_argument("--param-dtype", default="bfloat16", help="drafter parameter / activation dtype")
-    p.add_argument("--iterations", type=int, default=None,
+    p.add_argument("--iterations", type=cli.positive_int, default=None,
                    help="timed calls per measurement (GPU / TPU 200, CPU 3)")
     p.add_argument("--sweep", action="store_true",
                    help="also time each case's alternative Pallas configs (Triton kernels only)")
-    p.add_argument("--hbm-peak-gbps", type=float, default=4800.0,
+    p.add_argument("--hbm-peak-gbps", type=cli.positive_float, default=4800.0,
                    help="HBM peak for the fraction (H200: 4800; TPU v5e: 819, v6e: 1640, v5p: 2765)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="start nothing new after this many seconds")
+    p.add_argument("--budget-s", type=cli.positive_float, default=420.0,
+                   help="start nothing new after this many seconds")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
 
 
 @cli.main
 def main(argv: Sequence[str] | None = None) -> dict:
-    p = build_parser()
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     start = time.perf_counter()
     deadline = start + args.budget_s
     platform = jax.default_backend()
@@ -536,9 +535,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.batches = args.batches or ((1, 4) if on_accelerator else (1,))
     args.ranks = args.ranks or ((8, 128) if on_accelerator else (8, 16))
     args.iterations = args.iterations or (200 if on_accelerator else 3)
-    unknown = [k for k in args.kernels.split(",") if k and k not in REGISTRY]
-    if unknown:
-        p.error(f"unknown kernels {unknown}; registered: {sorted(REGISTRY)}")
     device = jax.devices()[0].device_kind
     if on_accelerator:
         timer = "CUPTI when available" if on_gpu else "wall clock per synchronous call"
@@ -551,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     floor = launch_floor(args.iterations, on_gpu)
     print("launch floor: " + ", ".join(f"{k} {v['median_us']:.2f} us ({v['timer']})" for k, v in floor.items()))
-    cases = [c for name in args.kernels.split(",") if name for c in REGISTRY[name](args, on_accelerator)]
+    cases = [c for name in args.kernels for c in REGISTRY[name](args, on_accelerator)]
     records = run_cases(cases, args, on_gpu, deadline)
 
     result = {"platform": platform, "kernel_family": family, "device": device, "timings_meaningful": on_accelerator,

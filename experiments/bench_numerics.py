@@ -74,7 +74,7 @@ def build_parser():
     parser = cli.parser("experiments.bench_numerics", __doc__)
     parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory)
     parser.add_argument("--drafter", default=cli.repo_path("zoo", "ready"), type=cli.existing_directory)
-    parser.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
+    parser.add_argument("--batches", type=cli.positive_ints, default="1,16", help="batch sizes, comma-separated")
     parser.add_argument("--prompt-tokens", type=cli.positive_int, default=48, help="tokens per prompt")
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="for the generate timings")
     parser.add_argument("--repeats", type=cli.positive_int, default=20, help="timed runs of each step")
@@ -85,12 +85,7 @@ def build_parser():
 @cli.main
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        raise SystemExit(f"--batches must be comma-separated integers, got {args.batches!r}") from None
-    if not batches or min(batches) < 1:
-        raise SystemExit(f"--batches must be integers >= 1, got {args.batches!r}")
+    batches = args.batches
     target = rj.Target.load(args.target)                                   # as saved: the zoo's bf16
     drafter = rj.Drafter.load(args.drafter, dtype=target.dtype)
     prompts = held_out_prompts(Path(args.target), max(batches), args.prompt_tokens, 0)

@@ -32,10 +32,10 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli
+from ready_jax import cli, numerics
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
-from ready_jax.drafter_config import MAX_BLOCK_SIZE, numerics
+from ready_jax.drafter_config import MAX_BLOCK_SIZE
 
 from .common import write_json
 from .presets import PRESETS
@@ -324,7 +324,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens generated per measured run")
     parser.add_argument("--block-size", type=cli.int_in(1, MAX_BLOCK_SIZE), default=7,
                         help="drafts per round (gamma) of the measured loop")
-    parser.add_argument("--gammas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 7, 15],
+    parser.add_argument("--gammas", type=cli.comma_list(cli.int_in(1, MAX_BLOCK_SIZE)), default="1,3,7,15",
                         help="verify of gamma + 1 tokens is timed for each")
     parser.add_argument("--repeats", type=cli.positive_int, default=20,
                         help="timed calls per component (the median is kept)")

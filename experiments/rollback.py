@@ -35,6 +35,7 @@ import ready_jax as rj
 from ready_jax import cache as cache_lib
 from ready_jax import cli
 from ready_jax import target as target_lib
+from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import ROLLBACKS
 
 from .common import pyplot, save_figure, write_json
@@ -86,7 +87,8 @@ def plot(path: str | None, results: dict, preset: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.rollback", __doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="target geometry measured")
-    parser.add_argument("--block-sizes", default="1,2,4,8,16", help="drafts per round (gamma) to measure")
+    parser.add_argument("--block-sizes", type=cli.comma_list(cli.int_in(1, MAX_BLOCK_SIZE)), default="1,2,4,8,16",
+                        help="drafts per round (gamma) to measure")
     parser.add_argument("--prompt", type=cli.positive_int, help="prompt length (None: the preset's)")
     parser.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per batch")
     parser.add_argument("--repeats", type=cli.positive_int, default=10,
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     preset = PRESETS[args.preset]
     dtype = jnp.dtype(preset.dtype)
-    gammas = [int(g) for g in args.block_sizes.split(",")]
+    gammas = args.block_sizes
     prompt_len = args.prompt or preset.prompt
     config = preset.target
     # The hidden states a drafter would ask verify for (they are part of the real verify's work).

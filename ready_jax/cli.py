@@ -4,8 +4,9 @@
 docstring as it is laid out, every option's default in ``--help``, the runtime options of
 ``ready_jax.runtime`` applied as soon as the arguments are parsed); :func:`main` wraps every script's
 ``main``, so that an error of the input or of the file system ends the script with one line, ``error: ...``;
-the argparse types (:func:`positive_int`, :func:`int_in`, :func:`existing_file`, ...) and :func:`check_positions`
-refuse an argument out of its range as the arguments are parsed, before any work;
+the argparse types (:func:`positive_int`, :func:`int_in`, :func:`existing_file`, :func:`comma_list` of any of
+them, ...) and :func:`check_positions` refuse an argument out of its range as the arguments are parsed, before
+any work;
 :func:`repo_path` resolves the repository's own files (``zoo/``, ``results/``, the shared data at
 ``../shared/data``) against the repository root, so a default path works from any working directory;
 :class:`Progress` reports a loop someone waits on.
@@ -177,16 +178,43 @@ def int_in(low: int, high: int):
     return parse
 
 
+def comma_list(item):
+    """argparse type: comma-separated values, each parsed and range-checked by the argparse type ``item``
+    (``comma_list(int_in(1, 256))`` takes ``1,2,4``); an empty item is refused like any other bad one."""
+    def parse(text: str) -> list:
+        values = []
+        for part in text.split(","):
+            try:
+                values.append(item(part))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(str(e) if part == text else f"{text!r}: {e}") from None
+        return values
+
+    return parse
+
+
 def positive_ints(text: str) -> list[int]:
-    """argparse type: comma-separated integers >= 1 (prefix lengths, prompt lengths): ``128,2048``."""
-    parts = text.split(",")
-    try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if any(value < 1 for value in values):
-        raise argparse.ArgumentTypeError(f"{text!r} holds an integer below 1")
-    return values
+    """argparse type: comma-separated integers >= 1 (prefix lengths, batch sizes): ``128,2048``."""
+    return comma_list(positive_int)(text)
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in 0..1 (a rate, a fraction)."""
+    value = _number(text, float)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in 0..1")
+    return value
+
+
+def one_of(choices):
+    """argparse type: one of ``choices`` (for :func:`comma_list`, where argparse's own ``choices`` cannot look
+    inside the list)."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
 
 
 def existing_file(text: str) -> str:

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from experiments import common, compare_zoo, cost_model, spec_bench
+from experiments import (
+    bench_generate,
+    bench_kernels,
+    bench_numerics,
+    common,
+    compare_zoo,
+    cost_model,
+    loop_efficiency,
+    rollback,
+    spec_bench,
+)
 from experiments import demo as random_demo
 from experiments.long_range import demo as long_range_demo
 from experiments.long_range import main as long_range
@@ -38,7 +48,7 @@ def _usage_line(capsys, main, argv) -> str:
     (long_range.main, ["cost", "--target", "/nonexistent"], "argument --target: '/nonexistent' is missing"),
     (long_range.main, ["evaluate", "--repeats", "0"], "argument --repeats"),
     (long_range.main, ["evaluate", "--prefixes", "256", "-5"], "argument --prefixes"),
-    (cost_model.main, ["--prefixes", "-5"], "argument --prefixes: '-5' holds an integer below 1"),
+    (cost_model.main, ["--prefixes", "-5"], "argument --prefixes: '-5' is not an integer >= 1"),
     (cost_model.main, ["--prefixes", "0"], "argument --prefixes"),
     (cost_model.main, ["--round-prompts", "128,x"], "argument --round-prompts"),
     (cost_model.main, ["--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
@@ -55,12 +65,34 @@ def _usage_line(capsys, main, argv) -> str:
     (spec_bench.main, ["--target", str(ZOO / "target"), "--limit", "0"], "argument --limit"),
     (spec_bench.main, ["--target", str(ZOO / "target"), "--baseline", "/nonexistent"], "argument --baseline"),
     (spec_bench.main, ["--target", str(ZOO / "target"), "--pallas-interpret", "CUDA"], "argument --pallas-interpret"),
+    (bench_kernels.main, ["--kernels", "state_gather,nope"], "argument --kernels: 'state_gather,nope': 'nope' is not "
+                                                             "one of state_gather"),
+    (bench_kernels.main, ["--batches", "1,0"], "argument --batches: '1,0': '0' is not an integer >= 1"),
+    (bench_kernels.main, ["--ranks", "8,"], "argument --ranks: '8,': '' is not an integer"),
+    (bench_kernels.main, ["--prefill-lengths", "x"], "argument --prefill-lengths: 'x' is not an integer"),
+    (bench_kernels.main, ["--block-size", "0"], "argument --block-size: '0' is not an integer in 1..256"),
+    (bench_kernels.main, ["--iterations", "0"], "argument --iterations"),
+    (bench_numerics.main, ["--batches", "1,-16"], "argument --batches: '1,-16': '-16' is not an integer >= 1"),
+    (rollback.main, ["--block-sizes", "1,2,0"], "argument --block-sizes: '1,2,0': '0' is not an integer in 1..256"),
+    (rollback.main, ["--block-sizes", "4,1000"], "argument --block-sizes: '4,1000': '1000' is not an integer in"),
+    (loop_efficiency.main, ["--gammas", "1,3,x"], "argument --gammas: '1,3,x': 'x' is not an integer"),
+    (loop_efficiency.main, ["--gammas", "-1"], "argument --gammas: '-1' is not an integer in 1..256"),
+    (bench_generate.main, ["--error-rates", "0.0,1.5"], "argument --error-rates: '0.0,1.5': '1.5' is not a number in "
+                                                        "0..1"),
+    (bench_generate.main, ["--error-rates", "nan"], "argument --error-rates: 'nan' is not a number in 0..1"),
 ])
 def test_an_argument_out_of_range_is_one_line_naming_it_before_any_work(tmp_path, capsys, main, argv, named):
     argv = [str(tmp_path / "runs") if a == "RUNS" else str(tmp_path) if a == "TMP" else a for a in argv]
     line = _usage_line(capsys, main, argv)
     assert named.replace("TMP", str(tmp_path)) in line, line
     assert not (tmp_path / "runs").exists()
+
+
+def test_comma_lists_parse_to_lists_of_checked_items():
+    assert cli.positive_ints("128,2048") == [128, 2048]
+    assert cli.comma_list(cli.probability)("0,0.25,1") == [0.0, 0.25, 1.0]
+    assert rollback.build_parser().parse_args(["--no-compile-cache"]).block_sizes == [1, 2, 4, 8, 16]
+    assert bench_kernels.build_parser().parse_args(["--no-compile-cache"]).kernels == list(bench_kernels.REGISTRY)
 
 
 def test_jobs_0_ends_at_once_rather_than_waiting_forever(tmp_path):
