@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, data
+from ready_jax import cli, data, files
 
 from .common import measured_tau
 
@@ -155,25 +155,34 @@ def ship_dirs(sources: dict[str, Path], zoo: Path) -> None:
     """Copy each source directory to ``zoo/<folder>`` (replacing it) and record its files in ``zoo/MANIFEST.json``.
 
     Every file must be the one recorded in the ``MANIFEST.json`` beside its source directory (training writes
-    it: sha256 and the command that made it); the zoo's entries for other folders are kept.
+    it: sha256 and the command that made it); the zoo's entries for other folders are kept. One ship at a time
+    per zoo (``zoo/ship.lock``; another is refused with the holder named). Each folder is written beside its
+    destination and swapped in by one rename (``files.write_directory``), so an interrupted ship leaves every
+    folder whole, the old one or the new, and no half-copied one; the manifest is rewritten the same way once
+    every folder is in place (after an interruption it still describes the folders it did, until a rerun).
     """
-    manifest_path = zoo / "MANIFEST.json"
-    old = json.loads(manifest_path.read_text())["files"] if manifest_path.exists() else {}
-    files = {rel: entry for rel, entry in old.items() if not any(rel.startswith(f"{folder}/") for folder in sources)}
+    shipped = {}
     for folder, src in sources.items():
         record = json.loads((src.parent / "MANIFEST.json").read_text())
         for path in sorted(p for p in src.iterdir() if p.is_file()):
             entry = record["files"].get(f"{src.name}/{path.name}")
             if entry is None or entry["sha256"] != hashlib.sha256(path.read_bytes()).hexdigest():
                 raise SystemExit(f"{path} is not the file its manifest records; retrain or re-export it")
-            files[f"{folder}/{path.name}"] = {**repo_relative(entry), "copied_from": relative(path)}
-    for folder, src in sources.items():
-        shutil.rmtree(zoo / folder, ignore_errors=True)
-        shutil.copytree(src, zoo / folder)
-    manifest_path.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
-    shipped = [e["bytes"] for rel, e in files.items() if any(rel.startswith(f"{f}/") for f in sources)]
-    print(f"wrote {len(shipped)} files ({sum(shipped) / 1e6:.1f} MB) to {zoo}; the zoo holds "
-          f"{sum(e['bytes'] for e in files.values()) / 1e6:.1f} MB in all")
+            shipped[f"{folder}/{path.name}"] = {**repo_relative(entry), "copied_from": relative(path)}
+
+    def record_shipped(manifest: dict) -> None:
+        kept = {rel: entry for rel, entry in manifest.get("files", {}).items()
+                if not any(rel.startswith(f"{folder}/") for folder in sources)}
+        manifest["files"] = {**kept, **shipped}
+
+    zoo.mkdir(parents=True, exist_ok=True)
+    with files.exclusive_lock(zoo / "ship.lock", {"command": " ".join(sys.argv)}, what=f"the zoo {zoo}"):
+        for folder, src in sources.items():
+            files.write_directory(zoo / folder, lambda tmp, src=src: shutil.copytree(src, tmp, dirs_exist_ok=True))
+        files.update_json(zoo / "MANIFEST.json", record_shipped)
+    every = json.loads((zoo / "MANIFEST.json").read_text())["files"]
+    print(f"wrote {len(shipped)} files ({sum(e['bytes'] for e in shipped.values()) / 1e6:.1f} MB) to {zoo}; the "
+          f"zoo holds {sum(e['bytes'] for e in every.values()) / 1e6:.1f} MB in all")
 
 
 def relative(path) -> str:

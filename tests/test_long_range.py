@@ -1,6 +1,11 @@
 """The long-range recall task (``ready_jax.long_range_task``) and the long-range testbed's pieces."""
 
+import fcntl
+import hashlib
 import json
+import os
+import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +17,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from experiments import zoo_runs
 from experiments.long_range import arms, cost, evaluate, main, probes
-from ready_jax import cli, data
+from ready_jax import cli, data, files
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
     LONG_RANGE_POOL,
@@ -318,26 +323,72 @@ def test_reader_effect_is_zero_for_an_untrained_reader(tiny_target):
     assert moved["mean_abs_logit_change"] > 0
 
 
+def _trained_runs(runs, contents: dict[str, bytes]) -> None:
+    """Run folders holding one model file each, recorded in the ``MANIFEST.json`` beside them as training does."""
+    for folder, content in contents.items():
+        (runs / folder).mkdir(parents=True, exist_ok=True)
+        (runs / folder / "model.safetensors").write_bytes(content)
+    record = {"files": {f"{f}/model.safetensors": {"sha256": hashlib.sha256(c).hexdigest(), "bytes": len(c),
+                                                   "command": f"make {f}"} for f, c in contents.items()}}
+    (runs / "MANIFEST.json").write_text(json.dumps(record))
+
+
 def test_ship_records_the_testbed_in_the_zoo_manifest(tmp_path):
     runs = tmp_path / "runs"
-    for folder in ("target", "control_s0"):
-        (runs / folder).mkdir(parents=True)
-        (runs / folder / "model.safetensors").write_bytes(folder.encode())
-    record = {"files": {f"{f}/model.safetensors": {"sha256": __import__("hashlib").sha256(f.encode()).hexdigest(),
-                                                   "bytes": len(f), "command": f"make {f}"}
-                        for f in ("target", "control_s0")}}
-    (runs / "MANIFEST.json").write_text(json.dumps(record))
+    _trained_runs(runs, {"target": b"target", "control_s0": b"control_s0"})
     zoo = tmp_path / "zoo"
     zoo.mkdir()
     (zoo / "MANIFEST.json").write_text(json.dumps({"files": {"dspark/a": {"sha256": "x", "bytes": 1}}}))
     zoo_runs.ship_dirs({"long_range/target": runs / "target", "long_range/control": runs / "control_s0"}, zoo)
-    files = json.loads((zoo / "MANIFEST.json").read_text())["files"]
-    assert set(files) == {"dspark/a", "long_range/target/model.safetensors", "long_range/control/model.safetensors"}
-    assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
+    recorded = json.loads((zoo / "MANIFEST.json").read_text())["files"]
+    assert set(recorded) == {"dspark/a", "long_range/target/model.safetensors",
+                             "long_range/control/model.safetensors"}
+    assert recorded["long_range/control/model.safetensors"]["command"] == "make control_s0"
     assert (zoo / "long_range" / "control" / "model.safetensors").read_bytes() == b"control_s0"
     (runs / "target" / "model.safetensors").write_bytes(b"changed")
     with pytest.raises(SystemExit, match="not the file its manifest records"):
         zoo_runs.ship_dirs({"long_range/target": runs / "target"}, zoo)
+
+
+def test_an_interrupted_ship_leaves_every_zoo_folder_whole(tmp_path, monkeypatch):
+    """A ship killed while copying its second folder: the first is the new one, the second still the old one,
+    whole, no half-copied folder or temporary is left in the zoo, and the manifest is the previous ship's."""
+    runs, zoo = tmp_path / "runs", tmp_path / "zoo"
+    _trained_runs(runs, {"target": b"old target", "control_s0": b"old control"})
+    sources = {"long_range/target": runs / "target", "long_range/control": runs / "control_s0"}
+    zoo_runs.ship_dirs(sources, zoo)
+    manifest = (zoo / "MANIFEST.json").read_bytes()
+    _trained_runs(runs, {"target": b"new target", "control_s0": b"new control"})
+    copytree = shutil.copytree
+
+    def killed_after_copying_the_control(src, dst, **kwargs):
+        copytree(src, dst, **kwargs)
+        if Path(src).name == "control_s0":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "copytree", killed_after_copying_the_control)
+    with pytest.raises(KeyboardInterrupt):
+        zoo_runs.ship_dirs(sources, zoo)
+    assert (zoo / "long_range" / "target" / "model.safetensors").read_bytes() == b"new target"
+    assert (zoo / "long_range" / "control" / "model.safetensors").read_bytes() == b"old control"
+    assert sorted(p.name for p in (zoo / "long_range").iterdir()) == ["control", "target"]
+    assert sorted(p.name for p in zoo.iterdir()) == ["MANIFEST.json", "long_range"]  # the lock went with the ship
+    assert (zoo / "MANIFEST.json").read_bytes() == manifest
+
+
+def test_a_second_ship_into_the_same_zoo_is_refused_and_changes_nothing(tmp_path):
+    runs, zoo = tmp_path / "runs", tmp_path / "zoo"
+    _trained_runs(runs, {"target": b"target"})
+    zoo.mkdir()
+    lock = os.open(zoo / "ship.lock", os.O_RDWR | os.O_CREAT)  # another process's ship, as it holds the lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(lock, json.dumps({"pid": 4242, "command": "python -m experiments.long_range ship"}).encode())
+        with pytest.raises(files.LockHeld, match="process 4242 .*long_range ship"):
+            zoo_runs.ship_dirs({"long_range/target": runs / "target"}, zoo)
+    finally:
+        os.close(lock)
+    assert sorted(p.name for p in zoo.iterdir()) == ["ship.lock"]
 
 
 def test_target_defaults_to_the_shipped_one_which_ship_does_not_copy_onto_itself(tmp_path):
