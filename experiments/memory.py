@@ -72,7 +72,7 @@ def analyse(program: generation.Program, compiled=None) -> dict:
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     settings = program.settings
-    target_params, drafter_params, shared, prompts = program.args[:4]
+    target_params, drafter_params, prompts = program.args[:3]
     batch, capacity = prompts.shape[0], settings.capacity
     dtype = jax.tree.leaves(target_params)[0].dtype
     cache = _abstract_cache(lambda: cache_lib.init_cache(settings.target_config, batch, capacity, dtype),
@@ -81,7 +81,7 @@ def analyse(program: generation.Program, compiled=None) -> dict:
            "temp_bytes": int(stats.temp_size_in_bytes), "alias_bytes": int(stats.alias_size_in_bytes),
            "generated_code_bytes": int(stats.generated_code_size_in_bytes),
            "target_weight_bytes": nbytes(target_params), "drafter_weight_bytes": nbytes(drafter_params or ()),
-           "shared_weight_bytes_counted_twice": nbytes(shared or ()), "target_cache_bytes": nbytes(cache),
+           "target_cache_bytes": nbytes(cache),
            "batch": int(batch), "prompt_len": int(prompts.shape[1]), "capacity": int(capacity),
            "max_new_tokens_bucket": settings.max_new_tokens_bucket, "compile_seconds": seconds}
     if settings.learned:
@@ -89,14 +89,13 @@ def analyse(program: generation.Program, compiled=None) -> dict:
                                   settings.layout)
         out["drafter_context_cache_bytes"] = nbytes(context)
     out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
-    out["peak_dedup_bytes"] = out["peak_bytes"] - out["shared_weight_bytes_counted_twice"]
     return out
 
 
 def _line(name: str, r: dict) -> str:
-    return (f"{name:28s} peak {r['peak_dedup_bytes'] / GIB:9.3f} GiB = args {r['argument_bytes'] / GIB:.3f} "
+    return (f"{name:28s} peak {r['peak_bytes'] / GIB:9.3f} GiB = args {r['argument_bytes'] / GIB:.3f} "
             f"+ out {r['output_bytes'] / GIB:.3f} + temp {r['temp_bytes'] / GIB:.3f} - alias "
-            f"{r['alias_bytes'] / GIB:.3f} - shared twice {r['shared_weight_bytes_counted_twice'] / GIB:.3f}; "
+            f"{r['alias_bytes'] / GIB:.3f}; "
             f"weights {r['target_weight_bytes'] / GIB:.3f} (+ drafter {r['drafter_weight_bytes'] / GIB:.3f}), "
             f"cache {r['target_cache_bytes'] / GIB:.3f}")
 
@@ -145,8 +144,7 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
     weights) and with f32 weights. XLA's CPU backend has no bf16 matmul, so in the bf16 program it
     keeps float32 copies of the weights as temporaries; the f32 program has no such copies, so its
     temporaries are the program's own (activations, candidates, logits), and in float32 an upper
-    bound on a bf16 accelerator's. ``accelerator_estimate_bytes`` = bf16 arguments (shared weights
-    once) + outputs + f32 temporaries.
+    bound on a bf16 accelerator's. ``accelerator_estimate_bytes`` = bf16 arguments + outputs + f32 temporaries.
     """
     config = qwen35_27b_config(layers)
     sources = tuple(i for i in (layers // 2 - 2, layers - 2) if config.layer_types[i] == "linear_attention")
@@ -171,8 +169,8 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
             print(_line(f"27B {run} b{batch} {mesh or ''}", out[run]))
     for name in ("ar", "ready"):
         bf16, f32 = out[f"{name}_bfloat16"], out[f"{name}_float32"]
-        out[f"{name}_accelerator_estimate_bytes"] = (bf16["argument_bytes"] - bf16["shared_weight_bytes_counted_twice"]
-                                                     + bf16["output_bytes"] + f32["temp_bytes"])
+        out[f"{name}_accelerator_estimate_bytes"] = (bf16["argument_bytes"] + bf16["output_bytes"]
+                                                     + f32["temp_bytes"])
         print(f"27B {name}: accelerator estimate {out[f'{name}_accelerator_estimate_bytes'] / GIB:.2f} GiB")
     return out
 
@@ -195,8 +193,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--mesh {args.mesh} needs {math.prod(mesh)} devices, jax sees {jax.device_count()}; on a "
                          "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting")
     results = {"backend": jax.default_backend(),
-               "peak_definition": "argument + output + temp - alias bytes of the compiled program; peak_dedup "
-                                  "also subtracts the shared embedding / LM head passed twice",
+               "peak_definition": "argument + output + temp - alias bytes of the compiled program",
                "tiny_zoo": tiny_zoo(args.batch, 64, args.max_new_tokens)}
     if not args.skip_init:
         results["qwen3.5-27b_init"] = init_27b(args.layers)

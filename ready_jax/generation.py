@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pallas_kernels import backend
 
@@ -29,7 +28,7 @@ from . import sharding as sharding_lib
 from .cache import TargetCache
 from .checks import as_array, check_flag, check_int, check_real, check_token_ids
 from .config import INT32_MAX
-from .drafter import Drafter, SharedWeights
+from .drafter import Drafter
 from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
 from .modes import Impl, Rollback
 from .target import Target
@@ -184,7 +183,7 @@ class Program:
     settings: Settings
     target_def: Any
     drafter_def: Any
-    args: tuple  # (target params, drafter params, shared weights, prompts [B, T], lengths [B], key, max_new_tokens)
+    args: tuple  # (target params, drafter params, prompts [B, T], lengths [B], key, max_new_tokens)
 
     def trace(self) -> jax.stages.Traced:
         return program_jit(self.settings.check_finite).trace(*self.args, target_def=self.target_def,
@@ -236,12 +235,10 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     settings = Settings(target.config, drafter_config, max_new_tokens_bucket, capacity, float(temperature), eos,
                         rollback, impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl),
                         batch_invariant)
-    shared = _shared_weights(target) if isinstance(drafter, Drafter) else None
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):
         key = jax.random.fold_in(key, drafter.seed)
-    args = (target.params, drafter_params, shared, jnp.asarray(prompts), jnp.asarray(lengths), key,
-            jnp.int32(max_new_tokens))
+    args = (target.params, drafter_params, jnp.asarray(prompts), jnp.asarray(lengths), key, jnp.int32(max_new_tokens))
     if layout is not None:
         args = _place_inputs(args, drafter, layout)
     return Program(settings, target.graphdef, drafter_def, args)
@@ -323,7 +320,7 @@ def _describe(program: Program) -> str:
         kind = "scripted drafter"
     else:
         kind = "ReaDy drafter" if s.has_reader else "DSpark drafter"
-    batch, width = program.args[3].shape                                            # prompts [B, T]
+    batch, width = program.args[2].shape                                            # prompts [B, T]
     details = [f"batch {batch}", f"prompt {width}", f"up to {s.max_new_tokens_bucket} new tokens"]
     if s.gamma:
         details.append(f"block {s.gamma}")
@@ -358,20 +355,12 @@ def transposes_tied_head(target: Target) -> bool:
     return platform == "cpu"
 
 
-def _shared_weights(target: Target) -> SharedWeights:
-    """``SharedWeights.from_target`` read from the parameter tree, so that it also works for an abstract
-    target (``ShapeDtypeStruct`` weights, whose module variables cannot be indexed)."""
-    params = nnx.to_pure_dict(target.params)
-    head = None if target.config.tie_word_embeddings else params["lm_head"]["kernel"]
-    return SharedWeights(embedding=params["embed_tokens"]["embedding"], lm_head=head)
-
-
 def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
     """The program's inputs on the target's mesh: prompts (and a scripted drafter's reference) split over
     ``data``, a learned drafter placed by the parameter rules (a no-op when it already is). For an abstract
     target (``ShapeDtypeStruct`` weights, e.g. on a TPU topology this machine does not have: ``Program.trace``)
     the inputs become abstract too, their shardings attached."""
-    target_params, drafter_params, shared, prompts, lengths, key, max_new_tokens = args
+    target_params, drafter_params, prompts, lengths, key, max_new_tokens = args
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(target_params)):
         prompts, lengths, key, max_new_tokens = (jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                  for x in (prompts, lengths, key, max_new_tokens))
@@ -382,7 +371,7 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
         drafter_params = sharding_lib.place(drafter_params, layout.batch(drafter_params.shape))
     prompts, lengths = (sharding_lib.place(x, layout.batch(x.shape)) for x in (prompts, lengths))
     key, max_new_tokens = (sharding_lib.place(x, layout.replicated) for x in (key, max_new_tokens))
-    return target_params, drafter_params, shared, prompts, lengths, key, max_new_tokens
+    return target_params, drafter_params, prompts, lengths, key, max_new_tokens
 
 
 def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from . import cache as cache_lib
 from . import debug, speculative
@@ -209,10 +210,11 @@ def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, ke
     return jnp.where(jax.random.uniform(where_key, right.shape) < error_rate, wrong, right).astype(jnp.int32)
 
 
-def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key, max_new_tokens, *, target_def,
+def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_new_tokens, *, target_def,
              drafter_def, settings: Settings):
     """The whole generation as one XLA program: prefill, then rounds until every sequence is done."""
     head = None
+    shared = _shared_weights(target_params, settings.target_config) if settings.learned else None
     if settings.transposed_head:  # materialised once, here, before the loop reads it every round
         head = target_params["embed_tokens"]["embedding"].T                                # [D, V]
         if shared is not None:
@@ -229,6 +231,14 @@ def _program(target_params, drafter_params, shared, prompts, prompt_lengths, key
     if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
         tokens = jax.lax.with_sharding_constraint(tokens, settings.layout.replicated)
     return *tokens, carry.cache
+
+
+def _shared_weights(target_params, config: TargetConfig) -> drafter_lib.SharedWeights:
+    """The target's embedding and LM head as the drafter reads them, taken from the target's own parameters
+    inside the program: passed in beside them, the same weights would count twice against a device's memory."""
+    params = nnx.to_pure_dict(target_params)
+    head = None if config.tie_word_embeddings else params["lm_head"]["kernel"]
+    return drafter_lib.SharedWeights(embedding=params["embed_tokens"]["embedding"], lm_head=head)
 
 
 def _checked_program(*args, target_def, drafter_def, settings: Settings):

@@ -75,9 +75,9 @@ def test_generate_loop_runs_with_host_transfers_disallowed(generate_program):
     assert int(rounds) >= 3 and (np.asarray(generated) == 10).all()   # several rounds ran inside
     assert host_transfers(compiled.as_text()) == []                   # and nothing left the device in them
     # The guard is really on: the same call with the prompts on the host is refused.
-    host_prompts = np.asarray(program.args[3])
+    host_prompts = np.asarray(program.args[2])
     with jax.transfer_guard("disallow"), pytest.raises(Exception, match="[Dd]isallowed host-to-device"):
-        compiled(*program.args[:3], host_prompts, *program.args[4:])
+        compiled(*program.args[:2], host_prompts, *program.args[3:])
 
 
 def test_host_transfer_detector_sees_a_callback():
