@@ -38,7 +38,7 @@ of the checkpoint's tokenizer_config.json / chat_template.jinja: rendered by the
 ``apply_chat_template`` when transformers is installed, else by a sandboxed jinja2 renderer;
 ``--enable-thinking`` passes ``enable_thinking=True`` to it, as Qwen3.5's templates read).
 
-    python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR.jsonl] \\
+    python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR_FILE] \\
         [--questions experiments/data/spec_bench_questions.jsonl] [--categories qa,rag] [--per-category N] \\
         [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
         [--enable-thinking] [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench] \\

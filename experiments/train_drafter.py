@@ -20,9 +20,11 @@ is missing is kept and refused too, unless ``--resume-unverified``; only checkpo
 cut short mid-save are deleted. One run at a time owns a workdir: a second run there, whatever its
 settings, is refused at once with the first one's process id and command line, and changes nothing.
 
-    python -m experiments.train_drafter --variant dspark --target zoo/target --steps 400 --save-dir zoo/dspark
-    python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 200 --save-dir zoo/ready
-    python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 200 --save-dir zoo/dspark_ft
+    python -m experiments.train_drafter --variant dspark --target zoo/target --steps 300 --save-dir zoo/dspark
+    python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 250 --save-dir zoo/ready
+    python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 250 --save-dir zoo/dspark_ft
+
+(the zoo's drafters, for the steps they trained; the exact commands that made them are in zoo/MANIFEST.json)
 """
 
 from __future__ import annotations

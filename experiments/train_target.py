@@ -13,7 +13,9 @@ nothing; rerun with the saved settings or give another ``--workdir``. A checkpoi
 time owns a workdir: a second run there, whatever its settings, is refused at once with the first one's
 process id and command line, and changes nothing.
 
-    python -m experiments.train_target --workdir runs/target --steps 2000 --save-dir zoo/target
+    python -m experiments.train_target --workdir runs/target --steps 600 --stop-after 450 --save-dir zoo/target
+
+(the zoo's target, for the steps it trained; the exact command that made it is in zoo/MANIFEST.json)
 """
 
 from __future__ import annotations

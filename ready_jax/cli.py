@@ -6,21 +6,23 @@ docstring as it is laid out, every option's default in ``--help``, the runtime o
 ``main``, so that an error of the input or of the file system ends the script with one line, ``error: ...``;
 the argparse types (:func:`positive_int`, :func:`int_in`, :func:`existing_file`, :func:`comma_list` of any of
 them, ...) and :func:`check_positions` refuse an argument out of its range as the arguments are parsed, before
-any work;
-:func:`repo_path` resolves the repository's own files (``zoo/``, ``results/``, the shared data at
-``../shared/data``) against the repository root, so a default path works from any working directory;
+any work; :func:`parsing_only` makes a script's ``main`` parse its arguments and stop there (documented commands
+are checked so); :func:`repo_path` resolves the repository's own files (``zoo/``, ``results/``, the shared data
+at ``../shared/data``) against the repository root, so a default path works from any working directory;
 :class:`Progress` reports a loop someone waits on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pallas_kernels import backend
@@ -45,6 +47,30 @@ DEBUG_ENV = "READY_JAX_DEBUG"  # "1" (or true / yes / on): an error shows its tr
 REPORTED_ERRORS = (ValueError, OSError, ImportError)
 _OWN_PACKAGES = ("ready_jax", "pallas_kernels", "convert", "experiments")
 _debug_requested = False  # --debug given to the script running now (set by its parser)
+_parse_only = False  # under parsing_only(): a script's parser ends the script once it has parsed its arguments
+
+
+class ArgumentsParsed(BaseException):
+    """Ends a script's ``main`` under :func:`parsing_only` as soon as its parser has parsed and checked the
+    arguments, before any work; ``namespace`` is what it parsed. A BaseException, so :func:`main` passes it on."""
+
+    def __init__(self, namespace: argparse.Namespace):
+        super().__init__(namespace)
+        self.namespace = namespace
+
+
+@contextlib.contextmanager
+def parsing_only() -> Iterator[None]:
+    """Within the block, calling a script's ``main(argv)`` only parses ``argv`` with the script's own parser (its
+    argparse types and output checks included, the runtime options not applied) and raises
+    :class:`ArgumentsParsed`; a bad argument is the usual usage error (``SystemExit(2)``). It checks documented
+    command lines without running them."""
+    global _parse_only
+    _parse_only = True
+    try:
+        yield
+    finally:
+        _parse_only = False
 
 
 class _ScriptParser(argparse.ArgumentParser):
@@ -64,6 +90,8 @@ class _ScriptParser(argparse.ArgumentParser):
                     files.check_output(path, what=f"--{option.replace('_', '-')}")
                 except OSError as e:
                     self.error(e.strerror)
+        if _parse_only:
+            raise ArgumentsParsed(parsed)
         parsed.runtime = runtime.configure(compile_cache=not parsed.no_compile_cache,
                                            cache_dir=parsed.compile_cache_dir,
                                            pallas_interpret=parsed.pallas_interpret)

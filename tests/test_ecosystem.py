@@ -97,6 +97,17 @@ def test_saved_checkpoints_carry_an_hf_marker_covered_by_the_hash(saved, tmp_pat
         load(edited)
 
 
+def test_every_checkpoint_of_the_shipped_zoo_carries_the_marker():
+    """As docs/converting.md says: the zoo was upgraded, so HF tooling reads what each of its folders is."""
+    configs = sorted((REPO / "zoo").rglob("config.json"))
+    assert len(configs) >= 8
+    for path in configs:
+        meta = json.loads(path.read_text())
+        kind = meta["format"].removeprefix("ready-jax-")
+        assert meta["model_type"] == f"ready-jax-{kind}", path
+        assert meta["architectures"] == [f"ReadyJax{kind.capitalize()}"], path
+
+
 def test_checkpoints_without_the_marker_still_load(saved, tmp_path):
     expected = rj.Target.load(saved["target"]).config
     assert rj.Target.load(_without_marker(saved["target"], tmp_path / "v2")).config == expected
