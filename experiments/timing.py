@@ -57,13 +57,34 @@ def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.Genera
     runs = [rj.generate(target, prompts, new_tokens, drafter=drafter) for _ in range(repeats)]
     return min(runs, key=lambda o: o.run_seconds), first.compile_seconds
 
+# The named scopes of one speculative round (``ready_jax.generation_loop._round``), in order, and the pieces of
+# :func:`round_breakdown` that time each (``{rollback}``: one per rollback strategy); accept, an argmax and a
+# comparison, is not timed. tests/test_timing.py traces generate's loop and holds the two in step.
+ROUND_SCOPES = {"draft": ("draft",), "verify": ("verify_{rollback}",), "accept": (),
+                "commit": ("commit_{rollback}", "context_append"), "reader_prepare": ("reader_prepare",)}
+# Timed beside them: all of a round's reader work (prepare from the committed cache, then the read at every draft
+# position), which spans the draft and reader_prepare scopes.
+READER_ROUND = "reader_round"
+
+
 def round_breakdown(target, drafter, prompts, repeats: int, rollbacks=ROLLBACKS) -> dict:
-    """Median time of each piece of one speculative round, each jitted alone at the loop's shapes and timed
-    in turn with the others.
+    """Median time of each piece of one speculative round (:func:`round_pieces`), each jitted alone at the loop's
+    shapes and timed in turn with the others, as ``<piece>_s``; and verify + commit's compiled memory per rollback.
 
     ``reader_prepare_s`` gathers and compresses from the verify candidate; ``reader_round_s`` is all of a
     round's reader work (prepare from the committed cache plus the read at every draft position).
     """
+    pieces, (cache, block, ids) = round_pieces(target, drafter, prompts, rollbacks)
+    result = {f"{name}_s": t for name, t in interleaved_medians(pieces, repeats).items()}
+    for rollback in rollbacks:
+        result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, cache, block, ids, rollback)
+    return result
+
+
+def round_pieces(target, drafter, prompts, rollbacks=ROLLBACKS) -> tuple[dict, tuple]:
+    """Zero-argument functions running each piece of :data:`ROUND_SCOPES` (and :data:`READER_ROUND` with a reader)
+    at the loop's shapes, after a prefill of ``prompts`` [B, T]; and (the prefilled cache, a drafted block, the
+    target layers the drafter reads), for the memory figures."""
     batch, length = prompts.shape
     gamma = drafter.config.block_size
     ids = drafter.config.target_layer_ids
@@ -83,11 +104,8 @@ def round_breakdown(target, drafter, prompts, repeats: int, rollbacks=ROLLBACKS)
            "context_append": lambda: drafter.append_context(copy_tree(context), ver.hidden, n)}
     if drafter.config.reader:
         fns["reader_prepare"] = lambda: drafter.prepare_reader(ver.cache, n)
-        fns["reader_round"] = reader_round_fn(drafter, rj.Target.commit(copy_tree(ver.cache), n))
-    result = {f"{name}_s": t for name, t in interleaved_medians(fns, repeats).items()}
-    for rollback in rollbacks:
-        result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, pre.cache, block, ids, rollback)
-    return result
+        fns[READER_ROUND] = reader_round_fn(drafter, rj.Target.commit(copy_tree(ver.cache), n))
+    return fns, (pre.cache, block, ids)
 
 
 def copy_tree(tree):

@@ -1,0 +1,46 @@
+"""experiments.timing's breakdown of a round times the round ``generate`` runs: its pieces cover the named scopes of
+the loop's body (``ready_jax.generation_loop._round``), read from the traced program, in the same order."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+import ready_jax as rj
+from experiments import timing
+from ready_jax import generation
+from ready_jax.modes import ROLLBACKS
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = rj.Target.init(tiny_config(), seed=0)
+    drafter = rj.Drafter.init(target.config, rj.DrafterConfig(
+        block_size=3, num_layers=1, markov_rank=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=32, target_layer_ids=(1, 3), reader=rj.ReaderConfig(source_layers=(1,), rank=4)), seed=0)
+    return target, drafter
+
+
+def round_scopes(program: jax.stages.Traced) -> list[str]:
+    """The named scopes of the generation loop's body, in the order they first appear (transforms such as
+    ``vmap()`` and unscoped equations left out)."""
+    (loop,) = [e for e in program.jaxpr.jaxpr.eqns if e.primitive.name == "while"]
+    scopes = [str(e.source_info.name_stack).split("/")[0] for e in loop.params["body_jaxpr"].jaxpr.eqns]
+    return list(dict.fromkeys(s for s in scopes if re.fullmatch(r"[a-z_]+", s)))
+
+
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+def test_the_breakdown_names_every_scope_of_the_loops_round_in_order(models, rollback):
+    target, drafter = models
+    program = generation.prepare(target, np.zeros((1, 4), np.int32), 4, drafter, rollback=rollback).trace()
+    assert round_scopes(program) == list(timing.ROUND_SCOPES)
+
+
+def test_the_breakdown_times_the_pieces_it_declares_for_each_scope(models):
+    target, drafter = models
+    pieces, _ = timing.round_pieces(target, drafter, np.zeros((1, 4), np.int32))
+    declared = {piece.format(rollback=rollback) for covered in timing.ROUND_SCOPES.values() for piece in covered
+                for rollback in ROLLBACKS}
+    assert set(pieces) == declared | {timing.READER_ROUND}
