@@ -272,20 +272,28 @@ def _load_checks(sh, target, layout):
             "q_proj_shard_shape": list(q.addressable_shards[0].data.shape)}
 
 
+def sharded_models():
+    """The target the sharding checks run (stacked groups: the layout the rules name) and a ReaDy drafter whose
+    reader is live (its W_o away from zero)."""
+    import ready_jax as rj
+
+    target = rj.Target.init(sharding_config(), seed=0, group_layout="stacked")
+    drafter = rj.Drafter.init(target.config, rj.DrafterConfig(
+        block_size=4, num_layers=2, markov_rank=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, reader=rj.ReaderConfig(rank=4)), seed=1)
+    flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}
+    flat["layers.1.reader.o_proj.kernel"] = np.random.default_rng(3).normal(0, 0.5, flat[
+        "layers.1.reader.o_proj.kernel"].shape).astype(np.float32)
+    return target, rj.Drafter.from_state(drafter.config, flat)
+
+
 def main() -> None:
     import jax
 
     import ready_jax as rj
     from ready_jax import sharding as sh
 
-    target = rj.Target.init(sharding_config(), seed=0, group_layout="stacked")  # the layout the rules name
-    drafter = rj.Drafter.init(target.config, rj.DrafterConfig(
-        block_size=4, num_layers=2, markov_rank=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=32, reader=rj.ReaderConfig(rank=4)), seed=1)
-    flat = {k: np.asarray(v) for k, v in drafter.flat_params().items()}  # a live reader: W_o away from zero
-    flat["layers.1.reader.o_proj.kernel"] = np.random.default_rng(3).normal(0, 0.5, flat[
-        "layers.1.reader.o_proj.kernel"].shape).astype(np.float32)
-    drafter = rj.Drafter.from_state(drafter.config, flat)
+    target, drafter = sharded_models()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, size=n) for n in (5, 9, 3, 7, 9, 2, 6, 8)]
     try:
