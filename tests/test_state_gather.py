@@ -54,7 +54,8 @@ def gather(family, *args, **kwargs):
 def _family_params(*cases, slow_families=("triton",)):
     """Every case for every family, the Triton interpreter's (and a case's own) ``slow`` kept."""
     return [pytest.param(family, *case.values, marks=[*case.marks, *([slow] if family in slow_families else [])],
-                         id=f"{family}-{'-'.join(map(str, case.values))}")
+                         id="-".join([family, *(jnp.dtype(v).name if v in (F32, BF16) else str(v)
+                                                 for v in case.values)]))
             for family in FAMILIES for case in cases]
 
 
