@@ -23,7 +23,7 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, generation
+from ready_jax import cli, generation_loop
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 
@@ -47,7 +47,7 @@ def pieces(geo: geometry_lib.Geometry) -> dict:
     cache = jax.eval_shape(lambda: cache_lib.init_cache(geo.target, batch, geo.capacity, geo.dtype))
     block = s((batch, gamma + 1), jnp.int32)
     n = s((batch,), jnp.int32)
-    shared = generation._shared_weights(target)  # read from the parameter tree: works on abstract weights
+    shared = generation_loop.shared_weights(target.params, geo.target)  # works on abstract weights too
     context = jax.eval_shape(lambda: drafter_lib.init_context(geo.drafter, batch, geo.capacity, geo.dtype))
     candidate = jax.eval_shape(lambda p, c, b: target_lib.verify(target.graphdef, p, c, b, rollback="replay"),
                                target.params, cache, block).cache

@@ -214,7 +214,7 @@ def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_ne
              drafter_def, settings: Settings):
     """The whole generation as one XLA program: prefill, then rounds until every sequence is done."""
     head = None
-    shared = _shared_weights(target_params, settings.target_config) if settings.learned else None
+    shared = shared_weights(target_params, settings.target_config) if settings.learned else None
     if settings.transposed_head:  # materialised once, here, before the loop reads it every round
         head = target_params["embed_tokens"]["embedding"].T                                # [D, V]
         if shared is not None:
@@ -233,7 +233,7 @@ def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_ne
     return *tokens, carry.cache
 
 
-def _shared_weights(target_params, config: TargetConfig) -> drafter_lib.SharedWeights:
+def shared_weights(target_params, config: TargetConfig) -> drafter_lib.SharedWeights:
     """The target's embedding and LM head as the drafter reads them, taken from the target's own parameters
     inside the program: passed in beside them, the same weights would count twice against a device's memory."""
     params = nnx.to_pure_dict(target_params)

@@ -60,8 +60,14 @@ from ..triton_common import (
     next_power_of_2,
     triton_compiler_params,
 )
-from .reference import QUERY_EPS, Layers, check_content_shapes, check_read_shapes, per_position_arrays
-from .reference import check_gather_shapes as _check_shapes
+from .reference import (
+    QUERY_EPS,
+    Layers,
+    check_content_shapes,
+    check_gather_shapes,
+    check_read_shapes,
+    per_position_arrays,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +473,7 @@ def _state_gather_pallas(per_position, n_committed, key_basis, value_basis, *, l
                          interpret: bool, config: GatherConfig) -> jax.Array:
     arrays, layers = per_position_arrays(per_position, layers)
     n_committed = jnp.asarray(n_committed, jnp.int32)
-    b, t1, h, d_k, d_v, m, r = _check_shapes(arrays, layers, n_committed, key_basis, value_basis)
+    b, t1, h, d_k, d_v, m, r = check_gather_shapes(arrays, layers, n_committed, key_basis, value_basis)
     bases = tuple(x for x in (key_basis, value_basis) if x is not None)   # (U, V), (V,) or ()
     block_k = min(config.block_k, largest_power_of_2_divisor(d_k))
     use_dot = bool(bases) and r >= MIN_DOT_DIM
