@@ -242,4 +242,5 @@ def test_generate_says_what_it_compiles_once(tiny_target, capsys):
 def test_the_compile_line_names_the_drafter_and_its_block(tiny_target):
     scripted = rj.ScriptedDrafter(np.zeros((2, 8), np.int32), block_size=3)
     program = generation.prepare(tiny_target, np.ones((2, 5), np.int32), 6, scripted, impl="pallas")
-    assert generation._describe(program) == "scripted drafter (batch 2, prompt 5, up to 6 new tokens, block 3, impl pallas)"
+    assert generation._describe(program) == ("scripted drafter (batch 2, prompt 5, up to 6 new tokens, block 3, "
+                                             "impl pallas)")
