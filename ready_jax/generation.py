@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import math
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -110,6 +111,7 @@ class ScriptedDrafter:
 
 _compiled: collections.OrderedDict = collections.OrderedDict()  # settings and shapes -> executable, LRU
 MAX_COMPILED_PROGRAMS = 32  # each holds its machine code; a long-lived process must not keep every one
+_compiled_lock = threading.Lock()
 
 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
@@ -296,19 +298,23 @@ def compiled_program(program: Program) -> _Compiled:
     """The compiled generation program for these static settings and argument shapes (compiled once)."""
     shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(program.args))
     cache_key = (program.target_def, program.drafter_def, program.settings, shapes)
-    if cache_key in _compiled:
-        _compiled.move_to_end(cache_key)
-        return _Compiled(_compiled[cache_key], 0.0)
+    with _compiled_lock:  # threads may share the cache; each compiles outside the lock
+        executable = _compiled.get(cache_key)
+        if executable is not None:
+            _compiled.move_to_end(cache_key)
+            return _Compiled(executable, 0.0)
     # A compile takes seconds to minutes: say what is compiling, so a silent wait is not mistaken for a hang
     # (and a second compile of what should be one program shows up).
     print(f"compiling generate: {_describe(program)} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    _compiled[cache_key] = program.lower().compile(numerics.compiler_options(program.settings.batch_invariant))
+    executable = program.lower().compile(numerics.compiler_options(program.settings.batch_invariant))
     seconds = time.perf_counter() - start
     print(f"compiled generate in {seconds:.1f} s", file=sys.stderr, flush=True)
-    while len(_compiled) > MAX_COMPILED_PROGRAMS:
-        _compiled.popitem(last=False)
-    return _Compiled(_compiled[cache_key], seconds)
+    with _compiled_lock:
+        _compiled[cache_key] = executable
+        while len(_compiled) > MAX_COMPILED_PROGRAMS:
+            _compiled.popitem(last=False)
+    return _Compiled(executable, seconds)
 
 
 def _describe(program: Program) -> str:

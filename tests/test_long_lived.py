@@ -61,3 +61,25 @@ def test_dropped_programs_free_their_machine_code():
     per_program = maps[1] - maps[0]
     assert per_program > 50, maps                          # each program does hold maps of its own
     assert max(maps[2:]) < maps[1] + per_program, maps      # dropping one returns them
+
+
+@pytest.mark.slow
+def test_threads_sharing_the_program_cache_get_their_own_tokens(monkeypatch):
+    """Eight threads call generate at once with four lengths through a cache of two programs (so programs are
+    dropped while others look them up): every call returns the tokens a call on its own returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    import ready_jax as rj
+    from ready_jax import generation
+
+    monkeypatch.setattr(generation, "MAX_COMPILED_PROGRAMS", 2)
+    target = rj.Target.init(rj.TargetConfig.tiny(), seed=0)
+    prompt = [np.arange(6) % 97]
+    lengths = [3, 5, 9, 17] * 2
+    alone = {n: rj.generate(target, prompt, n, new_tokens_bucket=1).tokens for n in set(lengths)}
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda n: rj.generate(target, prompt, n, new_tokens_bucket=1).tokens, lengths))
+    for n, tokens in zip(lengths, together, strict=True):
+        np.testing.assert_array_equal(tokens, alone[n])
