@@ -215,7 +215,7 @@ def test_train_drafter_encodes_the_corpus_with_the_targets_tokenizer(saved, smal
     assert "self-distillation: 20/20 sequences" in err                           # 4 train + 16 validation
 
 
-def test_a_corpus_of_another_tokenizer_or_vocabulary_is_refused(saved, small_stdlib, tmp_path):
+def test_a_corpus_of_another_tokenizer_or_vocabulary_is_refused(saved, small_stdlib, tmp_path, capsys):
     _, listed = small_stdlib
     first = _target_dir(tmp_path / "first", saved["target"], "alpha", listed)
     second = _target_dir(tmp_path / "second", saved["target"], "omega", listed)
@@ -223,8 +223,10 @@ def test_a_corpus_of_another_tokenizer_or_vocabulary_is_refused(saved, small_std
     with pytest.raises(ValueError, match="built with other settings .*tokenizer_sha256"):
         data.prepare_model_corpus(tmp_path / "corpus", second, VOCAB)
     wrong = _target_dir(tmp_path / "wrong", saved["target"], "alpha", listed, tokenizer_vocab=VOCAB - 1)
-    with pytest.raises(SystemExit, match=f"tokenizer.json has {VOCAB - 1} tokens, not the {VOCAB} of the model"):
+    with pytest.raises(SystemExit) as exited:
         train_drafter.main(_drafter_argv(tmp_path / "corpus2", wrong, tmp_path / "work", num_layers=1))
+    assert exited.value.code == 2
+    assert f"tokenizer.json has {VOCAB - 1} tokens, not the {VOCAB} of the model" in capsys.readouterr().err
     assert not (tmp_path / "corpus2" / "manifest.json").exists()
 
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 import ready_jax as rj
 from convert import deepspec, hf_target
-from ready_jax import checkpoint, data, debug, hf_format
+from ready_jax import checkpoint, data, debug, generation, hf_format
 from ready_jax import target as target_lib
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,8 +333,10 @@ def test_capacity_exactly_enough_and_one_short(eos_runs):
     needed = max(map(len, prompts)) + MAX_NEW
     with pytest.raises(ValueError, match=f"needs {needed} cache slots, more than capacity {needed - 1}"):
         rj.generate(target, prompts, MAX_NEW, eos_token_ids=(), capacity=needed - 1)
-    # generate's default capacity is the minimum; the target's own buffers fill to the last slot.
-    assert free.cache.capacity == needed
+    exact = rj.generate(target, prompts, MAX_NEW, eos_token_ids=(), capacity=needed)     # exactly enough
+    np.testing.assert_array_equal(exact.tokens, free.tokens)
+    # The default capacity holds the bucket of max_new_tokens; the target's own buffers fill to the last slot.
+    assert free.cache.capacity == max(map(len, prompts)) + generation.new_tokens_bucket_of(MAX_NEW)
     cache = target.init_cache(1, 6)
     ids = np.asarray(prompts[0][:5])[None]
     step = target.prefill(cache, ids)
