@@ -24,6 +24,7 @@ from experiments import (
 from experiments import demo as random_demo
 from experiments.long_range import demo as long_range_demo
 from experiments.long_range import main as long_range
+from pallas_kernels import backend
 from ready_jax import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,8 +102,16 @@ def test_jobs_0_ends_at_once_rather_than_waiting_forever(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--jobs" in proc.stderr, proc.stderr
 
 
+@pytest.fixture
+def interpret_family_restored():
+    """Parsing --pallas-interpret sets the process's interpret family: put back what was set before."""
+    saved = backend._interpret_family
+    yield
+    backend.set_interpret_family(saved)
+
+
 @pytest.mark.parametrize("spelling", ["TPU", "Tpu", "tpu"])
-def test_pallas_interpret_takes_any_case_as_the_environment_variable_does(spelling):
+def test_pallas_interpret_takes_any_case_as_the_environment_variable_does(spelling, interpret_family_restored):
     args = cli.parser("experiments.example", "A script.").parse_args(["--no-compile-cache", "--pallas-interpret",
                                                                      spelling])
     assert args.pallas_interpret == "tpu" and args.runtime["pallas_interpret"] == "tpu"
