@@ -93,7 +93,6 @@ class LoopState:
     buffer: jax.Array         # [B, max_new_tokens_bucket + gamma + 1] int32 kept tokens, PAD after them
     done: jax.Array           # [B] bool: EOS kept or max_new_tokens reached
     accepted: jax.Array       # [max_new_tokens_bucket, B] int32 tokens committed per round, 0 = idle
-    max_new_tokens: jax.Array  # int32: the call's limit (<= the bucket), an input so calls share one program
     context: ContextCache | None = None  # a learned drafter's context K/V
     reader: tuple | None = None          # a reader's per-round input, one entry per inject layer
 
@@ -124,8 +123,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
         round=jnp.int32(0),
         buffer=jnp.full((batch, s.max_new_tokens_bucket + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
         done=_is_eos(anchor, s.eos_ids) | (generated >= max_new_tokens),
-        accepted=jnp.zeros((s.max_new_tokens_bucket, batch), jnp.int32), max_new_tokens=max_new_tokens,
-        context=context, reader=reader)
+        accepted=jnp.zeros((s.max_new_tokens_bucket, batch), jnp.int32), context=context, reader=reader)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -134,9 +132,10 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_params, shared, head,
+def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_params, shared, head, max_new_tokens,
            s: Settings) -> LoopState:
-    """One round: (draft ->) verify -> accept -> commit -> append."""
+    """One round: (draft ->) verify -> accept -> commit -> append. ``max_new_tokens``: the call's limit (int32, at
+    most the bucket), a program input so that calls in one bucket share the program."""
     key, draft_key, accept_key = jax.random.split(carry.key, 3)
     done, anchor = carry.done, carry.anchor
     context, reader = carry.context, carry.reader
@@ -150,7 +149,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
         keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
-                                                     carry.max_new_tokens, done)
+                                                     max_new_tokens, done)
         cache = step.cache
     else:
         with jax.named_scope("draft"):
@@ -180,7 +179,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         # n + 1 block tokens normally, fewer when an EOS or max_new_tokens cuts the round short, none
         # once done. The committed cache then always holds the prompt plus all kept tokens but the last.
         keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
-                                                     carry.max_new_tokens, done)
+                                                     max_new_tokens, done)
         with jax.named_scope("commit"):
             cache = cache_lib.commit(ver.cache, keep, s.impl, s.batch_invariant)
             if s.learned:
@@ -195,8 +194,8 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
     return LoopState(
         cache=sharding_lib.constrain(cache, s.layout), anchor=bonus, generated=carry.generated + keep, key=key,
         round=carry.round + 1, buffer=speculative.write_tokens(carry.buffer, carry.generated, emitted),
-        done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)),
-        max_new_tokens=carry.max_new_tokens, context=context, reader=reader)
+        done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)), context=context,
+        reader=reader)
 
 
 def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
@@ -225,7 +224,8 @@ def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_ne
                              max_new_tokens, settings)
         carry = jax.lax.while_loop(
             lambda c: ~jnp.all(c.done),
-            lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, settings),
+            lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, max_new_tokens,
+                             settings),
             carry)
     tokens = (carry.buffer, carry.generated, carry.accepted, carry.round)
     if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
