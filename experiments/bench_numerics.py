@@ -1,21 +1,29 @@
 """What batch invariance costs: decode and verify steps, and whole generation, with it off and on, in one run.
 
-``batch_invariant=True`` (``ready_jax.numerics``) runs verify's matmuls one block position at a time and the
-Gated DeltaNet recurrence one token per loop iteration, and compiles without the CPU's YNNPACK fusion and
-without excess precision, so that greedy speculative output equals autoregressive output bit for bit. This
-times, interleaved so that load drifts hit both alike (medians; compile apart):
+``batch_invariant=True`` (``ready_jax.numerics``) runs every matmul on rows padded to a multiple of 8, attention
+over fixed chunks of key slots, the Gated DeltaNet recurrence one token per loop iteration, and compiles without
+the CPU's YNNPACK fusion and without excess precision, so that greedy speculative output equals autoregressive
+output bit for bit. This times, interleaved so that load drifts hit both alike (medians; compile apart):
 
 * a decode step (one token per sequence) and a verify step (``block + 1`` tokens, replay rollback);
-* ``generate`` with no drafter (AR) and with the zoo's ReaDy drafter;
+* ``generate`` with no drafter (AR) and with a drafter, and the time of one round of each;
 
 and prints on / off ratios, and whether each side's greedy speculative tokens equal its AR tokens.
 
+``--preset zoo`` (the default) times the zoo's target and ReaDy drafter as saved (bf16; compute-bound: its
+weights fit a CPU's cache). ``--preset bandwidth`` times a random bf16 target whose weights (about 1.1 GB) exceed
+a CPU's last-level cache, so every step reads them from memory, with a scripted drafter that proposes the
+target's own tokens (every draft accepted). ``--xla-cpu-defaults`` leaves XLA's CPU flags as a plain Python
+session has them.
+
     python -m experiments.bench_numerics [--target zoo/target --drafter zoo/ready --batches 1,16 --out FILE]
+    python -m experiments.bench_numerics --preset bandwidth --xla-cpu-defaults --batches 1,4 --out FILE
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -54,24 +62,44 @@ def time_steps(target: rj.Target, prompts: np.ndarray, block: int, repeats: int)
 
 
 def time_generate(target, drafter, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
-    """Median run seconds of AR and speculative generation with each numerics, and whether greedy speculative
-    tokens equal AR's under each."""
+    """Median run seconds of AR and speculative generation with each numerics, a round's seconds (run time over
+    rounds), and whether greedy speculative tokens equal AR's under each. ``drafter``: a Drafter, or None for a
+    scripted one proposing AR's own tokens under that numerics."""
     outputs, fns = {}, {}
     for mode, invariant in MODES.items():
-        for arm, d in (("ar", None), ("ready", drafter)):
-            run = functools.partial(rj.generate, target, prompts, new_tokens, drafter=d, batch_invariant=invariant)
-            outputs[f"{arm}_{mode}"] = run()
-            fns[f"{arm}_{mode}"] = lambda run=run: run().tokens
+        ar = functools.partial(rj.generate, target, prompts, new_tokens, batch_invariant=invariant)
+        outputs[f"ar_{mode}"] = ar()
+        spec_drafter = drafter or rj.ScriptedDrafter(np.maximum(outputs[f"ar_{mode}"].tokens, 0), block_size=7)
+        spec = functools.partial(ar, drafter=spec_drafter)
+        outputs[f"spec_{mode}"] = spec()
+        fns[f"ar_{mode}"], fns[f"spec_{mode}"] = (lambda: ar().tokens), (lambda spec=spec: spec().tokens)
     result = {f"generate_{name}_s": t for name, t in interleaved_medians(fns, repeats).items()}
     for mode in MODES:
-        ar, spec = outputs[f"ar_{mode}"], outputs[f"ready_{mode}"]
+        ar, spec = outputs[f"ar_{mode}"], outputs[f"spec_{mode}"]
         result[f"differing_rows_{mode}"] = int((ar.tokens != spec.tokens).any(axis=1).sum())
         result[f"tau_{mode}"] = spec.tau
+        for arm, out in (("ar", ar), ("spec", spec)):
+            result[f"round_{arm}_{mode}_s"] = result[f"generate_{arm}_{mode}_s"] / max(len(out.accept_lengths), 1)
     return result
+
+
+def bandwidth_target() -> rj.Target:
+    """Random bf16 weights of about 1.1 GB, more than a CPU's last-level cache: 8 layers (3 Gated DeltaNet + 1
+    attention, twice), hidden 2048, MLP 5632, 16 query / 4 KV heads of 128, 8 key / 16 value GDN heads of 128,
+    vocabulary 32000."""
+    config = rj.TargetConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                             layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
+                             + ("full_attention",), linear_num_key_heads=8, linear_num_value_heads=16,
+                             linear_key_head_dim=128, linear_value_head_dim=128)
+    return rj.Target.init(config, seed=0, dtype=jnp.bfloat16)
 
 
 def build_parser():
     parser = cli.parser("experiments.bench_numerics", __doc__)
+    parser.add_argument("--preset", choices=("zoo", "bandwidth"), default="zoo",
+                        help="zoo: --target and --drafter as saved; bandwidth: a random bf16 target whose weights "
+                             "exceed the cache, with a scripted drafter")
     parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory)
     parser.add_argument("--drafter", default=cli.repo_path("zoo", "ready"), type=cli.existing_directory)
     parser.add_argument("--batches", type=cli.positive_ints, default="1,16", help="batch sizes, comma-separated")
@@ -86,27 +114,36 @@ def build_parser():
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     batches = args.batches
-    target = rj.Target.load(args.target)                                   # as saved: the zoo's bf16
-    drafter = rj.Drafter.load(args.drafter, dtype=target.dtype)
-    prompts = held_out_prompts(Path(args.target), max(batches), args.prompt_tokens, 0)
-    ids = np.asarray([p["ids"] for p in prompts], np.int32)
-    block = drafter.config.block_size
-    print(f"target {args.target} ({target.dtype.name}), block {block}, backend {jax.default_backend()}")
+    if args.preset == "zoo":
+        target = rj.Target.load(args.target)                               # as saved: the zoo's bf16
+        drafter = rj.Drafter.load(args.drafter, dtype=target.dtype)
+        prompts = held_out_prompts(Path(args.target), max(batches), args.prompt_tokens, 0)
+        ids = np.asarray([p["ids"] for p in prompts], np.int32)
+        block, name = drafter.config.block_size, args.target
+    else:
+        target, drafter, block, name = bandwidth_target(), None, 7, "bandwidth preset (random)"
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, target.config.vocab_size, (max(batches), args.prompt_tokens)).astype(np.int32)
+    weights_gb = sum(x.nbytes for x in jax.tree.leaves(target.params)) / 1e9
+    print(f"target {name} ({target.dtype.name}, {weights_gb:.2f} GB of weights), block {block}, backend "
+          f"{jax.default_backend()}, XLA_FLAGS={args.runtime['xla_flags']!r}")
     results = {}
     for batch in batches:
         steps = time_steps(target, ids[:batch], block, args.repeats)
         gen = time_generate(target, drafter, ids[:batch], args.max_new_tokens, max(3, args.repeats // 4))
         row = {**steps, **gen}
-        for name in ("decode", "verify", "generate_ar", "generate_ready"):
-            row[f"{name}_on_over_off"] = row[f"{name}_on_s"] / row[f"{name}_off_s"]
+        for piece in ("decode", "verify", "generate_ar", "generate_spec", "round_ar", "round_spec"):
+            row[f"{piece}_on_over_off"] = row[f"{piece}_on_s"] / row[f"{piece}_off_s"]
         results[f"batch_{batch}"] = row
         print(f"batch {batch}: decode {steps['decode_off_s'] * 1e3:.2f} -> {steps['decode_on_s'] * 1e3:.2f} ms "
               f"({row['decode_on_over_off']:.3f}x), verify {block + 1} tokens {steps['verify_off_s'] * 1e3:.2f} -> "
-              f"{steps['verify_on_s'] * 1e3:.2f} ms ({row['verify_on_over_off']:.3f}x); generate AR "
-              f"{row['generate_ar_on_over_off']:.3f}x, ReaDy {row['generate_ready_on_over_off']:.3f}x; greedy rows "
+              f"{steps['verify_on_s'] * 1e3:.2f} ms ({row['verify_on_over_off']:.3f}x); a round of AR "
+              f"{row['round_ar_on_over_off']:.3f}x, speculative {row['round_spec_on_over_off']:.3f}x (tau "
+              f"{gen['tau_on']:.2f}); greedy rows "
               f"differing from AR: off {gen['differing_rows_off']}, on {gen['differing_rows_on']} of {batch}",
               flush=True)
-    write_json(args.out, {"settings": vars(args), "dtype": target.dtype.name, "block": block, "results": results})
+    write_json(args.out, {"settings": vars(args), "dtype": target.dtype.name, "weights_gb": weights_gb,
+                          "block": block, "load_average": os.getloadavg(), "results": results})
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ class _ScriptParser(argparse.ArgumentParser):
         if _parse_only:
             raise ArgumentsParsed(parsed)
         parsed.runtime = runtime.configure(compile_cache=not parsed.no_compile_cache,
-                                           cache_dir=parsed.compile_cache_dir,
+                                           cache_dir=parsed.compile_cache_dir, cpu_flags=not parsed.xla_cpu_defaults,
                                            pallas_interpret=parsed.pallas_interpret)
         return parsed, rest
 
@@ -108,7 +108,7 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     as one of the installed console scripts (``ready-jax-*``), its usage names that script instead.
 
     Every script gets the ``runtime`` options (``--no-compile-cache``, ``--compile-cache-dir``,
-    ``--pallas-interpret``), applied by ``parse_args`` / ``parse_known_args`` through
+    ``--xla-cpu-defaults``, ``--pallas-interpret``), applied by ``parse_args`` / ``parse_known_args`` through
     :func:`ready_jax.runtime.configure`, which also sets XLA's CPU flags (``runtime.CPU_XLA_FLAGS``), and
     ``--debug``, which :func:`main` reads."""
     script = Path(sys.argv[0]).name
@@ -120,6 +120,9 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     group.add_argument("--compile-cache-dir", metavar="DIR", default=str(runtime.default_cache_dir()),
                        help="directory of JAX's persistent compilation cache, which keeps compiled programs "
                             f"across runs (set ${runtime.CACHE_DIR_ENV} to move it)")
+    group.add_argument("--xla-cpu-defaults", action="store_true",
+                       help="leave $XLA_FLAGS as it is (XLA's CPU defaults, as in a plain Python session) instead of "
+                            "adding the project's CPU flags")
     group.add_argument("--pallas-interpret", type=str.lower, choices=backend.INTERPRET_FAMILIES, default=None,
                        help="on a CPU, which kernels impl='pallas' interprets: gpu (Triton, generic interpreter) "
                             "or tpu (Mosaic TPU, TPU interpreter with race detection) or mosaic_gpu (Mosaic GPU "

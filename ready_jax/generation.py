@@ -31,6 +31,7 @@ from .checks import as_array, check_flag, check_int, check_real, check_token_ids
 from .config import INT32_MAX
 from .drafter import Drafter
 from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
+from .layers import KV_CHUNK, round_up
 from .modes import Impl, Rollback
 from .target import Target
 
@@ -228,6 +229,8 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     if needed > capacity:
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
+    if batch_invariant:  # whole chunks of key slots: attention then never copies the buffers to pad them
+        capacity = round_up(capacity, KV_CHUNK)
     if capacity > INT32_MAX:
         raise ValueError(f"the prompts, max_new_tokens and the verify block need a cache of {capacity} slots; "
                          f"positions are int32, so at most {INT32_MAX}")

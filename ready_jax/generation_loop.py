@@ -105,7 +105,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
     cache = sharding_lib.constrain(cache_lib.init_cache(s.target_config, batch, s.capacity, dtype), s.layout)
     out = target_lib.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
                             hidden_layers=s.hidden_layers, impl=s.impl, check_finite=s.check_finite,
-                            logits_at=prompt_lengths - 1)
+                            logits_at=prompt_lengths - 1, batch_invariant=s.batch_invariant)
     key, first_key = jax.random.split(key)
     last = out.logits[:, 0]                                                                # [B, V]
     anchor = speculative.sample_token(last, s.temperature, first_key)

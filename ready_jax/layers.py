@@ -35,18 +35,43 @@ def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: 
                       kernel_init=_normal, rngs=rngs)
 
 
-def per_position(fn, batch_invariant: bool, *blocks: jax.Array) -> jax.Array:
-    """``fn(*blocks)`` for blocks [B, T, ...] of one length T; with ``batch_invariant``, one block position at a
-    time, each at a decode step's shape [B, 1, ...], so that a token's result does not depend on how many rows
-    share the call.
+# Row counts that make a matmul's rows round alike. XLA's CPU dots (Eigen) take one kernel path for every matmul of
+# at least this many rows, whatever the count and wherever a row sits in it; below it they take others (a
+# matrix-vector kernel for one row, other blockings for 2-7), which round differently (docs/numerics.md;
+# ``tests/test_numerics.py::test_matmul_rows_round_alike_at_any_row_count`` checks the property itself).
+ROW_TILE = 8
+# Key slots per step of the batch-invariant attention: every sum over keys runs over chunks of this many slots,
+# in slot order, and stops after the last chunk holding a visible key, so no sum depends on the cache's capacity.
+KV_CHUNK = 128
+# Tokens per chunk of the Gated DeltaNet's chunked form (prefill, training).
+GDN_CHUNK = 64
 
-    A matmul's result for one row depends on the number of rows: the library picks its kernel, blocking and
-    reduction order by shape (docs/numerics.md). Run per position, verify's rows round exactly as decode's,
-    which greedy speculative decoding needs to give autoregressive decoding's tokens.
-    """
-    if not batch_invariant or blocks[0].shape[1] == 1:
-        return fn(*blocks)
-    return jnp.concatenate([fn(*(x[:, t:t + 1] for x in blocks)) for t in range(blocks[0].shape[1])], axis=1)
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
+    """``fn(x)`` for a row-wise ``fn`` (matmuls, an MLP) of x [..., D]; with ``batch_invariant``, x's rows
+    flattened and padded with zero rows to a multiple of :data:`ROW_TILE`, so that every matmul inside runs at
+    least that many rows and a row's result depends on neither the row count nor the row's place: a decode step
+    (B rows), a verify block (B * T) and a prefill (B * T, whatever the padding) round every token alike, while
+    each still reads the weights once. The padding rows' results are dropped."""
+    if not batch_invariant:
+        return fn(x)
+    lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
+    flat = x.reshape(rows, x.shape[-1])
+    out = fn(jnp.pad(flat, ((0, round_up(rows, ROW_TILE) - rows), (0, 0))))[:rows]
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def per_position(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
+    """``fn(x)`` for x [B, T, ...]; with ``batch_invariant``, one block position at a time, each at a decode
+    step's shape [B, 1, ...]. For the MoE, whose experts see the tokens routed to them together: a position
+    then shares its experts' matmuls with the same rows as in a decode step."""
+    if not batch_invariant or x.shape[1] == 1:
+        return fn(x)
+    return jnp.concatenate([fn(x[:, t:t + 1]) for t in range(x.shape[1])], axis=1)
 
 
 class RMSNorm(nnx.Module):
@@ -175,7 +200,9 @@ class GatedAttention(nnx.Module):
         those slots: only T slots are written, so a donated cache is updated in place, not copied.
         ``window`` [B]: row b's queries see only the last ``window[b]`` positions, their own included (a
         training-time restriction, see ``training.target_recipe.attention_windows``; None: every earlier position).
-        ``batch_invariant``: every matmul one block position at a time (:func:`per_position`)."""
+        ``batch_invariant``: every matmul on padded rows (:func:`padded_rows`) and attention over fixed chunks of
+        key slots up to the last visible one (:meth:`_attend_in_chunks`), so that a token's result depends on
+        neither the block, the batch's row count nor the cache's capacity."""
         if group is None:
             out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window,
                                 batch_invariant=batch_invariant)
@@ -183,33 +210,35 @@ class GatedAttention(nnx.Module):
         b, t, _ = x.shape
         hd = self.head_dim
         positions = starts[:, None] + jnp.arange(t)[None, :]                   # [B, T]
-        query_gate = per_position(self.q_proj, batch_invariant, x).reshape(b, t, self.num_heads, 2 * hd)
+        query_gate = padded_rows(self.q_proj, batch_invariant, x).reshape(b, t, self.num_heads, 2 * hd)
         query, gate = query_gate[..., :hd], query_gate[..., hd:].reshape(b, t, self.num_heads * hd)
-        key = per_position(self.k_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
-        value = per_position(self.v_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
+        key = padded_rows(self.k_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
+        value = padded_rows(self.v_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
         query = apply_rope(self.q_norm(query), positions, self.rotary_dim, self.rope_theta)
         key = apply_rope(self.k_norm(key), positions, self.rotary_dim, self.rope_theta)
 
         # A scatter of [B, T] slots into [G, B, S, ...] in the buffers' own layout (a vmap over the batch
         # axis would transpose whole buffers). Slots past the capacity are dropped; callers check it.
-        rows = jnp.arange(b)[:, None]
-        k_cache = cache.k.at[group, rows, positions].set(key.astype(cache.k.dtype), mode="drop")
-        v_cache = cache.v.at[group, rows, positions].set(value.astype(cache.v.dtype), mode="drop")
+        batch_rows = jnp.arange(b)[:, None]
+        k_cache = cache.k.at[group, batch_rows, positions].set(key.astype(cache.k.dtype), mode="drop")
+        v_cache = cache.v.at[group, batch_rows, positions].set(value.astype(cache.v.dtype), mode="drop")
         k_all = jax.lax.dynamic_index_in_dim(k_cache, group, keepdims=False)   # [B, S, H_kv, D]
         v_all = jax.lax.dynamic_index_in_dim(v_cache, group, keepdims=False)
 
-        slots = jnp.arange(k_all.shape[1])
-        visible = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
-        if window is not None:
-            visible &= slots[None, None, :] > positions[:, :, None] - window[:, None, None]
-        attend = lambda query, visible: self._attend(query, visible, k_all, v_all)  # noqa: E731
-        out = per_position(attend, batch_invariant, query, visible)           # [B, T, H * D]
+        if batch_invariant:
+            out = self._attend_in_chunks(query, positions, k_all, v_all, window)
+        else:
+            slots = jnp.arange(k_all.shape[1])
+            visible = slots[None, None, :] <= positions[:, :, None]            # [B, T, S] causal
+            if window is not None:
+                visible &= slots[None, None, :] > positions[:, :, None] - window[:, None, None]
+            out = self._attend(query, visible, k_all, v_all)                   # [B, T, H * D]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-        return per_position(self.o_proj, batch_invariant, out), AttentionCache(k=k_cache, v=v_cache)
+        return padded_rows(self.o_proj, batch_invariant, out), AttentionCache(k=k_cache, v=v_cache)
 
     def _attend(self, query: jax.Array, visible: jax.Array, k_all: jax.Array, v_all: jax.Array) -> jax.Array:
         """Softmax attention of query [B, T, H, D] over the buffers k_all, v_all [B, S, H_kv, D] at the slots
-        ``visible`` [B, T, S] -> [B, T, H * D]."""
+        ``visible`` [B, T, S] -> [B, T, H * D]: HF's computation, one reduction over the whole buffer."""
         b, t = query.shape[:2]
         hd, rep = self.head_dim, self.num_heads // self.num_kv_heads
         q = query.reshape(b, t, self.num_kv_heads, rep, hd)
@@ -217,6 +246,55 @@ class GatedAttention(nnx.Module):
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(query.dtype)
         return jnp.einsum("bgrts,bsgd->btgrd", probs, v_all).reshape(b, t, self.num_heads * hd)
+
+    def _attend_in_chunks(self, query: jax.Array, positions: jax.Array, k_all: jax.Array, v_all: jax.Array,
+                          window: jax.Array | None) -> jax.Array:
+        """:meth:`_attend`'s attention, query [B, T, H, D] at ``positions`` [B, T] over the causal (and
+        ``window``) slots of k_all, v_all [B, S, H_kv, D], computed so that no result depends on S, T or where a
+        row sits: an online softmax over chunks of :data:`KV_CHUNK` slots, in slot order, that stops after
+        the chunk holding the batch's last visible slot. Every matmul has the same shape at any S, and its
+        rows (a kv group's queries, one per head and block position) are padded to a multiple of
+        :data:`ROW_TILE`. A slot a row does not see adds an exact zero to its sums, and a chunk it sees none of
+        leaves its running max, sum and output exactly as they were. -> [B, T, H * D]"""
+        b, t = query.shape[:2]
+        hd, groups, rep = self.head_dim, self.num_kv_heads, self.num_heads // self.num_kv_heads
+        if k_all.shape[1] % KV_CHUNK:  # a capacity off the chunk grid (generate rounds it up; this copies)
+            pad = ((0, 0), (0, -k_all.shape[1] % KV_CHUNK), (0, 0), (0, 0))
+            k_all, v_all = jnp.pad(k_all, pad), jnp.pad(v_all, pad)
+        rows = t * rep
+        padded = round_up(rows, ROW_TILE)
+        # [B, T, G, R, D] -> [B, G, T * R, D]: the queries reading one kv group, a row per (position, head).
+        q = query.reshape(b, t, groups, rep, hd).transpose(0, 2, 1, 3, 4).reshape(b, groups, rows, hd)
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+        row_positions = jnp.pad(jnp.repeat(positions, rep, axis=1), ((0, 0), (0, padded - rows)),
+                                constant_values=-1)                            # [B, M]; -1: a padding row
+        earliest = jnp.zeros_like(positions) if window is None else positions - window[:, None] + 1
+        earliest = jnp.pad(jnp.repeat(earliest, rep, axis=1), ((0, 0), (0, padded - rows)))  # [B, M] first seen
+        num_chunks = (jnp.max(positions) + KV_CHUNK) // KV_CHUNK
+
+        def chunk(c, carry):
+            running_max, total, out = carry                                    # [B, G, M], [B, G, M], [B, G, M, D]
+            keys = jax.lax.dynamic_slice_in_dim(k_all, c * KV_CHUNK, KV_CHUNK, axis=1)    # [B, C, G, D]
+            values = jax.lax.dynamic_slice_in_dim(v_all, c * KV_CHUNK, KV_CHUNK, axis=1)
+            scores = jnp.einsum("bgmd,bcgd->bgmc", q, keys).astype(jnp.float32) * hd**-0.5
+            slots = c * KV_CHUNK + jnp.arange(KV_CHUNK)
+            visible = ((slots[None, None, :] <= row_positions[:, :, None])
+                       & (slots[None, None, :] >= earliest[:, :, None]))       # [B, M, C]
+            scores = jnp.where(visible[:, None], scores, -jnp.inf)
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)               # nothing seen yet: no shift
+            rescale = jnp.exp(running_max - shift)
+            probs = jnp.exp(scores - shift[..., None])
+            total = total * rescale + jnp.sum(probs, axis=-1)
+            read = jnp.einsum("bgmc,bcgd->bgmd", probs.astype(values.dtype), values,
+                              preferred_element_type=jnp.float32)
+            return new_max, total, out * rescale[..., None] + read
+
+        init = (jnp.full((b, groups, padded), -jnp.inf, jnp.float32), jnp.zeros((b, groups, padded), jnp.float32),
+                jnp.zeros((b, groups, padded, hd), jnp.float32))
+        _, total, out = jax.lax.fori_loop(0, num_chunks, chunk, init)
+        out = (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(query.dtype)[:, :, :rows]
+        return out.reshape(b, groups, t, rep, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -248,16 +326,16 @@ class GatedDeltaNet(nnx.Module):
 
     def decay(self, x: jax.Array, batch_invariant: bool = False) -> jax.Array:
         """g = log of the share of the state each token of x [B, T, D] keeps: [B, T, H_v] float32, <= 0."""
-        a = per_position(self.in_proj_a, batch_invariant, x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        a = padded_rows(self.in_proj_a, batch_invariant, x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
 
     def delta_inputs(self, x: jax.Array, conv: jax.Array, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
         """The delta rule's q, k ``[B, T, H_k, d_k]`` and v ``[B, T, H_v, d_v]`` for the new tokens x [B, T, D]
         (before the rule's L2 norm of q and k), after the projections of the ``K-1`` tokens before them,
         ``conv`` [B, K-1, C] (zeros at a sequence's start), through the causal conv and SiLU; and the conv
-        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``batch_invariant``: see :func:`per_position`."""
+        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``batch_invariant``: see :func:`padded_rows`."""
         b, t, _ = x.shape
-        window = jnp.concatenate([conv, per_position(self.in_proj_qkv, batch_invariant, x).astype(conv.dtype)], axis=1)
+        window = jnp.concatenate([conv, padded_rows(self.in_proj_qkv, batch_invariant, x).astype(conv.dtype)], axis=1)
         w = self.conv_weight[...]
         mixed = jax.nn.silu(sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size)))
         mixed = mixed.astype(x.dtype)                                          # [B, T, C]
@@ -266,6 +344,17 @@ class GatedDeltaNet(nnx.Module):
         k = mixed[..., key_dim:2 * key_dim].reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = mixed[..., 2 * key_dim:].reshape(b, t, self.num_v_heads, self.head_v_dim)
         return q, k, v, window
+
+    @staticmethod
+    def _chunked(q, k, v, g, beta, state, impl: Impl, batch_invariant: bool) -> tuple[jax.Array, jax.Array]:
+        """The chunked delta rule over the block; with ``batch_invariant`` the block padded (g = beta = 0, which
+        leave the state exactly as it was) to whole chunks of :data:`GDN_CHUNK` tokens, which a shorter block
+        would otherwise be cut to: a token's result then does not depend on how far a prompt is padded."""
+        t = q.shape[1]
+        pad = -t % GDN_CHUNK if batch_invariant else 0
+        q, k, v, g, beta = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (q, k, v, g, beta))
+        o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, state, chunk_size=GDN_CHUNK, impl=impl)
+        return o[:, :t], state
 
     def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
                  form: str, impl: Impl = "xla",
@@ -279,12 +368,13 @@ class GatedDeltaNet(nnx.Module):
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
         ``impl`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
         ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others). ``batch_invariant``: a token
-        rounds the same in a block as alone (:func:`per_position`, and the recurrence one token per iteration).
+        rounds the same in a block as alone (:func:`padded_rows`, and the recurrence one token per iteration), and a
+        prefill's chunked form runs whole chunks whatever the prompt's length.
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
         q, k, v, window = self.delta_inputs(x, cache.conv, batch_invariant)
-        beta = jax.nn.sigmoid(per_position(self.in_proj_b, batch_invariant, x).astype(jnp.float32))  # [B, T, H_v]
+        beta = jax.nn.sigmoid(padded_rows(self.in_proj_b, batch_invariant, x).astype(jnp.float32))  # [B, T, H_v]
         g = self.decay(x, batch_invariant)
         recurrent = functools.partial(gated_delta.gated_delta_recurrent, impl=impl, looped=batch_invariant)
 
@@ -300,12 +390,12 @@ class GatedDeltaNet(nnx.Module):
                 valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
                 g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
             if form == "chunked":
-                o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, cache.state, impl=impl)
+                o, state = self._chunked(q, k, v, g, beta, cache.state, impl, batch_invariant)
             else:
                 o, state = recurrent(q, k, v, g, beta, cache.state)
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
             new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
 
-        z = per_position(self.in_proj_z, batch_invariant, x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        z = padded_rows(self.in_proj_z, batch_invariant, x).reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(o, z).reshape(b, t, self.num_v_heads * self.head_v_dim)
-        return per_position(self.out_proj, batch_invariant, out), new_cache
+        return padded_rows(self.out_proj, batch_invariant, out), new_cache

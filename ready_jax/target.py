@@ -37,7 +37,7 @@ from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
 from .checks import check_counts, check_flag, check_int, int_array, is_int
 from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
-from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, per_position
+from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, padded_rows, per_position
 from .modes import Form, Impl, Rollback
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
@@ -73,7 +73,9 @@ class DecoderLayer(nnx.Module):
             mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl,
                                                   batch_invariant=batch_invariant)
         h = h + mixed
-        return h + per_position(self.mlp, batch_invariant, self.post_attention_layernorm(h)), layer_cache
+        # An MoE's experts run the tokens routed to them together, so its rows go one block position at a time.
+        rows = per_position if isinstance(self.mlp, SparseMoE) else padded_rows
+        return h + rows(self.mlp, batch_invariant, self.post_attention_layernorm(h)), layer_cache
 
 
 class LayerGroup(nnx.Module):
@@ -108,10 +110,10 @@ class TargetModel(nnx.Module):
 
         ``head`` [D, V]: the same LM head laid out for a plain matmul, used instead of the model's own (a
         tied embedding transposed once before generation's loop: see ``generation.transposes_tied_head``).
-        ``batch_invariant`` (h [B, T, D]): one position at a time (``layers.per_position``).
+        ``batch_invariant``: on padded rows (``layers.padded_rows``).
         """
         if batch_invariant:
-            return per_position(lambda h: self.logits(h, head), True, h)
+            return padded_rows(lambda h: self.logits(h, head), True, h)
         h = self.norm(h)
         if head is not None:
             return jnp.einsum("...d,dv->...v", h, head.astype(h.dtype))
@@ -273,9 +275,11 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     positions; a training-time restriction (``training.target_recipe.attention_windows``) that makes the Gated DeltaNet
     states carry what lies further back. None: full attention, the architecture as it is.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
-    ``batch_invariant``: each token's result does not depend on how many rows share the step: every matmul runs
-    one block position at a time and the Gated DeltaNet recurrence one token per loop iteration, so a decode
-    step and a verify block round alike (``layers.per_position``, docs/numerics.md). Costs verify speed.
+    ``batch_invariant``: each token's result depends on neither how many rows share the step, the padding nor
+    the cache's capacity: every matmul runs on rows padded to a fixed multiple (``layers.padded_rows``), attention
+    sums over fixed chunks of key slots up to the last visible one, the Gated DeltaNet recurrence runs one token per
+    loop iteration and its chunked form whole chunks, so a decode step, a verify block and a prefill round every
+    token alike (docs/numerics.md). Not differentiable (attention's chunk loop has a data-dependent trip count).
     """
     model = nnx.merge(graphdef, params)
     if check_finite:
@@ -506,19 +510,22 @@ class Target:
                        donate_argnums=(1,), compiler_options=numerics.compiler_options(True))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
-                impl: Impl = "xla", check_finite: bool = False) -> StepOutput:
+                impl: Impl = "xla", check_finite: bool = False, batch_invariant: bool | None = None) -> StepOutput:
         """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all).
 
         ``impl`` (here and in :meth:`decode` / :meth:`verify`): ``"xla"`` or ``"pallas"`` (the fused kernels).
         ``check_finite`` (here and in :meth:`decode` / :meth:`verify`): raise ``FloatingPointError``
         naming the first layer whose output or state holds a NaN / Inf (``ready_jax.debug``).
+        ``batch_invariant`` (None: ``numerics.resolve``): as in :meth:`decode`; a prompt's tokens then round the
+        same whatever its padding and the cache's capacity, as ``generate``'s prefill does.
         """
+        batch_invariant = numerics.resolve(batch_invariant)
         layers = self._check_step(cache, hidden_layers, impl, check_finite)
         tokens = self._check_tokens(tokens, cache)
         if num_new is not None:
             num_new = check_counts(num_new, cache.batch_size, tokens.shape[1], "num_new", "prompt tokens per row")
         return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked", hidden_layers=layers,
-                                     impl=impl, check_finite=check_finite, batch_invariant=False))
+                                     impl=impl, check_finite=check_finite, batch_invariant=batch_invariant))
 
     def decode(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
                impl: Impl = "xla", check_finite: bool = False, batch_invariant: bool | None = None) -> StepOutput:

@@ -80,9 +80,9 @@ def applied_decays(monkeypatch):
     real = gated_delta.gated_delta_chunked
     decays = []
 
-    def recording(q, k, v, g, beta, state, impl):
+    def recording(q, k, v, g, beta, state, **options):
         jax.debug.callback(lambda g: decays.append(np.asarray(g)), g, ordered=True)
-        return real(q, k, v, g, beta, state, impl=impl)
+        return real(q, k, v, g, beta, state, **options)
 
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", recording)
 

@@ -25,8 +25,9 @@ def models():
 
 def round_scopes(program: jax.stages.Traced) -> list[str]:
     """The named scopes of the generation loop's body, in the order they first appear (transforms such as
-    ``vmap()`` and unscoped equations left out)."""
-    (loop,) = [e for e in program.jaxpr.jaxpr.eqns if e.primitive.name == "while"]
+    ``vmap()`` and unscoped equations left out); the prefill's own loops (attention's chunks) are not it."""
+    (loop,) = [e for e in program.jaxpr.jaxpr.eqns
+               if e.primitive.name == "while" and not str(e.source_info.name_stack).startswith("prefill")]
     scopes = [str(e.source_info.name_stack).split("/")[0] for e in loop.params["body_jaxpr"].jaxpr.eqns]
     return list(dict.fromkeys(s for s in scopes if re.fullmatch(r"[a-z_]+", s)))
 
