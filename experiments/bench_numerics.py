@@ -72,7 +72,7 @@ def time_generate(target, drafter, prompts: np.ndarray, new_tokens: int, repeats
         spec_drafter = drafter or rj.ScriptedDrafter(np.maximum(outputs[f"ar_{mode}"].tokens, 0), block_size=7)
         spec = functools.partial(ar, drafter=spec_drafter)
         outputs[f"spec_{mode}"] = spec()
-        fns[f"ar_{mode}"], fns[f"spec_{mode}"] = (lambda: ar().tokens), (lambda spec=spec: spec().tokens)
+        fns[f"ar_{mode}"], fns[f"spec_{mode}"] = (lambda ar=ar: ar().tokens), (lambda spec=spec: spec().tokens)
     result = {f"generate_{name}_s": t for name, t in interleaved_medians(fns, repeats).items()}
     for mode in MODES:
         ar, spec = outputs[f"ar_{mode}"], outputs[f"spec_{mode}"]

@@ -1,16 +1,19 @@
-"""Batch invariance: when a token's logits do not depend on how many rows share its step.
+"""Batch invariance: when a token's logits depend on neither how many rows share its step, the padding nor the
+cache's capacity.
 
 Greedy speculative decoding gives autoregressive decoding's tokens only if a verify block (T rows per
-sequence) rounds every token exactly as a decode step (one row) does; in bf16 a logit margin of one rounding
-step is common, so one differing last bit changes a token. Three things break that on XLA's CPU backend
-(docs/numerics.md): a matmul's per-row result depends on its row count; XLA's fusion recomputes a chain of
-Gated DeltaNet states inside one kernel, contracting multiply-adds differently by context; and excess precision
-keeps a bf16 intermediate in fp32 in one program and not in another. The target's ``batch_invariant`` steps
-avoid the first two (``layers.per_position``, the recurrence's ``looped`` form) and compile with the options
-below for the third, which also keep the CPU's YNNPACK from fusing a matmul with its neighbours.
+sequence) rounds every token exactly as a decode step (one row) does, and neither may depend on how large the
+KV buffers are (a speculative program's are a block larger); in bf16 a logit margin of one rounding step is
+common, so one differing last bit changes a token. What breaks that on XLA's CPU backend (docs/numerics.md): a
+matmul's per-row result depends on its row count below 8 rows; a sum over the whole KV buffer depends on the
+buffer's size; XLA's fusion recomputes a chain of Gated DeltaNet states inside one kernel, contracting
+multiply-adds differently by context; and excess precision keeps a bf16 intermediate in fp32 in one program and
+not in another. The target's ``batch_invariant`` steps avoid the first three by construction
+(``layers.padded_rows``, attention over fixed chunks of key slots, the recurrence's ``looped`` form) and compile
+with the options below for the last, which also keep the CPU's YNNPACK from fusing a matmul with its neighbours.
 
-On a GPU or TPU the same steps run but are not checked here (no device), and cost verify its batching: there
-the default is off, and ``generate`` says once that greedy output may differ from the autoregressive one.
+On a GPU or TPU the same steps run but are not checked here (no device): there the default is off, and
+``generate`` says once that greedy output may differ from the autoregressive one.
 """
 
 from __future__ import annotations

@@ -73,9 +73,13 @@ class DecoderLayer(nnx.Module):
             mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl,
                                                   batch_invariant=batch_invariant)
         h = h + mixed
-        # An MoE's experts run the tokens routed to them together, so its rows go one block position at a time.
-        rows = per_position if isinstance(self.mlp, SparseMoE) else padded_rows
-        return h + rows(self.mlp, batch_invariant, self.post_attention_layernorm(h)), layer_cache
+        # An MoE's experts run the tokens routed to them together, so a decode or verify step's MoE runs one block
+        # position at a time (a prefill's runs whole: per position it would unroll the prompt).
+        if isinstance(self.mlp, SparseMoE):
+            mlp = per_position(self.mlp, batch_invariant and form != "chunked", self.post_attention_layernorm(h))
+        else:
+            mlp = padded_rows(self.mlp, batch_invariant, self.post_attention_layernorm(h))
+        return h + mlp, layer_cache
 
 
 class LayerGroup(nnx.Module):
