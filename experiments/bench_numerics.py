@@ -1,12 +1,14 @@
 """What batch invariance costs: decode and verify steps, and whole generation, with it off and on, in one run.
 
-``batch_invariant=True`` (``ready_jax.numerics``) runs every matmul on rows padded to a multiple of 8, attention
-over fixed chunks of key slots, the Gated DeltaNet recurrence one token per loop iteration, and compiles without
-the CPU's YNNPACK fusion and without excess precision, so that greedy speculative output equals autoregressive
-output bit for bit. This times, interleaved so that load drifts hit both alike (medians; compile apart):
+``batch_invariant=True`` (``ready_jax.numerics``) runs a verify block's matmuls one block position at a time
+(a prompt's on rows padded to a multiple of 8), attention over fixed chunks of key slots, the Gated DeltaNet
+recurrence one token per loop iteration, and compiles without the CPU's YNNPACK fusion and without excess
+precision, so that greedy speculative output equals autoregressive output bit for bit. This times, interleaved
+so that load drifts hit both alike (medians; compile apart):
 
 * a decode step (one token per sequence) and a verify step (``block + 1`` tokens, replay rollback);
-* ``generate`` with no drafter (AR) and with a drafter, and the time of one round of each;
+* ``generate`` with no drafter (AR) and with a drafter, and the time of one round of each (the difference
+  of a whole run and one of a single token, over the difference of their rounds);
 
 and prints on / off ratios, and whether each side's greedy speculative tokens equal its AR tokens.
 
@@ -62,24 +64,32 @@ def time_steps(target: rj.Target, prompts: np.ndarray, block: int, repeats: int)
 
 
 def time_generate(target, drafter, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
-    """Median run seconds of AR and speculative generation with each numerics, a round's seconds (run time over
-    rounds), and whether greedy speculative tokens equal AR's under each. ``drafter``: a Drafter, or None for a
-    scripted one proposing AR's own tokens under that numerics."""
+    """Median run seconds of AR and speculative generation with each numerics; a round's seconds, as the
+    difference of that run and one of a single new token (the prefill and first token alone) over the
+    difference of their rounds; and whether greedy speculative tokens equal AR's under each. ``drafter``: a
+    Drafter, or None for a scripted one proposing AR's own tokens under that numerics."""
     outputs, fns = {}, {}
     for mode, invariant in MODES.items():
-        ar = functools.partial(rj.generate, target, prompts, new_tokens, batch_invariant=invariant)
-        outputs[f"ar_{mode}"] = ar()
+        ar = functools.partial(rj.generate, target, prompts, batch_invariant=invariant)
+        outputs[f"ar_{mode}"] = ar(new_tokens)
         spec_drafter = drafter or rj.ScriptedDrafter(np.maximum(outputs[f"ar_{mode}"].tokens, 0), block_size=7)
         spec = functools.partial(ar, drafter=spec_drafter)
-        outputs[f"spec_{mode}"] = spec()
-        fns[f"ar_{mode}"], fns[f"spec_{mode}"] = (lambda ar=ar: ar().tokens), (lambda spec=spec: spec().tokens)
-    result = {f"generate_{name}_s": t for name, t in interleaved_medians(fns, repeats).items()}
+        outputs[f"spec_{mode}"] = spec(new_tokens)
+        for arm, run in (("ar", ar), ("spec", spec)):
+            outputs[f"{arm}_{mode}_first"] = run(1)
+            fns[f"{arm}_{mode}"] = lambda run=run: run(new_tokens).tokens
+            fns[f"{arm}_{mode}_first"] = lambda run=run: run(1).tokens
+    medians = interleaved_medians(fns, repeats)
+    result = {f"generate_{name}_s": medians[name] for arm in ("ar", "spec") for mode in MODES
+              for name in (f"{arm}_{mode}",)}
     for mode in MODES:
         ar, spec = outputs[f"ar_{mode}"], outputs[f"spec_{mode}"]
         result[f"differing_rows_{mode}"] = int((ar.tokens != spec.tokens).any(axis=1).sum())
         result[f"tau_{mode}"] = spec.tau
-        for arm, out in (("ar", ar), ("spec", spec)):
-            result[f"round_{arm}_{mode}_s"] = result[f"generate_{arm}_{mode}_s"] / max(len(out.accept_lengths), 1)
+        for arm in ("ar", "spec"):
+            rounds = len(outputs[f"{arm}_{mode}"].accept_lengths) - len(outputs[f"{arm}_{mode}_first"].accept_lengths)
+            result[f"rounds_{arm}_{mode}"] = rounds
+            result[f"round_{arm}_{mode}_s"] = (medians[f"{arm}_{mode}"] - medians[f"{arm}_{mode}_first"]) / rounds
     return result
 
 

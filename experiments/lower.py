@@ -19,7 +19,9 @@ every program for one chip of each kind with none attached, which runs Mosaic's 
 Triton kernels to cubins (``experiments.deviceless``), and reports per program the compile seconds, XLA's
 memory analysis (arguments, outputs, temporaries; whether they fit the chip's HBM) and cost analysis (flops,
 bytes accessed); ``--mesh v5e:2x4`` compiles ``generate`` for a whole TPU slice with the tensor-parallel layout;
-``--out`` writes it all as JSON with the environment.
+``--out`` writes it all as JSON with the environment. ``--programs verify,decode`` picks programs;
+``--batch-invariant`` builds them as ``ready_jax.numerics`` has it on (a CPU's default), to read its cost on an
+accelerator from XLA's cost analysis.
 Each program's line gives the kernels one run of it launches, by kernel name, a loop body (the scan over layer
 groups, the rounds' while loop) counted once: a prefill of the stacked target launches one chunked kernel per
 Gated DeltaNet layer of a layer group.
@@ -79,9 +81,11 @@ _FUNCTION = re.compile(r'^\s*func\.func (?:public |private )?@"?([^"\s(]+)"?\(')
 _FUNC_CALL = re.compile(r'(?<![\w.])(?:func\.)?call @"?([^"\s(]+)"?\(')  # "func.call @f(" or "call @f("
 
 
-def program_tracers(geo: Geometry, impl: str, rollback: str) -> dict[str, Callable[[], jax.stages.Traced]]:
+def program_tracers(geo: Geometry, impl: str, rollback: str,
+                    batch_invariant: bool = False) -> dict[str, Callable[[], jax.stages.Traced]]:
     """Per program, a function tracing it on abstract arguments (called where the kernels are chosen: inside
-    :func:`lowering_context`)."""
+    :func:`lowering_context`); ``batch_invariant`` as ``ready_jax.numerics`` has it (off: an accelerator's
+    default)."""
     target, drafter = abstract_models(geo)
     graphdef, params = target.graphdef, target.params
     ids = geo.drafter.target_layer_ids
@@ -93,23 +97,24 @@ def program_tracers(geo: Geometry, impl: str, rollback: str) -> dict[str, Callab
 
     def prefill(params, cache, prompts_bt, lengths_b):
         return target_lib.extend(graphdef, params, cache, prompts_bt, lengths_b, form="chunked", hidden_layers=ids,
-                                 impl=impl, logits_at=lengths_b - 1)
+                                 impl=impl, logits_at=lengths_b - 1, batch_invariant=batch_invariant)
 
     def decode(params, cache, anchor_b1):
-        return target_lib.extend(graphdef, params, cache, anchor_b1, form="recurrent", impl=impl)
+        return target_lib.extend(graphdef, params, cache, anchor_b1, form="recurrent", impl=impl,
+                                 batch_invariant=batch_invariant)
 
     def verify(params, cache, block_bt, impl=impl):
-        return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback, impl=impl)
+        return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback, impl=impl,
+                                 batch_invariant=batch_invariant)
 
     def commit(candidate, n_accepted_b):
-        return cache_lib.commit(candidate, n_accepted_b, impl, batch_invariant=False)  # an accelerator's default
+        return cache_lib.commit(candidate, n_accepted_b, impl, batch_invariant=batch_invariant)
 
     # The candidate's shapes do not depend on the impl: take them from XLA's, which traces no kernel.
     candidate = jax.eval_shape(lambda p, c, b: verify(p, c, b, impl="xla"), params, cache, block_bt).cache
     # Built here, outside any lowering context: prepare makes its (small) concrete inputs on this machine.
-    # As an accelerator runs it by default: verify batched (ready_jax.numerics).
     program = generation.prepare(target, np.zeros((batch, geo.prompt), np.int32), geo.max_new_tokens, drafter,
-                                 rollback=rollback, impl=impl, batch_invariant=False)
+                                 rollback=rollback, impl=impl, batch_invariant=batch_invariant)
     return {
         "prefill": lambda: jax.jit(prefill).trace(params, cache, prompts_bt, lengths_b),
         "decode": lambda: jax.jit(decode).trace(params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32)),
@@ -230,9 +235,9 @@ def lower_program(name: str, trace: Callable[[], jax.stages.Traced], platform: s
 
 
 def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
-              programs: tuple[str, ...] = PROGRAMS) -> list[Lowered]:
+              programs: tuple[str, ...] = PROGRAMS, batch_invariant: bool = False) -> list[Lowered]:
     """Lower ``programs`` of ``preset`` for ``platform`` with ``impl``, printing one line per program."""
-    tracers = program_tracers(geometry(preset), impl, rollback)
+    tracers = program_tracers(geometry(preset), impl, rollback, batch_invariant)
     results = []
     for name in programs:
         results.append(lower_program(name, tracers[name], platform, impl, rollback))
@@ -241,10 +246,10 @@ def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
 
 
 def compile_all(platform: str, preset: str, impl: str, rollback: str, chips: list[str],
-                programs: tuple[str, ...] = PROGRAMS) -> dict:
+                programs: tuple[str, ...] = PROGRAMS, batch_invariant: bool = False) -> dict:
     """Compile ``programs`` of ``preset`` for one of each chip (TPU generations, or GPUs for cuda), printing one
     line per program; {chip: {program: deviceless.Compiled as a dict, with ``fits_hbm``}}."""
-    tracers = program_tracers(geometry(preset), impl, rollback)
+    tracers = program_tracers(geometry(preset), impl, rollback, batch_invariant)
     compile_for = deviceless.compile_for_tpu if platform == "tpu" else deviceless.compile_for_gpu
     memory = deviceless.TPU_HBM_BYTES if platform == "tpu" else deviceless.GPU_HBM_BYTES
     report = {}
@@ -333,6 +338,10 @@ def main(argv=None) -> list[Lowered]:
                         help="also compile generate for every device of this TPU slice (v5e:2x2, v5e:2x4, "
                              "v5p:2x2x1, ...) or GPU node (h200:1x1x8) with the tensor-parallel layout; repeatable")
     parser.add_argument("--model", type=cli.positive_int, help="--mesh's model axis (default: every device)")
+    parser.add_argument("--programs", type=cli.comma_list(cli.one_of(PROGRAMS)), default=",".join(PROGRAMS),
+                        help="which programs to lower and compile, comma-separated")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the programs as batch-invariant (ready_jax.numerics; off: an accelerator's default)")
     parser.add_argument("--out", help="write the lowering (and compile) report here as JSON")
     args = parser.parse_args(argv)
     chips = _chips(args.compile, args.platform) if args.compile else []
@@ -349,13 +358,14 @@ def main(argv=None) -> list[Lowered]:
     print(f"lowering for {args.platform}: preset {args.preset} ({geo.target.num_hidden_layers} layers, hidden "
           f"{geo.target.hidden_size}, {geo.dtype.name}; batch {geo.batch}, prompt {geo.prompt}, "
           f"{geo.max_new_tokens} new tokens, block {geo.drafter.block_size}), impl {args.impl}, rollback "
-          f"{args.rollback}; jax {jax.__version__}", flush=True)
+          f"{args.rollback}, batch_invariant {args.batch_invariant}; jax {jax.__version__}", flush=True)
     start = time.perf_counter()
-    results = lower_all(args.platform, args.preset, args.impl, args.rollback)
+    results = lower_all(args.platform, args.preset, args.impl, args.rollback, args.programs, args.batch_invariant)
     failed = [r for r in results if r.error]
     print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
-    compiled = compile_all(args.platform, args.preset, args.impl, args.rollback, chips) if chips else {}
+    compiled = (compile_all(args.platform, args.preset, args.impl, args.rollback, chips, args.programs,
+                            args.batch_invariant) if chips else {})
     meshes = [compile_on_mesh(args.preset, name, args.impl, args.model) for name in args.mesh]
     write_json(args.out, {"settings": vars(args), "lowered": [dataclasses.asdict(r) for r in results],
                           "compiled": compiled, "meshes": meshes})

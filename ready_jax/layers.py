@@ -54,15 +54,24 @@ def round_up(n: int, multiple: int) -> int:
 def padded_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
     """``fn(x)`` for a row-wise ``fn`` (matmuls, an MLP) of x [..., D]; with ``batch_invariant``, x's rows
     flattened and padded with zero rows to a multiple of :data:`ROW_TILE`, so that every matmul inside runs at
-    least that many rows and a row's result depends on neither the row count nor the row's place: a decode step
-    (B rows), a verify block (B * T) and a prefill (B * T, whatever the padding) round every token alike, while
-    each still reads the weights once. The padding rows' results are dropped."""
+    least that many rows and a row's result depends on neither the row count nor the row's place: a prefill
+    rounds every token alike whatever its padding, and reads the weights once. The padding rows' results are
+    dropped."""
     if not batch_invariant:
         return fn(x)
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1])
     out = fn(jnp.pad(flat, ((0, round_up(rows, ROW_TILE) - rows), (0, 0))))[:rows]
     return out.reshape(*lead, *out.shape[1:])
+
+
+def invariant_rows(fn, batch_invariant: bool, x: jax.Array, prefill: bool) -> jax.Array:
+    """``fn(x)`` for a row-wise ``fn`` of x [B, T, D], as ``batch_invariant`` needs it: a prefill on padded rows
+    (:func:`padded_rows`), a decode step or verify block one block position at a time (:func:`per_position`), so
+    that a verify block's every matmul and the fusions around it have a decode step's shapes. (Verify on padded
+    rows, 8 * k rows against decode's 8, rounds apart from decode at batch 8 and 16 on XLA's CPU backend,
+    around the Gated DeltaNet's input projections and conv: docs/numerics.md.)"""
+    return (padded_rows if prefill else per_position)(fn, batch_invariant, x)
 
 
 def per_position(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
@@ -193,27 +202,27 @@ class GatedAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array,
                  group: jax.Array | None = None, window: jax.Array | None = None, *,
-                 batch_invariant: bool = False) -> tuple[jax.Array, AttentionCache]:
+                 batch_invariant: bool = False, prefill: bool = False) -> tuple[jax.Array, AttentionCache]:
         """x: [B, T, D]; the block sits at positions ``starts[b] + t``. ``cache`` holds every group's
         buffers (k, v: [G, B, S, H_kv, D]) and this layer is group ``group``, or (``group=None``) just
         this layer's [B, S, H_kv, D]. Returns the output and the buffers with the block's K/V written at
         those slots: only T slots are written, so a donated cache is updated in place, not copied.
         ``window`` [B]: row b's queries see only the last ``window[b]`` positions, their own included (a
         training-time restriction, see ``training.target_recipe.attention_windows``; None: every earlier position).
-        ``batch_invariant``: every matmul on padded rows (:func:`padded_rows`) and attention over fixed chunks of
-        key slots up to the last visible one (:meth:`_attend_in_chunks`), so that a token's result depends on
-        neither the block, the batch's row count nor the cache's capacity."""
+        ``batch_invariant``: every matmul as :func:`invariant_rows` runs it (``prefill``: the block is a prompt)
+        and attention over fixed chunks of key slots up to the last visible one (:meth:`_attend_in_chunks`), so
+        that a token's result depends on neither the block, the padding nor the cache's capacity."""
         if group is None:
             out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window,
-                                batch_invariant=batch_invariant)
+                                batch_invariant=batch_invariant, prefill=prefill)
             return out, jax.tree.map(lambda a: a[0], stacked)
         b, t, _ = x.shape
         hd = self.head_dim
         positions = starts[:, None] + jnp.arange(t)[None, :]                   # [B, T]
-        query_gate = padded_rows(self.q_proj, batch_invariant, x).reshape(b, t, self.num_heads, 2 * hd)
+        query_gate = invariant_rows(self.q_proj, batch_invariant, x, prefill).reshape(b, t, self.num_heads, 2 * hd)
         query, gate = query_gate[..., :hd], query_gate[..., hd:].reshape(b, t, self.num_heads * hd)
-        key = padded_rows(self.k_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
-        value = padded_rows(self.v_proj, batch_invariant, x).reshape(b, t, self.num_kv_heads, hd)
+        key = invariant_rows(self.k_proj, batch_invariant, x, prefill).reshape(b, t, self.num_kv_heads, hd)
+        value = invariant_rows(self.v_proj, batch_invariant, x, prefill).reshape(b, t, self.num_kv_heads, hd)
         query = apply_rope(self.q_norm(query), positions, self.rotary_dim, self.rope_theta)
         key = apply_rope(self.k_norm(key), positions, self.rotary_dim, self.rope_theta)
 
@@ -234,7 +243,7 @@ class GatedAttention(nnx.Module):
                 visible &= slots[None, None, :] > positions[:, :, None] - window[:, None, None]
             out = self._attend(query, visible, k_all, v_all)                   # [B, T, H * D]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-        return padded_rows(self.o_proj, batch_invariant, out), AttentionCache(k=k_cache, v=v_cache)
+        return invariant_rows(self.o_proj, batch_invariant, out, prefill), AttentionCache(k=k_cache, v=v_cache)
 
     def _attend(self, query: jax.Array, visible: jax.Array, k_all: jax.Array, v_all: jax.Array) -> jax.Array:
         """Softmax attention of query [B, T, H, D] over the buffers k_all, v_all [B, S, H_kv, D] at the slots
@@ -324,18 +333,22 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)
         self.out_proj = linear(c.linear_value_dim, c.hidden_size, rngs=rngs, dtype=dtype)
 
-    def decay(self, x: jax.Array, batch_invariant: bool = False) -> jax.Array:
+    def decay(self, x: jax.Array, batch_invariant: bool = False, prefill: bool = False) -> jax.Array:
         """g = log of the share of the state each token of x [B, T, D] keeps: [B, T, H_v] float32, <= 0."""
-        a = padded_rows(self.in_proj_a, batch_invariant, x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        a = invariant_rows(self.in_proj_a, batch_invariant, x, prefill).astype(jnp.float32)
+        a = a + self.dt_bias[...].astype(jnp.float32)
         return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
 
-    def delta_inputs(self, x: jax.Array, conv: jax.Array, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
+    def delta_inputs(self, x: jax.Array, conv: jax.Array, batch_invariant: bool = False,
+                     prefill: bool = False) -> tuple[jax.Array, ...]:
         """The delta rule's q, k ``[B, T, H_k, d_k]`` and v ``[B, T, H_v, d_v]`` for the new tokens x [B, T, D]
         (before the rule's L2 norm of q and k), after the projections of the ``K-1`` tokens before them,
         ``conv`` [B, K-1, C] (zeros at a sequence's start), through the causal conv and SiLU; and the conv
-        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``batch_invariant``: see :func:`padded_rows`."""
+        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``batch_invariant``, ``prefill``: see
+        :func:`invariant_rows`."""
         b, t, _ = x.shape
-        window = jnp.concatenate([conv, padded_rows(self.in_proj_qkv, batch_invariant, x).astype(conv.dtype)], axis=1)
+        projected = invariant_rows(self.in_proj_qkv, batch_invariant, x, prefill)
+        window = jnp.concatenate([conv, projected.astype(conv.dtype)], axis=1)
         w = self.conv_weight[...]
         mixed = jax.nn.silu(sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size)))
         mixed = mixed.astype(x.dtype)                                          # [B, T, C]
@@ -368,14 +381,15 @@ class GatedDeltaNet(nnx.Module):
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
         ``impl`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
         ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others). ``batch_invariant``: a token
-        rounds the same in a block as alone (:func:`padded_rows`, and the recurrence one token per iteration), and a
+        rounds the same in a block as alone (:func:`invariant_rows`, and the recurrence one token per iteration), and a
         prefill's chunked form runs whole chunks whatever the prompt's length.
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
-        q, k, v, window = self.delta_inputs(x, cache.conv, batch_invariant)
-        beta = jax.nn.sigmoid(padded_rows(self.in_proj_b, batch_invariant, x).astype(jnp.float32))  # [B, T, H_v]
-        g = self.decay(x, batch_invariant)
+        prefill = form == "chunked"
+        q, k, v, window = self.delta_inputs(x, cache.conv, batch_invariant, prefill)
+        beta = jax.nn.sigmoid(invariant_rows(self.in_proj_b, batch_invariant, x, prefill).astype(jnp.float32))
+        g = self.decay(x, batch_invariant, prefill)
         recurrent = functools.partial(gated_delta.gated_delta_recurrent, impl=impl, looped=batch_invariant)
 
         if form == "candidates":
@@ -396,6 +410,7 @@ class GatedDeltaNet(nnx.Module):
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
             new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
 
-        z = padded_rows(self.in_proj_z, batch_invariant, x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        z = invariant_rows(self.in_proj_z, batch_invariant, x, prefill)
+        z = z.reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(o, z).reshape(b, t, self.num_v_heads * self.head_v_dim)
-        return padded_rows(self.out_proj, batch_invariant, out), new_cache
+        return invariant_rows(self.out_proj, batch_invariant, out, prefill), new_cache

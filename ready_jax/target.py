@@ -37,7 +37,7 @@ from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
 from .checks import check_counts, check_flag, check_int, int_array, is_int
 from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
-from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, padded_rows, per_position
+from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, invariant_rows, per_position
 from .modes import Form, Impl, Rollback
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
@@ -68,7 +68,7 @@ class DecoderLayer(nnx.Module):
         x = self.input_layernorm(h)
         if self.is_attention:
             mixed, layer_cache = self.self_attn(x, layer_cache, starts, group, attention_window,
-                                                batch_invariant=batch_invariant)
+                                                batch_invariant=batch_invariant, prefill=form == "chunked")
         else:
             mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl,
                                                   batch_invariant=batch_invariant)
@@ -78,7 +78,7 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, SparseMoE):
             mlp = per_position(self.mlp, batch_invariant and form != "chunked", self.post_attention_layernorm(h))
         else:
-            mlp = padded_rows(self.mlp, batch_invariant, self.post_attention_layernorm(h))
+            mlp = invariant_rows(self.mlp, batch_invariant, self.post_attention_layernorm(h), form == "chunked")
         return h + mlp, layer_cache
 
 
@@ -109,15 +109,16 @@ class TargetModel(nnx.Module):
     def dtype(self):
         return self.embed_tokens.embedding.dtype
 
-    def logits(self, h: jax.Array, head: jax.Array | None = None, batch_invariant: bool = False) -> jax.Array:
+    def logits(self, h: jax.Array, head: jax.Array | None = None, batch_invariant: bool = False,
+               prefill: bool = False) -> jax.Array:
         """Final norm and LM head (tied to the embedding when the config says so). [.., D] -> [.., V]
 
         ``head`` [D, V]: the same LM head laid out for a plain matmul, used instead of the model's own (a
         tied embedding transposed once before generation's loop: see ``generation.transposes_tied_head``).
-        ``batch_invariant``: on padded rows (``layers.padded_rows``).
+        ``batch_invariant``, ``prefill``: as ``layers.invariant_rows`` runs a matmul.
         """
         if batch_invariant:
-            return padded_rows(lambda h: self.logits(h, head), True, h)
+            return invariant_rows(lambda h: self.logits(h, head), True, h, prefill)
         h = self.norm(h)
         if head is not None:
             return jnp.einsum("...d,dv->...v", h, head.astype(h.dtype))
@@ -280,10 +281,12 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     states carry what lies further back. None: full attention, the architecture as it is.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
     ``batch_invariant``: each token's result depends on neither how many rows share the step, the padding nor
-    the cache's capacity: every matmul runs on rows padded to a fixed multiple (``layers.padded_rows``), attention
-    sums over fixed chunks of key slots up to the last visible one, the Gated DeltaNet recurrence runs one token per
-    loop iteration and its chunked form whole chunks, so a decode step, a verify block and a prefill round every
-    token alike (docs/numerics.md). Not differentiable (attention's chunk loop has a data-dependent trip count).
+    the cache's capacity: every matmul runs as ``layers.invariant_rows`` has it (a prompt on rows padded to a
+    multiple of 8, a decode or verify block one position at a time), attention sums over fixed chunks of key
+    slots up to the last visible one, the Gated DeltaNet recurrence runs one token per loop iteration and its
+    chunked form whole chunks, so a decode step and a verify block round every token alike, and a prompt
+    whatever its padding (docs/numerics.md). Not differentiable (attention's chunk loop has a data-dependent trip
+    count).
     """
     model = nnx.merge(graphdef, params)
     if check_finite:
@@ -300,7 +303,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     with jax.named_scope("lm_head"):
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]
-        logits = model.logits(h, head, batch_invariant).astype(jnp.float32)
+        logits = model.logits(h, head, batch_invariant, form == "chunked").astype(jnp.float32)
     if check_finite:
         debug.check_finite(logits, "target logits")
     n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)

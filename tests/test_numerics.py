@@ -62,6 +62,23 @@ def test_verify_rounds_every_position_as_a_decode_step(dtype, rollback):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("batch", [8, 16])
+def test_zoo_verify_rounds_as_decode_at_batches_of_eight(batch):
+    """At batch 8 and 16 a verify block run on padded rows (8 * k of them, against decode's 8) rounded apart from
+    decode on the zoo target; one block position at a time it does not."""
+    target = rj.Target.load(ZOO / "target")
+    rng = np.random.default_rng(0)
+    prompts, tokens = rng.integers(0, target.config.vocab_size, (batch, 40)), rng.integers(0, 97, (batch, 8))
+    prefilled = target.prefill(target.init_cache(batch, 128), prompts).cache
+    cache, decoded = _copy(prefilled), []
+    for t in range(tokens.shape[1]):
+        step = target.decode(cache, tokens[:, t])
+        decoded.append(np.asarray(step.logits[:, 0]))
+        cache = step.cache
+    verified = target.verify(_copy(prefilled), tokens, rollback="replay").logits
+    np.testing.assert_array_equal(np.asarray(verified), np.stack(decoded, axis=1))
+
+
 def test_batched_verify_rounds_differently_here():
     """Without batch invariance a verify block's logits differ from decode's in some last bit (the zoo target in
     float32, where a one-row matmul rounds apart from an 8-row one): the check above is not vacuous."""
@@ -158,8 +175,8 @@ def test_chunked_attention_matches_whole_buffer_attention(dtype, window):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_attention_depends_on_no_capacity_and_no_neighbour(dtype):
     """A row's batch-invariant attention output is bit for bit the same at any capacity (on or off the chunk
-    grid) and as one row alone as in a batch of three; the whole-buffer attention's is not the same at every
-    capacity (float32), so the check can fail."""
+    grid), and with a prompt's padded rows as one row alone as in a batch of three; the whole-buffer attention's
+    is not the same at every capacity (float32), so the check can fail."""
     layer = _target(dtype).model.groups[0].layers[3].self_attn
     dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(3)
@@ -172,9 +189,10 @@ def test_attention_depends_on_no_capacity_and_no_neighbour(dtype):
         for invariant in (True, False):
             outputs[capacity, invariant] = np.asarray(layer(x, cache, starts, jnp.int32(0),
                                                             batch_invariant=invariant)[0])
-        alone = layer(x[1:2], jax.tree.map(lambda a: a[:, 1:2], cache), starts[1:2], jnp.int32(0),
-                      batch_invariant=True)[0]
-        np.testing.assert_array_equal(np.asarray(alone)[0], outputs[capacity, True][1])
+        in_batch, alone = (np.asarray(layer(x[rows], jax.tree.map(lambda a, rows=rows: a[:, rows], cache),
+                                            starts[rows], jnp.int32(0), batch_invariant=True, prefill=True)[0])
+                           for rows in (slice(0, 3), slice(1, 2)))
+        np.testing.assert_array_equal(alone[0], in_batch[1])
         np.testing.assert_array_equal(outputs[capacity, True], outputs[KV_CHUNK + 8, True])
     if dtype == jnp.float32:
         assert any(not np.array_equal(outputs[c, False], outputs[KV_CHUNK + 8, False])
@@ -241,12 +259,12 @@ def _drafter(target: rj.Target, kind: str, block_size: int, reference: np.ndarra
 @hypothesis.given(config=geometries(), data=st.data())
 def test_greedy_speculation_equals_ar_on_random_targets(config, data):
     """Random geometries and weights (near-flat logits, ties within a rounding step all the time), bf16 and
-    float32, 128-160 tokens, blocks 1-16, batch 1-5 with ragged prompts, perfect and noisy scripted drafters and
+    float32, 128-160 tokens, blocks 1-16, batch 1-5 and 8 with ragged prompts, perfect and noisy scripted drafters and
     learned ones, both rollbacks, default and explicit capacities: speculative greedy output equals AR's, and
     AR's own output does not change with the capacity or the prompt bucket."""
     dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float32]), label="dtype")
     target = rj.Target.init(config, seed=data.draw(st.integers(0, 2**16), label="weights seed"), dtype=dtype)
-    batch = data.draw(st.integers(1, 5), label="batch")
+    batch = data.draw(st.sampled_from([1, 2, 3, 4, 5, 8]), label="batch")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="prompt seed"))
     prompts = [rng.integers(0, config.vocab_size, int(rng.integers(1, 40))) for _ in range(batch)]
     new_tokens = data.draw(st.integers(128, 160), label="max_new_tokens")
