@@ -24,6 +24,7 @@ import ready_jax as rj
 from convert import deepspec, hf_target
 from ready_jax import checkpoint, data, debug, generation, hf_format
 from ready_jax import target as target_lib
+from ready_jax.layers import KV_CHUNK, round_up
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -336,7 +337,8 @@ def test_capacity_exactly_enough_and_one_short(eos_runs):
     exact = rj.generate(target, prompts, MAX_NEW, eos_token_ids=(), capacity=needed)     # exactly enough
     np.testing.assert_array_equal(exact.tokens, free.tokens)
     # The default capacity holds the bucket of max_new_tokens; the target's own buffers fill to the last slot.
-    assert free.cache.capacity == max(map(len, prompts)) + generation.new_tokens_bucket_of(MAX_NEW)
+    assert free.cache.capacity == round_up(max(map(len, prompts)) + generation.new_tokens_bucket_of(MAX_NEW),
+                                           KV_CHUNK)  # whole attention chunks (batch-invariant)
     cache = target.init_cache(1, 6)
     ids = np.asarray(prompts[0][:5])[None]
     step = target.prefill(cache, ids)
