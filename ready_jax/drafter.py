@@ -42,7 +42,7 @@ Step functions are pure and jittable (``graphdef`` static, everything else a pyt
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +51,21 @@ from flax import nnx
 
 from pallas_kernels import state_reader as state_reader_ops
 
-from . import checkpoint, sharding
+from . import checkpoint, modes, sharding
 from .cache import Candidate, ContextCache, TargetCache
-from .config import TargetConfig
+from .checks import (
+    check_config,
+    check_counts,
+    check_flag,
+    check_float_dtype,
+    check_int,
+    check_path,
+    check_real,
+    check_seed,
+    check_type,
+    int_array,
+)
+from .config import INT32_MAX, TargetConfig
 from .drafter_config import KV, STATE, DrafterConfig
 from .layers import MLP, apply_rope, linear
 from .modes import Impl
@@ -83,6 +95,9 @@ class SharedWeights:
 
     @classmethod
     def from_target(cls, target) -> SharedWeights:
+        """The weights of ``target`` (a :class:`ready_jax.Target`)."""
+        if not isinstance(getattr(target, "config", None), TargetConfig):  # Target itself sits beside this module
+            raise TypeError(f"target must be a ready_jax.Target, got {type(target).__name__}")
         model = target.model
         head = None if target.config.tie_word_embeddings else model.lm_head.kernel[...]
         return cls(embedding=model.embed_tokens.embedding[...], lm_head=head)
@@ -416,6 +431,7 @@ class Drafter:
     """A DSpark / ReaDy drafter with jitted step functions; the NNX graph is split once here."""
 
     def __init__(self, model: DrafterModel):
+        check_type(model, "model", DrafterModel, "a DrafterModel", " (Drafter.init and load build a Drafter)")
         self.config: DrafterConfig = model.config
         self.graphdef, self.params = nnx.split(model)
         self.dtype = model.dtype
@@ -424,8 +440,11 @@ class Drafter:
     def init(cls, target_config: TargetConfig, config: DrafterConfig | None = None, seed: int = 0,
              dtype=jnp.float32) -> Drafter:
         """Random drafter for ``target_config`` (unset sizes come from it; the reader's W_o is zero)."""
-        if not isinstance(target_config, TargetConfig):
-            raise TypeError(f"target_config must be a TargetConfig, got {type(target_config).__name__}")
+        check_config(target_config, "target_config", TargetConfig)
+        if config is not None:
+            check_config(config, "config", DrafterConfig)
+        seed = check_seed(seed)
+        check_float_dtype(dtype)
         config = (config or DrafterConfig()).resolve(target_config)
         return cls(DrafterModel(config, rngs=nnx.Rngs(seed), dtype=dtype))
 
@@ -433,6 +452,9 @@ class Drafter:
     def from_state(cls, config: DrafterConfig, flat: dict[str, np.ndarray], dtype=jnp.float32, *,
                    what: str = "drafter weights") -> Drafter:
         """Build from ``{dotted NNX path: array}``; every parameter must be present with its shape."""
+        check_config(config, "config", DrafterConfig)
+        check_type(flat, "flat", Mapping, "a mapping of dotted parameter names to arrays")
+        check_float_dtype(dtype)
         model = nnx.eval_shape(lambda: DrafterModel(config, rngs=nnx.Rngs(0), dtype=dtype))
         graphdef, params = nnx.split(model)
         checkpoint.state_from_flat(params, flat, what=what)
@@ -449,6 +471,8 @@ class Drafter:
     def save(self, path, *, overwrite: bool = False) -> None:
         """``config.json`` + ``model.safetensors`` (``ready_jax.checkpoint``); refuses a directory holding
         anything but a drafter checkpoint unless ``overwrite``."""
+        path = check_path(path)
+        check_flag(overwrite, "overwrite")
         checkpoint.write_checkpoint(path, FORMAT, "drafter", self.config.to_dict(), self.params, self.dtype,
                                     overwrite=overwrite)
 
@@ -456,6 +480,9 @@ class Drafter:
     def load(cls, path, dtype=None, layout: sharding.Layout | None = None) -> Drafter:
         """Load a drafter checkpoint in ``dtype`` (default: as saved); with ``layout``, every weight goes
         straight onto its shards of that mesh."""
+        path = check_path(path)
+        if layout is not None:
+            check_type(layout, "layout", sharding.Layout, "a ready_jax.Layout or None")
         return cls(checkpoint.load_model(
             path, FORMAT, "drafter", "convert DeepSpec checkpoints with `python -m convert.deepspec`",
             DrafterConfig.from_dict, lambda config, dtype: DrafterModel(config, rngs=nnx.Rngs(0), dtype=dtype),
@@ -463,12 +490,19 @@ class Drafter:
 
     # ---- jitted steps (module-level jits keyed on the static graphdef: equal drafters share compiles) ----
     def init_context(self, batch_size: int, capacity: int) -> ContextCache:
+        batch_size = check_int(batch_size, "batch_size", 1, INT32_MAX)
+        capacity = check_int(capacity, "capacity", 1, INT32_MAX)
         return init_context(self.config, batch_size, capacity, self.dtype)
 
     def append_context(self, context: ContextCache, hidden, num_new=None) -> ContextCache:
         """Commit target features ``hidden`` [n_ids, B, T, D] (``StepOutput.hidden`` for the ids)."""
+        _check_context(context)
         hidden = jnp.asarray(hidden)
-        n = np.full((context.batch_size,), hidden.shape[2]) if num_new is None else np.asarray(num_new)
+        if hidden.ndim != 4 or hidden.shape[1] != context.batch_size:
+            raise ValueError(f"hidden must be [n_ids, B={context.batch_size}, T, D] (StepOutput.hidden), got shape "
+                             f"{hidden.shape}")
+        n = (np.full((context.batch_size,), hidden.shape[2]) if num_new is None else
+             np.asarray(check_counts(num_new, context.batch_size, hidden.shape[2], "num_new", "new tokens per row")))
         # Writes past a full context's capacity would be dropped silently inside the step, so check on the host.
         longest = int(np.max(np.asarray(context.lengths) + n))
         if self.config.context_window is None and longest > context.capacity:
@@ -478,19 +512,34 @@ class Drafter:
 
     def draft(self, context: ContextCache, anchor, shared: SharedWeights, *, reader_states=None, key=None,
               temperature: float = 0.0, impl: str = "xla") -> DraftOutput:
+        _check_context(context)
+        check_type(shared, "shared", SharedWeights, "SharedWeights", " (SharedWeights.from_target(target))")
+        anchor = int_array(anchor, "anchor")
+        if anchor.shape != (context.batch_size,):
+            raise ValueError(f"anchor must be [B={context.batch_size}] (one token per row), got shape {anchor.shape}")
+        temperature = check_real(temperature, "temperature")
+        modes.check(impl, modes.IMPLS, "impl")
         return _draft_jit(self.graphdef, self.params, shared, context, jnp.asarray(anchor, jnp.int32),
-                          reader_states, key, temperature=float(temperature), impl=impl)
+                          reader_states, key, temperature=temperature, impl=impl)
 
     def prepare_reader(self, source: TargetCache | Candidate, n_committed=None, impl: str = "xla") -> tuple:
+        check_type(source, "source", TargetCache | Candidate, "a TargetCache or a verify Candidate")
+        modes.check(impl, modes.IMPLS, "impl")
         n = None if n_committed is None else jnp.asarray(n_committed, jnp.int32)
         return _prepare_jit(self.graphdef, self.params, source, n, impl)
 
 
 def shard_drafter(drafter: Drafter, layout: sharding.Layout) -> Drafter:
     """The drafter with its weights placed on the mesh."""
+    check_type(drafter, "drafter", Drafter, "a ready_jax.Drafter")
+    check_type(layout, "layout", (sharding.Layout, jax.sharding.Mesh), "a ready_jax.Layout or a jax Mesh")
     layout = sharding.as_layout(layout)
     return Drafter(nnx.merge(drafter.graphdef, sharding.place(
         drafter.params, sharding.param_shardings(drafter.params, layout, drafter.config))))
+
+
+def _check_context(context) -> None:
+    check_type(context, "context", ContextCache, "a ContextCache", " (from Drafter.init_context or append_context)")
 
 
 _append_jit = jax.jit(append_context, static_argnums=0, donate_argnames=("context",))

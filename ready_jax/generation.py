@@ -8,11 +8,9 @@ program itself (prefill, then a ``lax.while_loop`` of draft / verify / accept / 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,13 +21,14 @@ import numpy as np
 
 from pallas_kernels import backend
 
-from . import debug, modes, numerics
+from . import compiled_programs, debug, modes, numerics
 from . import drafter as drafter_lib
 from . import sharding as sharding_lib
 from .cache import TargetCache
-from .checks import as_array, check_flag, check_int, check_real, check_token_ids
+from .checks import as_array, check_flag, check_int, check_real, check_seed, check_token_ids, check_type, is_int
 from .config import INT32_MAX
 from .drafter import Drafter
+from .drafter_config import MAX_BLOCK_SIZE
 from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
 from .layers import KV_CHUNK, round_up
 from .modes import Impl, Rollback
@@ -97,22 +96,33 @@ class ScriptedDrafter:
     output), each draft replaced by another random token with probability ``error_rate``.
 
     For tests (long and full-block accepts) and for timing the loop apart from drafter quality. Its
-    proposals are deterministic given the round, so the proposal distribution is one-hot.
+    proposals are deterministic given the round, so the proposal distribution is one-hot. The fields are
+    checked here; the reference's batch and vocabulary by ``generate``, which knows the prompts and the target.
     """
 
     reference: np.ndarray   # [B, N] the continuation to propose; token i is generated token i
-    block_size: int = 7
+    block_size: int = 7     # 1..MAX_BLOCK_SIZE, the learned drafter's bound
     error_rate: float = 0.0
     seed: int = 0
+
+    def __post_init__(self):
+        reference = as_array(self.reference, "ScriptedDrafter.reference", "a [B, N] array of token ids")
+        if reference.ndim != 2 or 0 in reference.shape:
+            raise ValueError(f"ScriptedDrafter.reference must be [B, N] with B, N >= 1, got shape {reference.shape}")
+        if not np.issubdtype(reference.dtype, np.integer):
+            raise ValueError(f"ScriptedDrafter.reference must hold integer token ids, got {reference.dtype}")
+        check_int(self.block_size, "ScriptedDrafter.block_size", 1, MAX_BLOCK_SIZE)
+        rate = check_real(self.error_rate, "ScriptedDrafter.error_rate")
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"ScriptedDrafter.error_rate must lie in [0, 1], got {rate}")
+        check_int(self.seed, "ScriptedDrafter.seed", 0, 2**32 - 1)  # folded into the key as a uint32
 
     @property
     def config(self) -> ScriptedConfig:
         return ScriptedConfig(self.block_size, float(self.error_rate))
 
 
-_compiled: collections.OrderedDict = collections.OrderedDict()  # settings and shapes -> executable, LRU
-MAX_COMPILED_PROGRAMS = 32  # each holds its machine code; a long-lived process must not keep every one
-_compiled_lock = threading.Lock()
+PROGRAMS = compiled_programs.ProgramCache()  # settings, shapes and placements -> executable
 
 
 def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
@@ -202,11 +212,12 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
             check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
             batch_invariant: bool | None = None) -> Program:
     """Check :func:`generate`'s arguments and build its :class:`Program` (same arguments, same errors)."""
-    prompt_bucket = check_int(prompt_bucket, "prompt_bucket", 1, INT32_MAX)
-    prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size, prompt_bucket)
+    _check_models(target, drafter)
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", 1, INT32_MAX)
     max_new_tokens_bucket = new_tokens_bucket_of(max_new_tokens, new_tokens_bucket)
-    seed = check_int(seed, "seed", -(2**63), 2**63 - 1)
+    prompt_bucket = check_int(prompt_bucket, "prompt_bucket", 1, INT32_MAX)
+    prompts, lengths = _pad_prompts(prompt_ids, target.config.vocab_size, prompt_bucket)
+    seed = check_seed(seed)
     temperature = effective_temperature(temperature)
     modes.check(rollback, modes.ROLLBACKS, "rollback")
     modes.check(impl, modes.IMPLS, "impl")
@@ -221,8 +232,6 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     elif isinstance(drafter, ScriptedDrafter):
         drafter_config = drafter.config
         drafter_params = _scripted_reference(drafter, len(lengths), target.config.vocab_size)
-    elif drafter is not None:
-        raise TypeError(f"drafter must be a Drafter, a ScriptedDrafter or None, got {type(drafter).__name__}")
     gamma = 0 if drafter is None else drafter_config.block_size
     needed = int(lengths.max()) + max_new_tokens + gamma
     capacity = prompts.shape[1] + max_new_tokens_bucket + gamma if capacity is None else capacity
@@ -247,6 +256,17 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     if layout is not None:
         args = _place_inputs(args, drafter, layout)
     return Program(settings, target.graphdef, drafter_def, args)
+
+
+def _check_models(target, drafter) -> None:
+    """TypeErrors for a ``target`` that is not a :class:`Target` and a ``drafter`` that is no drafter, each saying
+    so when the two were swapped."""
+    swapped = " (pass the drafter as drafter=)" if isinstance(target, Drafter | ScriptedDrafter) else ""
+    check_type(target, "target", Target, "a ready_jax.Target", swapped)
+    if drafter is not None:
+        swapped = " (the target is the first argument)" if isinstance(drafter, Target) else ""
+        check_type(drafter, "drafter", Drafter | ScriptedDrafter, "a ready_jax.Drafter, a ScriptedDrafter or None",
+                   swapped)
 
 
 def new_tokens_bucket_of(max_new_tokens: int, bucket: int | None = None) -> int:
@@ -275,17 +295,11 @@ def effective_temperature(temperature) -> float:
 
 
 def _scripted_reference(drafter: ScriptedDrafter, batch: int, vocab_size: int) -> jax.Array:
-    """A :class:`ScriptedDrafter`'s fields checked, and its reference tokens as int32 [B, N]."""
-    check_int(drafter.block_size, "ScriptedDrafter.block_size", 1, INT32_MAX)
-    check_int(drafter.seed, "ScriptedDrafter.seed", 0, 2**32 - 1)  # folded into the key as a uint32
-    rate = check_real(drafter.error_rate, "ScriptedDrafter.error_rate")
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"ScriptedDrafter.error_rate must lie in [0, 1], got {rate}")
-    reference = as_array(drafter.reference, "ScriptedDrafter.reference")
-    if reference.ndim != 2 or reference.shape[0] != batch or reference.shape[1] == 0:
-        raise ValueError(f"ScriptedDrafter.reference must be [B={batch}, N] with N >= 1, got {reference.shape}")
-    if not np.issubdtype(reference.dtype, np.integer):
-        raise ValueError(f"ScriptedDrafter.reference must hold integer token ids, got {reference.dtype}")
+    """A :class:`ScriptedDrafter`'s reference tokens checked against the prompts' batch and the vocabulary (its
+    constructor checked the rest), as int32 [B, N]."""
+    reference = np.asarray(drafter.reference)
+    if reference.shape[0] != batch:
+        raise ValueError(f"ScriptedDrafter.reference must be [B={batch}, N] (a row per prompt), got {reference.shape}")
     if reference.min() < 0 or reference.max() >= vocab_size:
         raise ValueError(f"ScriptedDrafter.reference has token ids outside the vocabulary 0..{vocab_size - 1}")
     return jnp.asarray(reference, jnp.int32)
@@ -298,25 +312,21 @@ class _Compiled:
 
 
 def compiled_program(program: Program) -> _Compiled:
-    """The compiled generation program for these static settings and argument shapes (compiled once)."""
-    shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(program.args))
-    cache_key = (program.target_def, program.drafter_def, program.settings, shapes)
-    with _compiled_lock:  # threads may share the cache; each compiles outside the lock
-        executable = _compiled.get(cache_key)
-        if executable is not None:
-            _compiled.move_to_end(cache_key)
-            return _Compiled(executable, 0.0)
+    """The compiled generation program for these static settings, argument shapes and placements (compiled once
+    per process while :data:`PROGRAMS` holds it: a target copied to another device compiles a program of its
+    own)."""
+    leaves = jax.tree.leaves(program.args)
+    cache_key = (program.target_def, program.drafter_def, program.settings,
+                 tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in leaves))
+    executable = PROGRAMS.get(cache_key)
+    if executable is not None:
+        return _Compiled(executable, 0.0)
     # A compile takes seconds to minutes: say what is compiling, so a silent wait is not mistaken for a hang
     # (and a second compile of what should be one program shows up).
     print(f"compiling generate: {_describe(program)} ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    executable = program.lower().compile(numerics.compiler_options(program.settings.batch_invariant))
-    seconds = time.perf_counter() - start
+    options = numerics.compiler_options(program.settings.batch_invariant)
+    executable, seconds = PROGRAMS.compile(cache_key, lambda: program.lower().compile(options))
     print(f"compiled generate in {seconds:.1f} s", file=sys.stderr, flush=True)
-    with _compiled_lock:
-        _compiled[cache_key] = executable
-        while len(_compiled) > MAX_COMPILED_PROGRAMS:
-            _compiled.popitem(last=False)
     return _Compiled(executable, seconds)
 
 
@@ -386,11 +396,12 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
 def _pad_prompts(prompt_ids, vocab_size: int, bucket: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """[B, T] array or list of 1-D arrays -> right-padded [B, T_max rounded up to ``bucket``] int32, lengths [B]."""
     if isinstance(prompt_ids, list | tuple):
-        rows = [as_array(p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
+        one_prompt = " (a single prompt is a list of one: [ids])" if all(map(is_int, prompt_ids)) else ""
+        rows = [as_array(p, f"prompt {i}", f"a 1-D array of token ids{one_prompt}") for i, p in enumerate(prompt_ids)]
         if any(r.ndim != 1 for r in rows):
             raise ValueError("a list of prompts must hold 1-D token arrays")
     else:
-        array = as_array(prompt_ids, "prompt_ids")
+        array = as_array(prompt_ids, "prompt_ids", "a [B, T] array of token ids or a list of 1-D ones")
         if array.ndim != 2:
             raise ValueError(f"prompt_ids must be [B, T] or a list of 1-D arrays, got shape {array.shape}")
         rows = list(array)

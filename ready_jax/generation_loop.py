@@ -250,7 +250,7 @@ def _checked_program(*args, target_def, drafter_def, settings: Settings):
 def program_jit(check_finite: bool = False):
     """The generation program jitted afresh: a new function object each call, so every cache jax keeps for it
     (traces, lowerings, the executable) is keyed weakly on that object and is freed with it. A long-lived
-    process that drops a compiled program then gets its machine code back (``generation.compiled_program``)."""
+    process that drops a compiled program then gets its machine code back (``ready_jax.compiled_programs``)."""
     body = _checked_program if check_finite else _program
 
     def generation_program(*args, target_def, drafter_def, settings: Settings):

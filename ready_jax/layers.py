@@ -77,10 +77,14 @@ def invariant_rows(fn, batch_invariant: bool, x: jax.Array, prefill: bool) -> ja
 def per_position(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
     """``fn(x)`` for x [B, T, ...]; with ``batch_invariant``, one block position at a time, each at a decode
     step's shape [B, 1, ...]. For the MoE, whose experts see the tokens routed to them together: a position
-    then shares its experts' matmuls with the same rows as in a decode step."""
+    then shares its experts' matmuls with the same rows as in a decode step. The positions are a loop
+    (``lax.map``), not T copies: the program holds one copy of ``fn``'s kernels (each takes memory maps of its
+    own on a CPU: ``ready_jax.compiled_programs``), and no compiler pass can merge the positions' matmuls
+    into one over the whole block."""
     if not batch_invariant or x.shape[1] == 1:
         return fn(x)
-    return jnp.concatenate([fn(x[:, t:t + 1]) for t in range(x.shape[1])], axis=1)
+    positions = jnp.moveaxis(x[:, :, None], 1, 0)                                 # [T, B, 1, ...]
+    return jnp.moveaxis(jax.lax.map(fn, positions), 0, 1)[:, :, 0]
 
 
 class RMSNorm(nnx.Module):

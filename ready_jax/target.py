@@ -35,7 +35,18 @@ from . import cache as cache_lib
 from . import checkpoint, debug, hf_format, modes, numerics
 from . import sharding as sharding_lib
 from .cache import AttentionCache, Candidate, TargetCache
-from .checks import check_counts, check_flag, check_int, int_array, is_int
+from .checks import (
+    check_config,
+    check_counts,
+    check_flag,
+    check_float_dtype,
+    check_int,
+    check_path,
+    check_seed,
+    check_type,
+    int_array,
+    is_int,
+)
 from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
 from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, invariant_rows, per_position
 from .modes import Form, Impl, Rollback
@@ -400,6 +411,8 @@ class Target:
 
     def __init__(self, model: TargetModel, layout: sharding_lib.Layout | None = None, *,
                  group_layout: GroupLayout | None = None):
+        check_type(model, "model", TargetModel, "a TargetModel", " (Target.init, from_hf and load build a Target)")
+        _check_layout(layout)
         self.config: TargetConfig = model.config
         if group_layout is None:
             group_layout = "split" if layout is None and jax.default_backend() == "cpu" else "stacked"
@@ -418,8 +431,9 @@ class Target:
         """Random weights, made by jitted programs (eagerly, every parameter shape would compile its own
         random-number program) that each return at most ``INIT_PROGRAM_BYTES`` (see :func:`init_state`).
         ``group_layout``: as in the constructor."""
-        if not isinstance(config, TargetConfig):
-            raise TypeError(f"config must be a TargetConfig, got {type(config).__name__}")
+        check_config(config, "config", TargetConfig)
+        seed = check_seed(seed)
+        check_float_dtype(dtype)
         build = lambda key: TargetModel(config, rngs=nnx.Rngs(key), dtype=dtype)  # noqa: E731
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(jax.random.key(0))))
         return cls(nnx.merge(graphdef, init_state(build, seed)), group_layout=group_layout)
@@ -429,7 +443,7 @@ class Target:
         """Load an HF Qwen3.5 / Qwen3-Next directory (config.json + safetensors or ``pytorch_model*.bin``)
         through the strict key table of ``ready_jax.hf_format``; ``dtype`` is float32 or bfloat16. A project
         checkpoint is refused with a message naming it and how to load it (``TargetConfig.from_hf``)."""
-        path = os.fspath(path)
+        path = check_path(path)
         dtype = checkpoint.check_dtype(dtype, hf_format.DTYPES)
         try:
             config = hf_format.read_hf_config(path)
@@ -450,6 +464,8 @@ class Target:
     def load(cls, path, dtype=None, layout: sharding_lib.Layout | None = None) -> Target:
         """Load the project's own checkpoint format (see :meth:`save`), in ``dtype`` (default: as saved);
         with ``layout``, every weight goes straight onto its shards of that mesh."""
+        path = check_path(path)
+        _check_layout(layout)
         model = checkpoint.load_model(
             path, FORMAT, "target", "convert HF checkpoints with `python -m convert.hf_target` or Target.from_hf",
             TargetConfig.from_dict, lambda config, dtype: TargetModel(config, rngs=nnx.Rngs(0), dtype=dtype),
@@ -459,6 +475,8 @@ class Target:
     def save(self, path, *, overwrite: bool = False) -> None:
         """``config.json`` + ``model.safetensors`` (``ready_jax.checkpoint``); refuses a directory holding
         anything but a target checkpoint unless ``overwrite``."""
+        path = check_path(path)
+        check_flag(overwrite, "overwrite")
         checkpoint.write_checkpoint(path, FORMAT, "target", self.config.to_dict(), self.stacked_params(),
                                     self.dtype, overwrite=overwrite)
 
@@ -618,6 +636,8 @@ class Target:
 
 def shard_target(target: Target, layout: sharding_lib.Layout) -> Target:
     """The target with its weights placed on the mesh; its caches and steps then stay placed too."""
+    check_type(target, "target", Target, "a ready_jax.Target")
+    check_type(layout, "layout", (sharding_lib.Layout, jax.sharding.Mesh), "a ready_jax.Layout or a jax Mesh")
     layout = sharding_lib.as_layout(layout)
     model = stack_groups(target.model)
     graphdef, params = nnx.split(model)
@@ -629,6 +649,13 @@ def param_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
     """{dotted parameter path: shape} of a target with ``config``, without running its initialisers."""
     model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=jnp.float32))
     return {k: tuple(v.shape) for k, v in checkpoint.flat_state(nnx.split(model)[1]).items()}
+
+
+def _check_layout(layout) -> None:
+    """A TypeError unless ``layout`` is a :class:`ready_jax.Layout` or None (a bare mesh: wrap it in one)."""
+    if layout is not None:
+        hint = " (wrap it: ready_jax.Layout(mesh))" if isinstance(layout, jax.sharding.Mesh) else ""
+        check_type(layout, "layout", sharding_lib.Layout, "a ready_jax.Layout or None", hint)
 
 
 def _check_live(cache: TargetCache | Candidate, name: str) -> None:

@@ -49,7 +49,7 @@ def _release_compiled_programs():
     share a fixture's programs do not compile them again."""
     yield
     if _memory_maps() > MAX_MEMORY_MAPS:
-        generation._compiled.clear()
+        generation.PROGRAMS.clear()
         jax.clear_caches()
         gc.collect()
 

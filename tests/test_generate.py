@@ -8,8 +8,8 @@ from conftest import tiny_config
 from flax import nnx
 
 import ready_jax as rj
+from ready_jax import compiled_programs, speculative
 from ready_jax import generation as generate_lib
-from ready_jax import speculative
 from ready_jax.cache import mask_uncommitted
 from ready_jax.checkpoint import flat_state, state_from_flat
 
@@ -255,7 +255,8 @@ def test_speculative_sampling_matches_target_distribution(small_vocab, monkeypat
         return n, jax.random.categorical(key, p_last, axis=-1).astype(jnp.int32)
 
     monkeypatch.setattr(speculative, "sampling_accept", accept_everything)
-    monkeypatch.setattr(generate_lib, "_compiled", {})  # compile afresh, tracing the patched rule
+    # compile afresh, tracing the patched rule
+    monkeypatch.setattr(generate_lib, "PROGRAMS", compiled_programs.ProgramCache())
     jax.clear_caches()
     lossy = rj.generate(target, prompts, 3, drafter=drafter, temperature=TEMPERATURE, seed=12)
     stat_lossy, dof_lossy = _chi_square(lossy.tokens, exact)

@@ -26,7 +26,7 @@ MAX_NEW_TOKENS = 6
 def _forget_compiled_programs() -> None:
     """generate's compiled programs (and jax's traces) key on settings and shapes, not on the kernel family a CPU
     interprets: drop them, so that no program traced with the other family's kernels is reused."""
-    generation._compiled.clear()
+    generation.PROGRAMS.clear()
     jax.clear_caches()
 
 
