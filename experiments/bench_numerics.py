@@ -36,7 +36,7 @@ import ready_jax as rj
 from ready_jax import cli, numerics
 from ready_jax import target as target_lib
 
-from .common import write_json
+from .common import load_drafter_dir, write_json
 from .timing import interleaved_medians
 from .zoo_runs import held_out_prompts
 
@@ -111,7 +111,8 @@ def build_parser():
                         help="zoo: --target and --drafter as saved; bandwidth: a random bf16 target whose weights "
                              "exceed the cache, with a scripted drafter")
     parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory)
-    parser.add_argument("--drafter", default=cli.repo_path("zoo", "ready"), type=cli.existing_directory)
+    parser.add_argument("--drafter", default=cli.repo_path("zoo", "ready"), type=cli.existing_directory,
+                        help="drafter directory: project format, ReaDy release, SGLang DSpark or DeepSpec")
     parser.add_argument("--batches", type=cli.positive_ints, default="1,16", help="batch sizes, comma-separated")
     parser.add_argument("--prompt-tokens", type=cli.positive_int, default=48, help="tokens per prompt")
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="for the generate timings")
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
     batches = args.batches
     if args.preset == "zoo":
         target = rj.Target.load(args.target)                               # as saved: the zoo's bf16
-        drafter = rj.Drafter.load(args.drafter, dtype=target.dtype)
+        drafter = load_drafter_dir(args.drafter, target.dtype)
         prompts = held_out_prompts(Path(args.target), max(batches), args.prompt_tokens, 0)
         ids = np.asarray([p["ids"] for p in prompts], np.int32)
         block, name = drafter.config.block_size, args.target

@@ -1,5 +1,6 @@
 """What every experiment records beside its figures (its environment, in one JSON file) and its plots, how a
-report shows a tau that no round measured, and how a script reaches the converters beside it."""
+report shows a tau that no round measured, how a script reaches the converters beside it, and how every
+``--drafter`` reads a drafter directory in any layout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import ModuleType
 
 from ready_jax import files
 from ready_jax.cli import repo_root
+from ready_jax.config import read_json
 from ready_jax.provenance import environment
 
 
@@ -20,6 +22,28 @@ def convert_module(name: str) -> ModuleType:
     installed from a wheel (pyproject.toml maps both folders into the ``ready_jax`` namespace)."""
     parent = __package__.rpartition(".")[0]
     return importlib.import_module(f"{parent}.convert.{name}" if parent else f"convert.{name}")
+
+
+def load_drafter_dir(path: str | os.PathLike, dtype):
+    """The drafter of directory ``path``, computing in ``dtype``, in whichever layout it is: the ReaDy release
+    (``SHA256.json`` beside ``reader/``; every hash checked before anything is read, ``convert.ready_release``), the
+    project's format (``rj.Drafter.load``), an SGLang DSpark draft (``architectures: ["DSparkDraftModel"]``,
+    ``convert.sglang_dspark``) or a DeepSpec DSpark checkpoint (``convert.deepspec``). Generation uses the
+    target's own embedding and LM head, so a checkpoint's copies of them are not kept."""
+    import ready_jax as rj
+
+    path = os.fspath(path)
+    release = convert_module("ready_release")
+    if release.is_release(path):
+        return release.load_release(path, dtype=dtype)[0]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} has no config.json: not a drafter directory")
+    meta = read_json(os.path.join(path, "config.json"))
+    if isinstance(meta, dict) and meta.get("format") == "ready-jax-drafter":
+        return rj.Drafter.load(path, dtype=dtype)
+    if isinstance(meta, dict) and meta.get("architectures") == ["DSparkDraftModel"]:
+        return convert_module("sglang_dspark").load_sglang(path, dtype=dtype)[0]
+    return convert_module("deepspec").load_deepspec(path, dtype=dtype)[0]
 
 
 def write_json(path: str | os.PathLike | None, data: dict) -> None:

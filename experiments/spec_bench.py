@@ -30,8 +30,9 @@ into its ``data/spec_bench/model_answer/``.
 
 Checkpoints: ``--target`` is an HF directory (config.json + safetensors + tokenizer.json, loaded with
 ``rj.Target.from_hf``) or the project's own target format (``rj.Target.save``, e.g. ``zoo/target``);
-``--drafter`` is the project's drafter format (``rj.Drafter.load``, e.g. ``zoo/ready``) or a DeepSpec
-DSpark checkpoint (``convert.deepspec``). Chat templates: ``chatml`` (Qwen's
+``--drafter`` is the project's drafter format (``rj.Drafter.load``, e.g. ``zoo/ready``), the ReaDy release
+layout (``convert.ready_release``: its hashes are checked first), an SGLang DSpark draft
+(``convert.sglang_dspark``) or a DeepSpec DSpark checkpoint (``convert.deepspec``). Chat templates: ``chatml`` (Qwen's
 ``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``), ``none`` (plain turn texts joined by
 blank lines, for tokenizers without chat tokens such as the shipped tiny zoo's) or ``hf`` (the template
 of the checkpoint's tokenizer_config.json / chat_template.jinja: rendered by the tokenizer's
@@ -70,7 +71,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import checkpoint, cli, files
 
-from .common import convert_module, shown, write_json
+from .common import load_drafter_dir, shown, write_json
 
 # The project's own questions in Spec-Bench's format and categories; Spec-Bench's are passed with --questions.
 # Beside this module, in a checkout and in an installed wheel alike (package data of ready_jax.experiments).
@@ -93,14 +94,6 @@ def load_target_dir(path: Path, dtype) -> rj.Target:
     if _format(path) == "ready-jax-target":
         return rj.Target.load(path, dtype=dtype)
     return rj.Target.from_hf(path, dtype=jnp.bfloat16 if dtype is None else dtype)
-
-
-def load_drafter_dir(path: Path, dtype) -> rj.Drafter:
-    """The project's drafter format (``format: ready-jax-drafter``) or a DeepSpec DSpark checkpoint."""
-    if _format(path) == "ready-jax-drafter":
-        return rj.Drafter.load(path, dtype=dtype)
-    # generate uses the target's own embedding and LM head
-    return convert_module("deepspec").load_deepspec(str(path), dtype=dtype)[0]
 
 
 # ---- questions and chat templates -------------------------------------------------------------------------
@@ -470,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, type=cli.existing_directory,
                         help="HF or project-format target directory")
     parser.add_argument("--drafter", type=cli.existing_directory,
-                        help="project-format or DeepSpec drafter directory (none: autoregressive)")
+                        help="drafter directory: project format, ReaDy release, SGLang DSpark or DeepSpec "
+                        "(none: autoregressive)")
     parser.add_argument("--tokenizer", type=cli.existing_file, help="tokenizer.json (None: the target directory's)")
     parser.add_argument("--questions", default=QUESTIONS,
                         help="questions in Spec-Bench's JSONL format (default: the project's own 80, docs/results.md "
