@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3.5 / Qwen3-Next checkpoints <-> ready-jax target checkpoints, on the command line.
+"""Hugging Face Qwen3.5 (dense and MoE) / Qwen3-Next checkpoints <-> ready-jax target checkpoints, on the command line.
 
 Import reads through ``ready_jax.hf_format`` (``Target.from_hf``); export here expands the same key table
 in the other direction, so export is the exact inverse of import. Both directions copy the tokenizer,
@@ -25,7 +25,16 @@ import numpy as np
 from ready_jax import cli, files
 from ready_jax.checkpoint import flat_state, save_tensors
 from ready_jax.config import TargetConfig
-from ready_jax.hf_format import DTYPES, LAYOUTS, Shape, coverage_problems, export_bindings, hf_config, source_file
+from ready_jax.hf_format import (
+    DTYPES,
+    LAYOUTS,
+    Shape,
+    coverage_problems,
+    default_layout,
+    export_bindings,
+    hf_config,
+    source_file,
+)
 from ready_jax.hf_format import expected_hf_shapes as _expected_hf_shapes
 from ready_jax.target import Target, param_shapes
 
@@ -55,11 +64,11 @@ def export_hf(target: Target, out_dir: str | os.PathLike, layout: str | None = N
     directory swapped in for ``out_dir`` whole (:func:`ready_jax.files.write_directory`; other files of an
     existing ``out_dir`` are kept).
 
-    ``layout`` defaults to the config's family: ``qwen3_next`` or ``qwen3_5_text``; ``qwen3_5`` writes the
-    multimodal-wrapper layout of released Qwen3.5 checkpoints (``model.language_model.*``, text only: no
-    vision tower, so load it with ``AutoModelForCausalLM``).
+    ``layout`` defaults to the config's family: ``qwen3_next``, ``qwen3_5_moe_text`` or ``qwen3_5_text``;
+    ``qwen3_5`` and ``qwen3_5_moe`` write the multimodal-wrapper layout of released Qwen3.5 checkpoints
+    (``model.language_model.*``, text only: no vision tower, so load it with ``AutoModelForCausalLM``).
     """
-    layout = layout or ("qwen3_next" if target.config.model_type == "qwen3_next" else "qwen3_5_text")
+    layout = layout or default_layout(target.config)
     tensors = export_hf_state(target, layout)
     dtype_name = jnp.dtype(target.dtype).name
     config = hf_config(target.config, layout, dtype_name)
@@ -95,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "checkpoint's own dtype for --export-hf)")
     parser.add_argument("--export-hf", action="store_true", help="convert a ready-jax checkpoint to HF")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
-                        help="HF layout for --export-hf (None: from the config, qwen3_next or qwen3_5_text)")
+                        help="HF layout for --export-hf (None: the config's own family, qwen3_5_text, "
+                             "qwen3_5_moe_text or qwen3_next)")
     args = parser.parse_args(argv)
     if args.layout and not args.export_hf:
         parser.error("--layout only applies with --export-hf")

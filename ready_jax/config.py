@@ -1,8 +1,9 @@
 """Target configuration: a frozen dataclass read from a Hugging Face ``config.json``.
 
-Two families share one config: Qwen3.5 text models (``qwen3_5`` / ``qwen3_5_text``, dense MLPs) and
-Qwen3-Next (``qwen3_next``, sparse MoE with a sigmoid-gated shared expert, dense via
-``mlp_only_layers``). Reading is strict: a field that would change the math and is not implemented
+Three families share one config: Qwen3.5 text models (``qwen3_5`` / ``qwen3_5_text``, dense MLPs), Qwen3.5-MoE
+(``qwen3_5_moe`` / ``qwen3_5_moe_text``: a sparse MoE with a sigmoid-gated shared expert in every layer, top-k
+always renormalised) and Qwen3-Next (``qwen3_next``, the same MoE, dense via ``mlp_only_layers``, renormalising
+by ``norm_topk_prob``). Reading is strict: a field that would change the math and is not implemented
 (a rope scaling type, sliding windows, another activation, ...) raises, and so does a field this
 module has never heard of, because silently ignoring it could change what the model computes.
 The project's own checkpoints (:data:`NATIVE_CHECKPOINTS`) are named as such, with how to load them.
@@ -20,7 +21,9 @@ from typing import Any
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The multimodal wrapper's model_type -> the model_type of the text model inside it (its text_config).
+_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 # Fields that never change what the model computes at inference (bookkeeping, training-only knobs,
 # multimodal / MTP parts this project does not load).
@@ -40,14 +43,26 @@ _WRAPPER_FIELDS = frozenset({
     "text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
     "vision_end_token_id", "vision_token_id", "audio_token_id",
 })
-_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                    "linear_value_head_dim")
+# intermediate_size too, except for Qwen3.5-MoE, whose layers have no dense MLP.
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 _ROPE_FIELDS = frozenset({"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"})
-_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
-_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
+# May be 0: intermediate_size when no layer has a dense MLP, the MoE sizes when no layer has a sparse one.
+_MOE_FIELDS = ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
+# transformers' defaults for the sparse fields a config.json may leave out, per family.
+_MOE_DEFAULTS = {
+    "qwen3_next": dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512),
+    "qwen3_5_moe_text": dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                             shared_expert_intermediate_size=512),
+}
+# Qwen3-Next's knobs that transformers' Qwen3.5-MoE does not have: its every layer is sparse (no dense width) and its
+# top-k is always renormalised. A config may hold them only with the value that class computes; another is refused.
+_QWEN3_5_MOE_FIXED = {"mlp_only_layers": (), "decoder_sparse_step": 1, "norm_topk_prob": True, "intermediate_size": 0}
 # Token ids, positions, lengths and counts are int32 inside the compiled programs: a larger value in a config
 # would fail deep inside jit (OverflowError) rather than here.
 INT32_MAX = 2**31 - 1
@@ -99,7 +114,8 @@ class TargetConfig:
     """Hyper-parameters of a hybrid Gated DeltaNet / gated attention target.
 
     ``layer_types[l]`` is ``"linear_attention"`` (Gated DeltaNet) or ``"full_attention"`` (gated
-    softmax attention with a KV cache) for decoder layer ``l`` (counted from 0).
+    softmax attention with a KV cache) for decoder layer ``l`` (counted from 0). ``intermediate_size`` is the
+    dense MLP's width, 0 when every layer is sparse (Qwen3.5-MoE has no dense width).
     """
 
     vocab_size: int
@@ -123,7 +139,7 @@ class TargetConfig:
     max_position_embeddings: int = 32_768
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "qwen3_5_text"
-    # Sparse MoE (Qwen3-Next). num_experts == 0 means every MLP is dense.
+    # Sparse MoE (Qwen3.5-MoE, Qwen3-Next). num_experts == 0 means every MLP is dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -162,6 +178,12 @@ class TargetConfig:
             problems.append(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts]")
         if self.num_experts and self.moe_intermediate_size <= 0:
             problems.append("a sparse MoE needs moe_intermediate_size > 0")
+        if self.model_type == "qwen3_5_moe_text":
+            problems += _qwen3_5_moe_problems(self)
+        elif self.intermediate_size < 1 and not all(map(self.is_moe_layer, range(self.num_hidden_layers))):
+            dense = sum(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            problems.append(f"intermediate_size {self.intermediate_size} must be >= 1: {dense} layer(s) have a "
+                            "dense MLP")
         bad_mlp_only = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad_mlp_only:
             problems.append(f"mlp_only_layers {bad_mlp_only} are outside 0..{self.num_hidden_layers - 1}")
@@ -235,6 +257,19 @@ class TargetConfig:
                    linear_value_head_dim=128, max_position_embeddings=262_144)
 
     @classmethod
+    def qwen3_5_35b_a3b(cls) -> TargetConfig:
+        """Qwen3.5-35B-A3B's text model, as its Hugging Face ``config.json`` gives it: 40 layers (3 Gated DeltaNet :
+        1 gated attention), hidden 2048, vocabulary 248320, 16 query / 2 KV heads of 256 (RoPE on a quarter of
+        each, theta 1e7), 16 key / 32 value GDN heads of 128, and in every layer a sparse MoE of 256 experts of
+        width 512 (top 8, renormalised) plus one shared expert of 512; no dense MLP; context 262144, EOS 248044."""
+        return cls(vocab_size=248320, hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+                   num_attention_heads=16, num_key_value_heads=2, head_dim=256, layer_types=_hybrid_layers(40),
+                   linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                   linear_value_head_dim=128, rope_theta=10_000_000.0, max_position_embeddings=262_144,
+                   eos_token_ids=(248044,), model_type="qwen3_5_moe_text", num_experts=256, num_experts_per_tok=8,
+                   moe_intermediate_size=512, shared_expert_intermediate_size=512)
+
+    @classmethod
     def cpu(cls) -> TargetConfig:
         """The CPU benchmarks' target (no released model): Qwen3.5-27B's layer pattern scaled down until
         ``experiments.bench_generate`` runs in minutes on 2 cores: 8 layers, hidden 512, 8 query / 2 KV heads
@@ -294,6 +329,15 @@ def _range_problems(config: TargetConfig) -> list[str]:
     return problems
 
 
+def _qwen3_5_moe_problems(config: TargetConfig) -> list[str]:
+    """What a Qwen3.5-MoE config cannot hold: its every layer is a sparse MoE with renormalised top-k."""
+    problems = [] if config.num_experts else ["a qwen3_5_moe_text model needs num_experts > 0"]
+    problems += [f"{name} {getattr(config, name)!r} is not supported: a qwen3_5_moe_text model has {value!r} "
+                 "(transformers' Qwen3.5-MoE has no such knob: every layer sparse, top-k renormalised, no dense MLP)"
+                 for name, value in _QWEN3_5_MOE_FIXED.items() if getattr(config, name) != value]
+    return problems
+
+
 def field_type_problems(config) -> list[str]:
     """The fields of dataclass ``config`` whose value does not have the field's annotated type (``tuple[X, ...]``
     takes a list too, a ``float`` an int, a nested config its dict; a bool is no int)."""
@@ -349,10 +393,16 @@ def _hybrid_layers(num_layers: int) -> tuple[str, ...]:
 
 def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
     model_type = raw.get("model_type")
-    if "text_config" in raw:  # Qwen3.5 multimodal wrapper: the language model is text_config.
-        if model_type != "qwen3_5":
-            raise ValueError(f"config with a text_config has model_type {model_type!r}; only 'qwen3_5' "
-                             "wrappers are supported")
+    if "text_config" in raw:  # Qwen3.5 (MoE) multimodal wrapper: the language model is text_config.
+        if model_type not in _WRAPPERS:
+            raise ValueError(f"config with a text_config has model_type {model_type!r}; only "
+                             f"{' and '.join(map(repr, _WRAPPERS))} wrappers are supported")
+        if not isinstance(raw["text_config"], dict):
+            raise ValueError(f"text_config is a {type(raw['text_config']).__name__}, not a config object")
+        inner_type = raw["text_config"].get("model_type", _WRAPPERS[model_type])
+        if inner_type != _WRAPPERS[model_type]:
+            raise ValueError(f"a {model_type!r} wrapper holds a text_config of model_type {inner_type!r}, not "
+                             f"{_WRAPPERS[model_type]!r}")
         outer_unknown = sorted(set(raw) - _WRAPPER_FIELDS - _IGNORED_FIELDS)
         if outer_unknown:
             raise ValueError(f"unrecognised config field(s) {outer_unknown}: they may change the math")
@@ -362,10 +412,8 @@ def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
         if tie_outer is not None and tie_inner is not None and tie_outer != tie_inner:
             raise ValueError(f"tie_word_embeddings is {tie_outer} in config.json but {tie_inner} in its text_config")
         raw.setdefault("tie_word_embeddings", bool(tie_outer))
-        raw.setdefault("model_type", "qwen3_5_text")
-        model_type = raw["model_type"]
-    if model_type == "qwen3_5":
-        model_type = "qwen3_5_text"
+        model_type = inner_type
+    model_type = _WRAPPERS.get(model_type, model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
 
@@ -375,7 +423,11 @@ def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
     if unknown:
         raise ValueError(f"unrecognised config field(s) {unknown}: they may change the math and are not "
                          "implemented")
-    missing = [f for f in _REQUIRED_FIELDS if raw.get(f) is None]
+    if model_type == "qwen3_5_moe_text":
+        # transformers' Qwen3.5-MoE has no dense MLP and does not read intermediate_size: some configs carry one.
+        raw = {k: v for k, v in raw.items() if k != "intermediate_size"}
+    required = _REQUIRED_FIELDS + (() if model_type == "qwen3_5_moe_text" else ("intermediate_size",))
+    missing = [f for f in required if raw.get(f) is None]
     if missing:
         raise ValueError(f"config is missing required field(s) {missing}")
     problems = _unsupported_values(raw)
@@ -398,11 +450,10 @@ def _from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
     kwargs = {k: raw[k] for k in fields if k in raw and k not in ("rope_theta", "partial_rotary_factor")}
     if raw.get("head_dim") is None:
         kwargs["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
-    if model_type == "qwen3_next":
-        kwargs.setdefault("num_experts", 512)  # HF's defaults for the sparse fields
-        kwargs.setdefault("num_experts_per_tok", 10)
-        kwargs.setdefault("moe_intermediate_size", 512)
-        kwargs.setdefault("shared_expert_intermediate_size", 512)
+    for name, value in _MOE_DEFAULTS.get(model_type, {}).items():
+        kwargs.setdefault(name, value)
+    if model_type == "qwen3_5_moe_text":
+        kwargs["intermediate_size"] = 0
     return TargetConfig(
         **kwargs,
         layer_types=tuple(layer_types),

@@ -384,6 +384,9 @@ class DrafterConfig:
             if mine is not None and mine != from_target[name]:
                 problems.append(f"drafter {name} {mine} does not match the target's {from_target[name]} "
                                 f"({why})")
+        if self.intermediate_size is None and not target.intermediate_size:
+            problems.append("the target has no dense MLP width to default the drafter's to (every layer is a sparse "
+                            "MoE): give intermediate_size")
         reader = None
         if self.reader is not None:
             try:

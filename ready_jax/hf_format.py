@@ -1,4 +1,5 @@
-"""Reading Hugging Face Qwen3.5 / Qwen3-Next checkpoints, and the key table that maps them to the target.
+"""Reading Hugging Face Qwen3.5 (dense and MoE) and Qwen3-Next checkpoints, and the key table that maps them to the
+target.
 
 The table (the ``_*_RULES`` tuples, assembled per layout by :func:`rules`) says, for every HF tensor,
 which internal parameter(s) it fills and through which :class:`Transform` (transpose, conv reshape,
@@ -36,8 +37,18 @@ from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 
 Shape = tuple[int, ...]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-LAYOUTS = ("qwen3_5_text", "qwen3_5", "qwen3_next")
-_TEXT_PREFIX = {"qwen3_5_text": "model", "qwen3_5": "model.language_model", "qwen3_next": "model"}
+LAYOUTS = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+_TEXT_PREFIX = {"qwen3_5_text": "model", "qwen3_5": "model.language_model", "qwen3_5_moe_text": "model",
+                "qwen3_5_moe": "model.language_model", "qwen3_next": "model"}
+# Per layout: the text model's model_type, the HF class that loads it, and the multimodal wrapper's model_type (None:
+# a text-only layout).
+_LAYOUT_CLASSES = {
+    "qwen3_5_text": ("qwen3_5_text", "Qwen3_5ForCausalLM", None),
+    "qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", None),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM", None),
+}
 
 
 # ---- transforms: one HF tensor <-> one or more internal tensors (one layer / expert, no G axis) ----------
@@ -210,10 +221,10 @@ _MOE_RULES = (
            TRANSPOSE, _moe) for n in ("gate", "up", "down")),
     Rule(_L + "mlp.shared_expert_gate.weight", ("mlp.shared_expert_gate.kernel",), TRANSPOSE, _moe),
 )
-# Released checkpoints (and transformers' save_pretrained) store experts one by one ...
+# Released Qwen3-Next checkpoints (and transformers' save_pretrained) store experts one by one ...
 _PER_EXPERT_RULES = tuple(Rule(_L + f"mlp.experts.{{expert}}.{n}_proj.weight", (f"mlp.expert_{n}",),
                                TRANSPOSE, _moe) for n in ("gate", "up", "down"))
-# ... transformers' in-memory modules (a raw model.state_dict()) fuse them.
+# ... released Qwen3.5-MoE checkpoints and transformers' in-memory modules (a raw model.state_dict()) fuse them.
 _FUSED_EXPERT_RULES = (
     Rule(_L + "mlp.experts.gate_up_proj", ("mlp.expert_gate", "mlp.expert_up"), GATE_UP, _moe),
     Rule(_L + "mlp.experts.down_proj", ("mlp.expert_down",), TRANSPOSE, _moe),
@@ -544,10 +555,34 @@ def read_hf_config(path: str | os.PathLike) -> TargetConfig:
 
 
 # ---- ours -> HF ---------------------------------------------------------------------------------------
+def default_layout(config: TargetConfig) -> str:
+    """The text-only layout of the config's own family (``qwen3_5_text``, ``qwen3_5_moe_text`` or ``qwen3_next``)."""
+    return config.model_type
+
+
+def layout_problem(config: TargetConfig, layout: str) -> str | None:
+    """Why ``config`` cannot be written in ``layout`` (an HF class that computes other math), or None."""
+    if layout not in LAYOUTS:
+        return f"layout {layout!r} is not one of {LAYOUTS}"
+    moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]
+    if layout in ("qwen3_5_text", "qwen3_5") and any(moe_layers):
+        return (f"layout {layout!r} has no MoE layers; export this model with layout 'qwen3_next'"
+                + (" or 'qwen3_5_moe'" if all(moe_layers) and config.norm_topk_prob else ""))
+    if layout in ("qwen3_5_moe_text", "qwen3_5_moe") and not (all(moe_layers) and config.norm_topk_prob):
+        return (f"layout {layout!r} has a sparse MoE with renormalised top-k in every layer, and this model has "
+                + ("dense layers" if not all(moe_layers) else "norm_topk_prob false")
+                + "; export it with layout 'qwen3_next'")
+    return None
+
+
 def hf_config(config: TargetConfig, layout: str, dtype_name: str = "float32") -> dict:
     """The ``config.json`` transformers reads for ``layout``; ``TargetConfig.from_hf`` inverts it."""
+    problem = layout_problem(config, layout)
+    if problem:
+        raise ValueError(problem)
+    text_type, architecture, wrapper = _LAYOUT_CLASSES[layout]
     text = {
-        "model_type": "qwen3_next" if layout == "qwen3_next" else "qwen3_5_text",
+        "model_type": text_type,
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
@@ -563,17 +598,19 @@ def hf_config(config: TargetConfig, layout: str, dtype_name: str = "float32") ->
         "max_position_embeddings": config.max_position_embeddings, "eos_token_id": _eos(config.eos_token_ids),
         "dtype": dtype_name,
     }
-    if layout == "qwen3_next":
+    if text_type != "qwen3_5_text":
         text.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
                     moe_intermediate_size=config.moe_intermediate_size,
-                    shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-                    norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
+                    shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+    if text_type == "qwen3_next":
+        text.update(norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
                     mlp_only_layers=list(config.mlp_only_layers))
-        return {"architectures": ["Qwen3NextForCausalLM"], **text}
-    if layout == "qwen3_5_text":
-        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-            "text_config": text, "tie_word_embeddings": config.tie_word_embeddings, "dtype": dtype_name}
+    if text_type == "qwen3_5_moe_text":  # transformers' Qwen3.5-MoE has no dense MLP width
+        del text["intermediate_size"]
+    if wrapper is None:
+        return {"architectures": [architecture], **text}
+    return {"architectures": [architecture], "model_type": wrapper, "text_config": text,
+            "tie_word_embeddings": config.tie_word_embeddings, "dtype": dtype_name}
 
 
 def _eos(ids: tuple[int, ...]) -> int | list[int] | None:
@@ -581,11 +618,11 @@ def _eos(ids: tuple[int, ...]) -> int | list[int] | None:
 
 
 def export_bindings(config: TargetConfig, layout: str) -> list[Binding]:
-    """Exports always write per-expert MoE keys, as save_pretrained and released checkpoints do."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-    if layout != "qwen3_next" and config.num_experts:
-        raise ValueError(f"layout {layout!r} has no MoE layers; export this model with layout 'qwen3_next'")
+    """Exports always write per-expert MoE keys, as transformers' save_pretrained does (it loads the fused form of
+    released Qwen3.5-MoE checkpoints too)."""
+    problem = layout_problem(config, layout)
+    if problem:
+        raise ValueError(problem)
     return bind(config, rules(layout == "qwen3_next", False), _TEXT_PREFIX[layout])
 
 
