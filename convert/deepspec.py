@@ -31,7 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ready_jax import cli, files
+from ready_jax import cli
 from ready_jax.drafter import Drafter, SharedWeights
 from ready_jax.drafter_config import DrafterConfig, ReaderConfig
 
@@ -42,8 +42,7 @@ from .dspark_layout import (
     Rule,  # noqa: F401  (part of this module's interface: the rows of key_table)
     drafter_from_state,
     key_table,  # noqa: F401  (part of this module's interface)
-    load_checkpoint,
-    read_config,
+    read_checkpoint,
     read_state_dict,  # noqa: F401  (part of this module's interface)
     run,
     state_from_drafter,
@@ -146,12 +145,7 @@ def _shared(copies: dict[str, np.ndarray], dtype) -> SharedWeights:
 # ---- files ---------------------------------------------------------------------------------------------
 def read_deepspec(src: str, dtype=jnp.float32) -> tuple[Drafter, dict[str, np.ndarray]]:
     """The drafter of a DeepSpec directory and its copies of the target's weights (by checkpoint key)."""
-    config_path, raw = read_config(src, WHAT)
-    try:
-        config = config_from_deepspec(raw)
-    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
-        raise ValueError(f"{config_path}: {e}") from e
-    return load_checkpoint(src, config, config_path, dtype, what=WHAT, shared_keys=SHARED_KEYS)
+    return read_checkpoint(src, config_from_deepspec, dtype, what=WHAT, shared_keys=SHARED_KEYS)
 
 
 def load_deepspec(src: str, dtype=jnp.float32) -> tuple[Drafter, SharedWeights]:
@@ -163,7 +157,7 @@ def export_deepspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:
     """Write ``config.json`` + ``model.safetensors`` that DeepSpec's ``from_pretrained`` loads."""
     state = to_deepspec_state(drafter, shared)
     config = config_to_deepspec(drafter.config, jnp.dtype(drafter.dtype).name)
-    files.write_directory(dst, lambda d: write_checkpoint(d, state, config, {"format": "pt"}), keep_other_files=True)
+    write_checkpoint(dst, state, config)
 
 
 FORMAT = Format(name=WHAT, module="convert.deepspec", doc=__doc__,

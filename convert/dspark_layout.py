@@ -226,10 +226,16 @@ def read_config(src: str, what: str) -> tuple[str, dict[str, Any]]:
     return config_path, raw
 
 
-def load_checkpoint(src: str, config: DrafterConfig, config_path: str, dtype, *, what: str,
+def read_checkpoint(src: str, config_from: Callable[[dict[str, Any]], DrafterConfig], dtype, *, what: str,
                     shared_keys: tuple[str, ...], aliases: Mapping[str, str] | None = None,
                     ) -> tuple[Drafter, dict[str, np.ndarray]]:
-    """The weights of ``src`` by the key table of ``config`` (read from ``config_path``)."""
+    """The drafter of a ``what`` directory, its ``config.json`` read by ``config_from``, and the copies of the
+    target's weights it holds (by checkpoint key)."""
+    config_path, raw = read_config(src, what)
+    try:
+        config = config_from(raw)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+        raise ValueError(f"{config_path}: {e}") from e
     keys = read_hf_tensors(src)  # headers only: the layer count is checked before a model of that depth is built
     held = {int(m[1]) for m in (re.match(r"layers\.(\d+)\.", k) for k in keys) if m}
     if held != set(range(config.num_layers)):
@@ -239,12 +245,14 @@ def load_checkpoint(src: str, config: DrafterConfig, config_path: str, dtype, *,
                               shared_keys=shared_keys, aliases=aliases)
 
 
-def write_checkpoint(directory: str, state: dict[str, np.ndarray], config: dict[str, Any],
-                     metadata: dict[str, str]) -> None:
-    """``model.safetensors`` + ``config.json`` into ``directory``."""
-    save_tensors(state, os.path.join(directory, "model.safetensors"), metadata=metadata)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+def write_checkpoint(dst: str, state: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+    """``model.safetensors`` + ``config.json`` at ``dst``, written whole or not at all."""
+    def write(directory: str) -> None:
+        save_tensors(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+    files.write_directory(dst, write, keep_other_files=True)
 
 
 def load_target(path: str):

@@ -43,7 +43,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ready_jax import cli, files
+from ready_jax import cli
 from ready_jax.drafter import Drafter, SharedWeights
 from ready_jax.drafter_config import MAX_BLOCK_SIZE, DrafterConfig, default_target_layer_ids
 
@@ -51,8 +51,7 @@ from .dspark_layout import (
     EMBED,
     Format,
     drafter_from_state,
-    load_checkpoint,
-    read_config,
+    read_checkpoint,
     run,
     state_from_drafter,
     write_checkpoint,
@@ -166,19 +165,15 @@ def to_torchspec_state(drafter: Drafter, shared: SharedWeights) -> dict[str, np.
 def read_torchspec(src: str, dtype=jnp.float32, block_size: int | None = None
                    ) -> tuple[Drafter, dict[str, np.ndarray]]:
     """The drafter of a TorchSpec directory and its copy of the target's embedding (by checkpoint key)."""
-    config_path, raw = read_config(src, WHAT)
-    try:
-        config = config_from_torchspec(raw, block_size)
-    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
-        raise ValueError(f"{config_path}: {e}") from e
-    return load_checkpoint(src, config, config_path, dtype, what=WHAT, shared_keys=SHARED_KEYS, aliases=ALIASES)
+    return read_checkpoint(src, lambda raw: config_from_torchspec(raw, block_size), dtype, what=WHAT,
+                           shared_keys=SHARED_KEYS, aliases=ALIASES)
 
 
 def export_torchspec(drafter: Drafter, shared: SharedWeights, dst: str) -> None:
     """Write the ``config.json`` + ``model.safetensors`` TorchSpec's exporter writes."""
     config = config_to_torchspec(drafter.config, jnp.dtype(drafter.dtype).name)
     state = to_torchspec_state(drafter, shared)
-    files.write_directory(dst, lambda d: write_checkpoint(d, state, config, {"format": "pt"}), keep_other_files=True)
+    write_checkpoint(dst, state, config)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

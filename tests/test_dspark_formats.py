@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from convert import dspark_layout, torchspec
+from convert import dspark_layout, specforge, torchspec
 from ready_jax.drafter import Drafter, SharedWeights
 from ready_jax.drafter_config import DrafterConfig, ReaderConfig
 
@@ -25,6 +25,7 @@ class Fmt:
     export: object        # (Drafter, SharedWeights, dir) -> None
     config_from: object   # raw config.json -> DrafterConfig
     config_to: object     # DrafterConfig -> config.json
+    import_args: tuple = ()  # what the command line needs beside SRC DST to import the fixture
 
 
 def _read_torchspec(path):
@@ -34,7 +35,10 @@ def _read_torchspec(path):
 
 FORMATS = {
     "torchspec": Fmt(torchspec, _read_torchspec, torchspec.export_torchspec,
-                     lambda raw: torchspec.config_from_torchspec(raw, 4), torchspec.config_to_torchspec),
+                     lambda raw: torchspec.config_from_torchspec(raw, 4), torchspec.config_to_torchspec,
+                     ("--block-size", "4")),
+    "specforge": Fmt(specforge, lambda path: specforge.read_specforge(str(path)), specforge.export_specforge,
+                     specforge.config_from_specforge, specforge.config_to_specforge),
 }
 
 
@@ -109,6 +113,37 @@ def test_export_then_import_round_trips(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
+def test_command_line_round_trip(name, tiny_target, tmp_path, capsys):
+    """Export, import with --target (checks the fit and any copies of its weights), export again: same files."""
+    main = FORMATS[name].module.main
+    cfg = DrafterConfig(block_size=4, num_layers=2, target_layer_ids=(1, 3, 5), markov_rank=8)
+    mine, theirs, back, again, target_dir = (tmp_path / n for n in ("mine", "theirs", "back", "again", "target"))
+    Drafter.init(tiny_target.config, cfg, seed=2).save(str(mine))
+    tiny_target.save(str(target_dir))
+    assert main(["--export", str(mine), str(theirs), "--target", str(target_dir)]) == 0
+    assert main([str(theirs), str(back), "--target", str(target_dir)]) == 0
+    assert Drafter.load(str(back)).config == Drafter.load(str(mine)).config
+    assert main(["--export", str(back), str(again), "--target", str(target_dir)]) == 0
+    first, second = (dspark_layout.read_state_dict(str(d)) for d in (theirs, again))
+    assert sorted(first) == sorted(second)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    capsys.readouterr()
+    assert main([str(DATA / name), str(tmp_path / "other"), *FORMATS[name].import_args,
+                 "--target", str(target_dir)]) == 1
+    assert "does not fit the target" in capsys.readouterr().err
+
+
+def test_specforge_export_needs_no_target(tiny_target, tmp_path):
+    """SpecForge's files hold none of the target's weights; TorchSpec's hold its embedding."""
+    cfg = DrafterConfig(block_size=4, num_layers=2, target_layer_ids=(1, 3, 5), markov_rank=8)
+    Drafter.init(tiny_target.config, cfg, seed=2).save(str(tmp_path / "mine"))
+    assert specforge.main(["--export", str(tmp_path / "mine"), str(tmp_path / "sf")]) == 0
+    with pytest.raises(SystemExit):
+        torchspec.main(["--export", str(tmp_path / "mine"), str(tmp_path / "ts")])
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
 def test_export_refuses_what_the_format_cannot_hold(name, tiny_target, tmp_path):
     cfg = DrafterConfig(block_size=4, num_layers=2, target_layer_ids=(1, 3, 5), markov_rank=8)
     shared = SharedWeights.from_target(tiny_target)
@@ -172,22 +207,57 @@ def test_torchspec_trainer_names_read_as_the_serving_names(tmp_path):
         torchspec.read_torchspec(str(tmp_path), block_size=4)
 
 
-def test_torchspec_command_line_round_trip(tiny_target, tmp_path, capsys):
-    """Export with --target (writes its embedding), import with --target (checks it), export again: same files."""
-    cfg = DrafterConfig(block_size=4, num_layers=2, target_layer_ids=(1, 3, 5), markov_rank=8)
-    drafter = Drafter.init(tiny_target.config, cfg, seed=2)
-    mine, ts, back, again, target_dir = (tmp_path / n for n in ("mine", "ts", "back", "again", "target"))
-    drafter.save(str(mine))
-    tiny_target.save(str(target_dir))
-    assert torchspec.main(["--export", str(mine), str(ts), "--target", str(target_dir)]) == 0
-    assert torchspec.main([str(ts), str(back), "--target", str(target_dir)]) == 0
-    assert Drafter.load(str(back)).config == Drafter.load(str(mine)).config
-    assert torchspec.main(["--export", str(back), str(again), "--target", str(target_dir)]) == 0
-    first, second = (dspark_layout.read_state_dict(str(d)) for d in (ts, again))
-    assert sorted(first) == sorted(second)
-    for key in first:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
-    capsys.readouterr()
-    assert torchspec.main([str(DATA / "torchspec"), str(tmp_path / "other"), "--block-size", "4",
-                           "--target", str(target_dir)]) == 1
-    assert "does not fit the target" in capsys.readouterr().err
+# ---- SpecForge specifics ----------------------------------------------------------------------------------
+def specforge_config(**draft_overrides):
+    raw = json.loads((DATA / "specforge" / "config.json").read_text())
+    top = {k: draft_overrides.pop(k) for k in list(draft_overrides) if k in raw}
+    raw.update(top)
+    raw["dflash_config"] = {**raw["dflash_config"], **draft_overrides}
+    return raw
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(markov_head_type="gated"), "markov_head_type 'gated'"),
+    (dict(markov_head_type="rnn"), "markov_head_type 'rnn'"),
+    (dict(projector_type="domino"), "projector_type 'domino'"),
+    (dict(shift_label=True), "shift_label True"),
+    (dict(prefix_gru=True), r"dflash_config fields \['prefix_gru'\]"),
+    (dict(architectures=["DFlashDraftModel"]), "only DSparkDraftModel"),
+    (dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8), "sliding-window"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "RoPE scaling"),
+    (dict(attention_bias=True), "biases"),
+])
+def test_specforge_refuses_math_it_cannot_do(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        specforge.config_from_specforge(specforge_config(**overrides))
+
+
+def test_specforge_names_every_refused_field_in_one_error():
+    with pytest.raises(ValueError) as err:
+        specforge.config_from_specforge(specforge_config(markov_head_type="gated", projector_type="domino",
+                                                          hidden_act="gelu"))
+    for needle in ("markov_head_type 'gated'", "projector_type 'domino'", "hidden_act 'gelu'"):
+        assert needle in str(err.value)
+
+
+def test_specforge_defaults_are_specforges():
+    """Absent ids are SpecForge's build_target_layer_ids spread; an absent confidence switch follows its alpha."""
+    raw = specforge_config()
+    del raw["dflash_config"]["target_layer_ids"], raw["dflash_config"]["enable_confidence_head"]
+    raw["dflash_config"]["confidence_head_alpha"] = 0.0
+    cfg = specforge.config_from_specforge(raw)
+    assert cfg.target_layer_ids == (1, 3)  # build_target_layer_ids(6, 2): start 1, end 6 - 3
+    assert not cfg.confidence_head and not cfg.confidence_with_markov
+
+
+def test_specforge_early_head_names_read_as_the_current_ones(tmp_path):
+    """Early checkpoints kept the heads under ``logit_head.``; SpecForge reads them, and so does the converter."""
+    state = dspark_layout.read_state_dict(str(DATA / "specforge"))
+    early = {("logit_head." + k if k.startswith(("markov_head.", "confidence_head.")) else k): v
+             for k, v in state.items()}
+    save_file(early, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((DATA / "specforge" / "config.json").read_text())
+    drafter, _ = specforge.read_specforge(str(tmp_path))
+    reference, _ = specforge.read_specforge(str(DATA / "specforge"))
+    for key, value in reference.flat_params().items():
+        np.testing.assert_array_equal(drafter.flat_params()[key], value, err_msg=key)
