@@ -9,7 +9,8 @@ import importlib
 _PUBLIC = {
     "Candidate": "cache", "ContextCache": "cache", "TargetCache": "cache", "commit": "cache", "init_cache": "cache",
     "TargetConfig": "config",
-    "DrafterConfig": "drafter_config", "ReaderConfig": "drafter_config",
+    "DrafterConfig": "drafter_config", "ReaderConfig": "drafter_config", "MTPConfig": "drafter_config",
+    "MTPDrafter": "mtp",
     "Drafter": "drafter", "DraftOutput": "drafter", "SharedWeights": "drafter",
     "GenerateOutput": "generation", "ScriptedDrafter": "generation", "generate": "generation",
     "Layout": "sharding", "make_mesh": "sharding",

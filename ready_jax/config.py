@@ -72,7 +72,7 @@ INT32_MAX = 2**31 - 1
 class NativeKind:
     """One kind of the project's own checkpoints: what it is, and how to load or export it."""
 
-    what: str           # "target" or "drafter"
+    what: str           # "target", "drafter" or "MTP head"
     architecture: str   # its HF ``architectures`` entry
     load: str           # the call that loads it
     layout: str         # the PyTorch layout it exports to
@@ -86,6 +86,8 @@ NATIVE_CHECKPOINTS = {
                                    "python -m convert.hf_target SRC DST --export-hf"),
     "ready-jax-drafter": NativeKind("drafter", "ReadyJaxDrafter", "rj.Drafter.load", "DeepSpec's layout",
                                     "python -m convert.deepspec SRC DST --export --target T"),
+    "ready-jax-mtp": NativeKind("MTP head", "ReadyJaxMTP", "rj.MTPDrafter.load", "HF's mtp.* tensors",
+                                "python -m convert.hf_mtp SRC DST --export"),
 }
 
 

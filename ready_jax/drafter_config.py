@@ -1,7 +1,8 @@
-"""Frozen configurations of the drafter: :class:`DrafterConfig` (DSpark) and :class:`ReaderConfig` (ReaDy).
+"""Frozen configurations of the drafters: :class:`DrafterConfig` (DSpark), :class:`ReaderConfig` (ReaDy) and
+:class:`MTPConfig` (the target's own MTP head).
 
-Both are plain data checked in ``__post_init__``; ``resolve(target_config)`` fills what comes from the
-target and raises one ValueError naming every setting that does not fit it.
+All are plain data checked in ``__post_init__``; the first two have ``resolve(target_config)``, which fills what
+comes from the target and raises one ValueError naming every setting that does not fit it.
 """
 
 from __future__ import annotations
@@ -426,3 +427,46 @@ def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, .
     start = min(1, num_target_layers - 1)
     end = max(start, num_target_layers - 3)
     return tuple(sorted({round(start + i * (end - start) / (count - 1)) for i in range(count)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """The target checkpoint's own multi-token-prediction head as a drafter (``ready_jax.mtp``).
+
+    Its geometry is the target's (``target``): hidden size, attention heads, RoPE and MLP or MoE are those of the
+    target's gated attention layers. ``num_steps`` is k, the tokens it drafts one after another per round
+    (vLLM's ``num_speculative_tokens``); the target then verifies ``k + 1`` tokens. Checkpoints ship one MTP
+    layer (``mtp_num_hidden_layers = 1``), which every step reuses.
+    """
+
+    target: TargetConfig
+    num_steps: int = 3
+
+    def __post_init__(self):
+        if not isinstance(self.target, TargetConfig):
+            raise TypeError(f"MTPConfig.target must be a TargetConfig, got {type(self.target).__name__}")
+        if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                or not 1 <= self.num_steps <= MAX_BLOCK_SIZE):
+            raise ValueError(f"MTPConfig.num_steps must be an int in 1..{MAX_BLOCK_SIZE}, got {self.num_steps!r}")
+
+    @property
+    def block_size(self) -> int:
+        """Drafts per round, as the loop counts them (DSpark's ``block_size``)."""
+        return self.num_steps
+
+    @property
+    def layer_config(self) -> TargetConfig:
+        """The MTP decoder layer as a one-layer target: gated full attention, and the MLP the target's rule gives a
+        layer 0 (the sparse MoE of Qwen3-Next and Qwen3.5-MoE, the dense MLP of Qwen3.5)."""
+        return dataclasses.replace(self.target, num_hidden_layers=1, layer_types=(FULL_ATTENTION,),
+                                   mlp_only_layers=tuple(i for i in self.target.mlp_only_layers if i == 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target.to_dict(), "num_steps": self.num_steps}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MTPConfig:
+        unknown = sorted(set(d) - {"target", "num_steps"})
+        if unknown:
+            raise ValueError(f"unrecognised MTP config field(s) {unknown}")
+        return cls(TargetConfig.from_dict(d["target"]), d.get("num_steps", 3))

@@ -28,6 +28,7 @@ from .cache import TargetCache
 from .checks import as_array, check_flag, check_int, check_real, check_seed, check_token_ids, check_type, is_int
 from .config import INT32_MAX
 from .drafter import Drafter
+from .mtp import MTPDrafter
 from .drafter_config import MAX_BLOCK_SIZE
 from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
 from .layers import KV_CHUNK, round_up
@@ -125,12 +126,13 @@ class ScriptedDrafter:
 PROGRAMS = compiled_programs.ProgramCache()  # settings, shapes and placements -> executable
 
 
-def generate(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
-             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
+def generate(target: Target, prompt_ids, max_new_tokens: int,
+             drafter: Drafter | MTPDrafter | ScriptedDrafter | None = None, temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
              capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
              check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
              batch_invariant: bool | None = None) -> GenerateOutput:
-    """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter``.
+    """Generate ``max_new_tokens`` tokens per prompt, autoregressively or with ``drafter`` (DSpark / ReaDy, the
+    target checkpoint's own MTP head, or a scripted one).
 
     prompt_ids: a [B, T] int array, or a list of 1-D int arrays of different lengths (ragged batch).
     Greedy (``temperature=0``) output is identical with and without a drafter, token for token in the dtype
@@ -206,7 +208,7 @@ class Program:
         return self.trace().lower()
 
 
-def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | ScriptedDrafter | None = None,
+def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | MTPDrafter | ScriptedDrafter | None = None,
             temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
             capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
             check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
@@ -226,7 +228,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
     if capacity is not None:
         capacity = check_int(capacity, "capacity", 1, INT32_MAX)
     drafter_config, drafter_params, drafter_def = None, None, None
-    if isinstance(drafter, Drafter):
+    if isinstance(drafter, Drafter | MTPDrafter):
         drafter.check_target(target.config)
         drafter_config, drafter_params, drafter_def = drafter.config, drafter.params, drafter.graphdef
     elif isinstance(drafter, ScriptedDrafter):
@@ -261,12 +263,12 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | 
 def _check_models(target, drafter) -> None:
     """TypeErrors for a ``target`` that is not a :class:`Target` and a ``drafter`` that is no drafter, each saying
     so when the two were swapped."""
-    swapped = " (pass the drafter as drafter=)" if isinstance(target, Drafter | ScriptedDrafter) else ""
+    swapped = " (pass the drafter as drafter=)" if isinstance(target, Drafter | MTPDrafter | ScriptedDrafter) else ""
     check_type(target, "target", Target, "a ready_jax.Target", swapped)
     if drafter is not None:
         swapped = " (the target is the first argument)" if isinstance(drafter, Target) else ""
-        check_type(drafter, "drafter", Drafter | ScriptedDrafter, "a ready_jax.Drafter, a ScriptedDrafter or None",
-                   swapped)
+        check_type(drafter, "drafter", Drafter | MTPDrafter | ScriptedDrafter,
+                   "a ready_jax.Drafter, an MTPDrafter, a ScriptedDrafter or None", swapped)
 
 
 def new_tokens_bucket_of(max_new_tokens: int, bucket: int | None = None) -> int:
@@ -383,9 +385,9 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(target_params)):
         prompts, lengths, key, max_new_tokens = (jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                  for x in (prompts, lengths, key, max_new_tokens))
-    if isinstance(drafter, Drafter):
-        drafter_params = sharding_lib.place(drafter_params,
-                                            sharding_lib.param_shardings(drafter_params, layout, drafter.config))
+    if isinstance(drafter, Drafter | MTPDrafter):
+        config = drafter.config.target if isinstance(drafter, MTPDrafter) else drafter.config
+        drafter_params = sharding_lib.place(drafter_params, sharding_lib.param_shardings(drafter_params, layout, config))
     elif drafter_params is not None:
         drafter_params = sharding_lib.place(drafter_params, layout.batch(drafter_params.shape))
     prompts, lengths = (sharding_lib.place(x, layout.batch(x.shape)) for x in (prompts, lengths))

@@ -3,7 +3,8 @@
 A speculative round drafts a block from the last committed token (the anchor), verifies
 ``[anchor, d_1..d_gamma]`` with the target in one pass, accepts a prefix (greedy or lossless
 sampling, ``speculative.py``), commits the target cache, the drafter's context cache and the reader
-states (all pure selections: rejected drafts' states are simply never selected), and appends the
+states (all pure selections: rejected drafts' states are simply never selected), or an MTP head's cache
+(``ready_jax.mtp``), and appends the
 accepted drafts plus the target's own bonus token. With no drafter a round is one decode step (the
 autoregressive baseline), so speedups compare like with like.
 
@@ -24,11 +25,12 @@ from flax import nnx
 from . import cache as cache_lib
 from . import debug, speculative
 from . import drafter as drafter_lib
+from . import mtp as mtp_lib
 from . import sharding as sharding_lib
 from . import target as target_lib
 from .cache import ContextCache, TargetCache
 from .config import TargetConfig
-from .drafter_config import DrafterConfig
+from .drafter_config import DrafterConfig, MTPConfig
 from .modes import Impl, Rollback
 
 PAD = -1  # fills the token buffer (and GenerateOutput.tokens) after a sequence ended
@@ -47,7 +49,7 @@ class Settings:
     """Everything static about one compiled program (hashable: it keys the compilation cache)."""
 
     target_config: TargetConfig
-    drafter_config: DrafterConfig | ScriptedConfig | None
+    drafter_config: DrafterConfig | MTPConfig | ScriptedConfig | None
     max_new_tokens_bucket: int  # token slots the program holds; the call's own max_new_tokens is an input
     capacity: int
     temperature: float
@@ -68,11 +70,17 @@ class Settings:
         return isinstance(self.drafter_config, DrafterConfig)
 
     @property
+    def is_mtp(self) -> bool:
+        return isinstance(self.drafter_config, MTPConfig)
+
+    @property
     def gamma(self) -> int:
         return 0 if self.drafter_config is None else self.drafter_config.block_size
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
+        if self.is_mtp:  # the last layer's output, which the target's final norm turns into the MTP's input
+            return (self.target_config.num_hidden_layers - 1,)
         return self.drafter_config.target_layer_ids if self.learned else ()
 
     @property
@@ -95,10 +103,11 @@ class LoopState:
     accepted: jax.Array       # [max_new_tokens_bucket, B] int32 tokens committed per round, 0 = idle
     context: ContextCache | None = None  # a learned drafter's context K/V
     reader: tuple | None = None          # a reader's per-round input, one entry per inject layer
+    mtp: mtp_lib.MTPState | None = None  # an MTP head's KV cache and the target hidden state it drafts from
 
 
-def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key, max_new_tokens,
-             s: Settings) -> LoopState:
+def _prefill(target_def, target_params, drafter_def, drafter_params, shared, prompts, prompt_lengths, key,
+             max_new_tokens, s: Settings) -> LoopState:
     """Prefill, the first token, and the loop's initial carry."""
     batch = prompts.shape[0]
     dtype = target_params["embed_tokens"]["embedding"].dtype
@@ -110,7 +119,11 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
     last = out.logits[:, 0]                                                                # [B, V]
     anchor = speculative.sample_token(last, s.temperature, first_key)
     generated = jnp.ones((batch,), jnp.int32)
-    context = reader = None
+    context = reader = mtp = None
+    if s.is_mtp:
+        mtp_cache = sharding_lib.constrain(mtp_lib.init_cache(s.drafter_config, batch, s.capacity, dtype), s.layout)
+        mtp = mtp_lib.prefill(drafter_def, drafter_params, shared, mtp_cache, prompts,
+                              target_lib.final_norm(target_def, target_params, out.hidden[0]), prompt_lengths)
     if s.learned:
         context = sharding_lib.constrain(drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype),
                                          s.layout)
@@ -123,7 +136,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, prompts, pr
         round=jnp.int32(0),
         buffer=jnp.full((batch, s.max_new_tokens_bucket + s.gamma + 1), PAD, jnp.int32).at[:, 0].set(anchor),
         done=_is_eos(anchor, s.eos_ids) | (generated >= max_new_tokens),
-        accepted=jnp.zeros((s.max_new_tokens_bucket, batch), jnp.int32), context=context, reader=reader)
+        accepted=jnp.zeros((s.max_new_tokens_bucket, batch), jnp.int32), context=context, reader=reader, mtp=mtp)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -138,7 +151,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
     most the bucket), a program input so that calls in one bucket share the program."""
     key, draft_key, accept_key = jax.random.split(carry.key, 3)
     done, anchor = carry.done, carry.anchor
-    context, reader = carry.context, carry.reader
+    context, reader, mtp = carry.context, carry.reader, carry.mtp
     if s.drafter_config is None:
         with jax.named_scope("decode"):
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
@@ -157,6 +170,12 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
                 draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, context, anchor,
                                                 reader, draft_key, temperature=s.temperature,
                                                 impl=s.impl)
+                draft_tokens, draft_probs = draft.tokens, draft.probs
+                if s.check_finite:
+                    debug.check_finite(draft.logits, "drafter logits")
+            elif s.is_mtp:
+                draft, mtp_cache = mtp_lib.draft(drafter_def, drafter_params, shared, mtp, anchor, carry.cache.lengths,
+                                                 draft_key, temperature=s.temperature)
                 draft_tokens, draft_probs = draft.tokens, draft.probs
                 if s.check_finite:
                     debug.check_finite(draft.logits, "drafter logits")
@@ -184,6 +203,10 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
             cache = cache_lib.commit(ver.cache, keep, s.impl, s.batch_invariant)
             if s.learned:
                 context = drafter_lib.append_context(drafter_def, drafter_params, context, ver.hidden, keep)
+            if s.is_mtp:
+                mtp = mtp_lib.commit(drafter_def, drafter_params, shared, mtp_cache, block,
+                                     target_lib.final_norm(target_def, target_params, ver.hidden[0]),
+                                     carry.cache.lengths, keep)
         if s.has_reader:
             with jax.named_scope("reader_prepare"):
                 # Read from the candidate (before commit) when it holds per-position states.
@@ -195,7 +218,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         cache=sharding_lib.constrain(cache, s.layout), anchor=bonus, generated=carry.generated + keep, key=key,
         round=carry.round + 1, buffer=speculative.write_tokens(carry.buffer, carry.generated, emitted),
         done=now_done, accepted=carry.accepted.at[carry.round].set(jnp.where(done, 0, keep)), context=context,
-        reader=reader)
+        reader=reader, mtp=mtp)
 
 
 def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
@@ -213,15 +236,15 @@ def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_ne
              drafter_def, settings: Settings):
     """The whole generation as one XLA program: prefill, then rounds until every sequence is done."""
     head = None
-    shared = shared_weights(target_params, settings.target_config) if settings.learned else None
+    shared = shared_weights(target_params, settings.target_config) if settings.learned or settings.is_mtp else None
     if settings.transposed_head:  # materialised once, here, before the loop reads it every round
         head = target_params["embed_tokens"]["embedding"].T                                # [D, V]
         if shared is not None:
             shared = dataclasses.replace(shared, lm_head=head)
     with sharding_lib.kernels_on(settings.layout):
         with jax.named_scope("prefill"):
-            carry = _prefill(target_def, target_params, drafter_def, drafter_params, prompts, prompt_lengths, key,
-                             max_new_tokens, settings)
+            carry = _prefill(target_def, target_params, drafter_def, drafter_params, shared, prompts, prompt_lengths,
+                             key, max_new_tokens, settings)
         carry = jax.lax.while_loop(
             lambda c: ~jnp.all(c.done),
             lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, max_new_tokens,

@@ -350,6 +350,12 @@ def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_lay
     return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
 
 
+def final_norm(graphdef, params, hidden: jax.Array) -> jax.Array:
+    """The target's final norm over decoder-layer outputs [..., D]: the last layer's output through it is what HF
+    returns as ``hidden_states[-1]``, the hidden state an MTP head reads."""
+    return nnx.merge(graphdef, params).norm(hidden)
+
+
 INIT_PROGRAM_BYTES = 2 << 30  # parameters one init program returns at most (its random temporaries: docs/hardening.md)
 
 

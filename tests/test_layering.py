@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format", "ready_jax.numerics"),
     ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read"),
     ("ready_jax.checkpoint",),
-    ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader"),
+    ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader", "ready_jax.mtp"),
     ("ready_jax.speculative", "ready_jax.generation_loop"),
     ("ready_jax.generation",),
     ("ready_jax.training.optimiser", "ready_jax.training.train_state", "ready_jax.training.checkpoints",
