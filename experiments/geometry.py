@@ -16,7 +16,7 @@ from ready_jax import drafter as drafter_lib
 
 from .presets import PRESETS
 
-PRESET_NAMES = ("zoo", "qwen3.5-27b")
+PRESET_NAMES = ("zoo", "qwen3.5-27b", "qwen3.5-35b-a3b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,8 @@ class Geometry:
 
 
 def geometry(preset: str) -> Geometry:
-    """``zoo``: the shipped checkpoints' configs (their weights are never read); ``qwen3.5-27b``: the
-    benchmarks' preset with a rank-8 ReaDy drafter of block 7."""
+    """``zoo``: the shipped checkpoints' configs (their weights are never read); ``qwen3.5-27b``,
+    ``qwen3.5-35b-a3b``: the benchmarks' presets with a rank-8 ReaDy drafter of block 7."""
     if preset == "zoo":
         target_meta = _read_json(cli.repo_path("zoo", "target", "config.json"))
         drafter_meta = _read_json(cli.repo_path("zoo", "ready", "config.json"))

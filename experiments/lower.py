@@ -2,9 +2,9 @@
 the kernels each calls.
 
 For ``--platform`` (``tpu`` or ``cuda``), ``--preset`` (``zoo``: the shipped target and ReaDy drafter, read from
-``zoo/target/config.json`` and ``zoo/ready/config.json``; ``qwen3.5-27b``: that geometry with a ReaDy drafter of
-the benchmarks' shape) and ``--impl``, it builds target and drafter from abstract weights (``ShapeDtypeStruct``
-leaves: no parameter is allocated), traces five programs and lowers each for the platform:
+``zoo/target/config.json`` and ``zoo/ready/config.json``; ``qwen3.5-27b``, ``qwen3.5-35b-a3b``: that geometry with
+a ReaDy drafter of the benchmarks' shape) and ``--impl``, it builds target and drafter from abstract weights
+(``ShapeDtypeStruct`` leaves: no parameter is allocated), traces five programs and lowers each for the platform:
 
 * ``prefill``: the prompt through the target's chunked form (``target.extend``);
 * ``decode``: one token per sequence through the recurrent form;

@@ -97,6 +97,23 @@ def test_the_27b_geometry_is_abstract():
     assert target.config == rj.TargetConfig.qwen3_5_27b()
 
 
+def test_the_35b_a3b_geometry_is_abstract_and_sparse():
+    """About 35e9 target parameters, the experts stacked over the 10 groups of 4 layers."""
+    target, drafter = lower.abstract_models(lower.geometry("qwen3.5-35b-a3b"))
+    leaves = jax.tree.leaves((target.params, drafter.params))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert 34e9 < sum(np.prod(x.shape) for x in jax.tree.leaves(target.params)) < 36e9
+    assert target.config == rj.TargetConfig.qwen3_5_35b_a3b()
+    assert target.params["groups"]["layers"][0]["mlp"]["expert_gate"].shape == (10, 256, 2048, 512)
+
+
+def test_the_35b_a3b_programs_lower_for_a_tpu_with_the_kernels_of_their_ops():
+    results = {r.program: r for r in lower.lower_all("tpu", "qwen3.5-35b-a3b", "pallas")}
+    assert [r.error for r in results.values()] == [None] * len(lower.PROGRAMS)
+    assert results["decode"].calls == {"gdn_recurrent": GDN_LAYERS_PER_GROUP}
+    assert results["generate"].ops == {"gdn_chunked", "gdn_recurrent", "state_gather", "state_reader"}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--platform", "tpu", "--compile", "v9"], "--compile takes TPU generations from"),
     (["--platform", "tpu", "--compile", ","], "--compile takes TPU generations from"),
