@@ -72,10 +72,10 @@ def export_hf(target: Target, out_dir: str | os.PathLike, layout: str | None = N
     tensors = export_hf_state(target, layout)
     dtype_name = jnp.dtype(target.dtype).name
     config = hf_config(target.config, layout, dtype_name)
-    files.write_directory(out_dir, lambda tmp: _write_hf_files(tmp, tensors, config), keep_other_files=True)
+    files.write_directory(out_dir, lambda tmp: write_hf_files(tmp, tensors, config), keep_other_files=True)
 
 
-def _write_hf_files(directory: str, tensors: dict[str, np.ndarray], config: dict) -> None:
+def write_hf_files(directory: str, tensors: dict[str, np.ndarray], config: dict) -> None:
     save_tensors(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

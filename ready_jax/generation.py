@@ -28,11 +28,11 @@ from .cache import TargetCache
 from .checks import as_array, check_flag, check_int, check_real, check_seed, check_token_ids, check_type, is_int
 from .config import INT32_MAX
 from .drafter import Drafter
-from .mtp import MTPDrafter
 from .drafter_config import MAX_BLOCK_SIZE
 from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
 from .layers import KV_CHUNK, round_up
 from .modes import Impl, Rollback
+from .mtp import MTPDrafter
 from .target import Target
 
 
@@ -127,7 +127,8 @@ PROGRAMS = compiled_programs.ProgramCache()  # settings, shapes and placements -
 
 
 def generate(target: Target, prompt_ids, max_new_tokens: int,
-             drafter: Drafter | MTPDrafter | ScriptedDrafter | None = None, temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
+             drafter: Drafter | MTPDrafter | ScriptedDrafter | None = None, temperature: float = 0.0, seed: int = 0,
+             *, eos_token_ids: Sequence[int] | None = None,
              capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
              check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
              batch_invariant: bool | None = None) -> GenerateOutput:
@@ -208,8 +209,9 @@ class Program:
         return self.trace().lower()
 
 
-def prepare(target: Target, prompt_ids, max_new_tokens: int, drafter: Drafter | MTPDrafter | ScriptedDrafter | None = None,
-            temperature: float = 0.0, seed: int = 0, *, eos_token_ids: Sequence[int] | None = None,
+def prepare(target: Target, prompt_ids, max_new_tokens: int,
+            drafter: Drafter | MTPDrafter | ScriptedDrafter | None = None, temperature: float = 0.0, seed: int = 0,
+            *, eos_token_ids: Sequence[int] | None = None,
             capacity: int | None = None, rollback: Rollback = "replay", impl: Impl = "xla",
             check_finite: bool = False, prompt_bucket: int = 1, new_tokens_bucket: int | None = None,
             batch_invariant: bool | None = None) -> Program:
@@ -387,7 +389,8 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
                                                  for x in (prompts, lengths, key, max_new_tokens))
     if isinstance(drafter, Drafter | MTPDrafter):
         config = drafter.config.target if isinstance(drafter, MTPDrafter) else drafter.config
-        drafter_params = sharding_lib.place(drafter_params, sharding_lib.param_shardings(drafter_params, layout, config))
+        drafter_params = sharding_lib.place(drafter_params,
+                                            sharding_lib.param_shardings(drafter_params, layout, config))
     elif drafter_params is not None:
         drafter_params = sharding_lib.place(drafter_params, layout.batch(drafter_params.shape))
     prompts, lengths = (sharding_lib.place(x, layout.batch(x.shape)) for x in (prompts, lengths))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, read_json
 
 Shape = tuple[int, ...]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -232,7 +232,7 @@ _FUSED_EXPERT_RULES = (
 # Source keys that are deliberately not loaded.
 IGNORED = (
     (re.compile(r"^model\.visual\."), "Qwen3.5 vision tower (only the text model is converted)"),
-    (re.compile(r"^mtp\."), "multi-token-prediction head (not used by this project)"),
+    (re.compile(r"^mtp\."), "multi-token-prediction head (a drafter: rj.MTPDrafter.from_hf reads it)"),
 )
 
 
@@ -499,22 +499,29 @@ def convert_hf_state(config: TargetConfig, tensors: Mapping[str, SourceTensor], 
     All checks (table coverage, missing / unexpected keys, shapes, a stray tied ``lm_head``) run on the
     headers before the first tensor is loaded; tensors holding NaN / Inf are reported after loading.
     """
-    np_dtype = np.dtype(jnp.dtype(dtype))
     prefix, fused_gdn, fused_experts = _source_layout(config, tensors)
     bindings = bind(config, rules(fused_gdn, fused_experts), prefix)
-    wanted = {b.hf_key: b for b in bindings}
-
-    problems = coverage_problems(bindings, expected)
-    problems += [f"missing {key} (for {', '.join(_slot_names(b))})"
-                 for key, b in wanted.items() if key not in tensors]
-    for key, b in wanted.items():
-        want = tuple(b.transform.hf_shape(_slot_shapes(b, expected), config))
-        if key in tensors and tensors[key].shape != want:
-            problems.append(f"misshaped {key}: expected {want} for this config, got {tensors[key].shape}")
+    wanted = {b.hf_key for b in bindings}
     unexpected = sorted(k for k in tensors if k not in wanted and _ignore_reason(k) is None)
+    problems = []
     if config.tie_word_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")
         problems += _tied_head_problems(tensors, f"{prefix}.embed_tokens.weight")
+    return _convert(config, bindings, tensors, expected, dtype, what, unexpected, problems)
+
+
+def _convert(config: TargetConfig, bindings: Sequence[Binding], tensors: Mapping[str, SourceTensor],
+             expected: Mapping[str, Shape], dtype, what: str, unexpected: Sequence[str],
+             problems: list[str]) -> dict[str, np.ndarray]:
+    """The tensors ``bindings`` name, checked (coverage, missing, misshaped, ``unexpected``, and the ``problems``
+    found already, all on the headers), loaded into {internal path: array of ``dtype``} and checked finite."""
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    problems = coverage_problems(bindings, expected) + problems
+    problems += [f"missing {b.hf_key} (for {', '.join(_slot_names(b))})" for b in bindings if b.hf_key not in tensors]
+    for b in bindings:
+        want = tuple(b.transform.hf_shape(_slot_shapes(b, expected), config))
+        if b.hf_key in tensors and tensors[b.hf_key].shape != want:
+            problems.append(f"misshaped {b.hf_key}: expected {want} for this config, got {tensors[b.hf_key].shape}")
     problems += [f"unexpected {key}" for key in unexpected]
     if problems:
         raise ValueError(f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
@@ -533,6 +540,55 @@ def convert_hf_state(config: TargetConfig, tensors: Mapping[str, SourceTensor], 
         raise ValueError(f"{what}: {len(non_finite)} tensor(s) hold NaN or Inf values (corrupted data?): "
                          + ", ".join(non_finite))
     return flat
+
+
+# ---- the multi-token-prediction head (mtp.*) ---------------------------------------------------------------
+MTP_PREFIX = "mtp."
+# The head's own tensors; its decoder layer follows the target's layer rules (``mtp_bindings``).
+_MTP_RULES = (
+    Rule("mtp.fc.weight", ("fc.kernel",), TRANSPOSE),
+    *(Rule(f"mtp.{n}.weight", (f"{n}.weight",)) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")),
+)
+
+
+def mtp_bindings(layer_config: TargetConfig, fused_experts: bool) -> list[Binding]:
+    """The key table of an MTP head (``MTPConfig.layer_config`` gives ``layer_config``): its own tensors, and
+    ``mtp.layers.0.*`` by the target's rules for a gated attention layer, to ``layers.0.*`` (no group axis)."""
+    layer = [b for b in bind(layer_config, rules(False, fused_experts), "mtp") if b.hf_key.startswith("mtp.layers.0.")]
+    ungrouped = [Binding(b.hf_key, b.transform,
+                         tuple((path.replace("groups.layers.0.", "layers.0.", 1), index[1:])
+                               for path, index in b.slots))
+                 for b in layer]
+    return bind(layer_config, _MTP_RULES, "mtp") + ungrouped
+
+
+def mtp_layer_count(path: str | os.PathLike) -> int:
+    """The MTP layers an HF directory's ``config.json`` declares (``mtp_num_hidden_layers``, 0 if absent), after
+    refusing the variant this project does not build (``mtp_use_dedicated_embeddings``)."""
+    raw = read_json(os.path.join(os.fspath(path), "config.json"))
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    if not isinstance(text, dict):
+        raise ValueError(f"{path}/config.json: text_config is not an object")
+    if text.get("mtp_use_dedicated_embeddings"):
+        raise ValueError(f"{path}/config.json: mtp_use_dedicated_embeddings is true (an MTP head with an embedding of "
+                         "its own); only heads sharing the target's embedding are supported")
+    count = text.get("mtp_num_hidden_layers", 0)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{path}/config.json: mtp_num_hidden_layers must be a count, got {count!r}")
+    return count
+
+
+def convert_mtp_state(layer_config: TargetConfig, tensors: Mapping[str, SourceTensor], expected: Mapping[str, Shape],
+                      dtype=jnp.float32, *, what: str = "HF checkpoint") -> dict[str, np.ndarray]:
+    """The ``mtp.*`` tensors of a checkpoint -> {MTP head path: array}, with :func:`convert_hf_state`'s contract over
+    them (every ``mtp.*`` key used once; the target's keys are not this table's business)."""
+    held = {k: t for k, t in tensors.items() if k.startswith(MTP_PREFIX)}
+    if not held:
+        raise ValueError(f"{what} holds no MTP head: no mtp.* tensors")
+    fused_experts = any(k.endswith(".mlp.experts.gate_up_proj") for k in held)
+    bindings = mtp_bindings(layer_config, fused_experts)
+    wanted = {b.hf_key for b in bindings}
+    return _convert(layer_config, bindings, held, expected, dtype, what, sorted(set(held) - wanted), [])
 
 
 def _tied_head_problems(tensors: Mapping[str, SourceTensor], embed_key: str) -> list[str]:

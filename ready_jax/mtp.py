@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import checkpoint
+from . import checkpoint, hf_format
 from .cache import AttentionCache
 from .checks import check_config, check_float_dtype, check_path, check_seed, check_type
 from .config import TargetConfig
@@ -180,6 +180,26 @@ class MTPDrafter:
         graphdef, params = nnx.split(nnx.eval_shape(lambda: MTPModel(config, rngs=nnx.Rngs(0), dtype=dtype)))
         checkpoint.state_from_flat(params, flat, what=what)
         return cls(nnx.merge(graphdef, params))
+
+    @classmethod
+    def from_hf(cls, path, num_steps: int = 3, dtype=jnp.float32) -> MTPDrafter:
+        """The MTP head of an HF Qwen3.5 / Qwen3.5-MoE / Qwen3-Next directory (its ``mtp.*`` tensors, read through
+        the strict key table of ``hf_format.convert_mtp_state``), drafting ``num_steps`` tokens per round; ``dtype``
+        is float32 or bfloat16. The target itself loads with ``rj.Target.from_hf`` from the same directory."""
+        path = check_path(path)
+        dtype = checkpoint.check_dtype(dtype, hf_format.DTYPES)
+        target_config = hf_format.read_hf_config(path)
+        layers = hf_format.mtp_layer_count(path)
+        if layers != 1:
+            raise ValueError(f"{path}: config.json declares {layers} MTP layers (mtp_num_hidden_layers); "
+                             + ("the checkpoint has no MTP head" if layers == 0 else
+                                "only the one-layer head that Qwen3.5 and Qwen3-Next ship is supported"))
+        config = MTPConfig(target_config, num_steps)
+        shapes = {k: tuple(v.shape) for k, v in checkpoint.flat_state(nnx.split(nnx.eval_shape(
+            lambda: MTPModel(config, rngs=nnx.Rngs(0), dtype=dtype)))[1]).items()}
+        flat = hf_format.convert_mtp_state(config.layer_config, hf_format.read_hf_tensors(path), shapes, dtype,
+                                           what=f"HF checkpoint {path}")
+        return cls.from_state(config, flat, dtype, what=f"the MTP head of {path}")
 
     def with_steps(self, num_steps: int) -> MTPDrafter:
         """The same head drafting ``num_steps`` tokens per round."""
