@@ -74,11 +74,12 @@ def arms(target: rj.TargetConfig, window: int) -> tuple[Arm, ...]:
         Arm("dspark_window", "dspark", flags=("--context-window", str(window)), label=f"DSpark, window {window}"),
         Arm("dspark_window_ft", "dspark-ft", "dspark_window", label=f"DSpark-FT, window {window}"),
         Arm("ready_window", "ready", "dspark_window", label=f"ReaDy, window {window}"),
+        Arm("mtp", "mtp", all_seeds=True, label="MTP head (3 drafts)", steps="total"),
     )
 
 
 # ---- ship ---------------------------------------------------------------------------------------------------
-ZOO_DRAFTERS = (("dspark", "dspark"), ("dspark_ft", "dspark_ft"), ("ready", "ready"))
+ZOO_DRAFTERS = (("dspark", "dspark"), ("dspark_ft", "dspark_ft"), ("ready", "ready"), ("mtp", "mtp"))
 
 
 def ship(args) -> None:

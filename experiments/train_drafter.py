@@ -6,7 +6,10 @@ Variants (the paper's comparison):
 - ``ready``: starts from a DSpark checkpoint (``--init-from``) with a ReaDy state reader added whose
   output projection is zero (so it starts as exactly that DSpark drafter), then trains everything;
 - ``dspark-ft``: the control: continues the same DSpark checkpoint for the same steps, without state
-  access, so ReaDy's gain over it is the reader's, not the extra training's.
+  access, so ReaDy's gain over it is the reader's, not the extra training's;
+- ``mtp``: an MTP head of the kind Qwen3.5 / Qwen3-Next checkpoints ship (``ready_jax.mtp``), from random
+  initialisation or ``--init-from`` a head, drafting ``--mtp-steps`` tokens per round
+  (``ready_jax.training.mtp_training``): the baseline serving engines run.
 
 Training data is self-distilled: the target continues corpus prompts (``ready_jax.generate``), the corpus
 encoded with the tokenizer the target ships (``tokenizer.json``, for the documents of its
@@ -23,6 +26,7 @@ settings, is refused at once with the first one's process id and command line, a
     python -m experiments.train_drafter --variant dspark --target zoo/target --steps 300 --save-dir zoo/dspark
     python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 250 --save-dir zoo/ready
     python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 250 --save-dir zoo/dspark_ft
+    python -m experiments.train_drafter --variant mtp --target zoo/target --steps 300 --save-dir zoo/mtp
 
 (the zoo's drafters, for the steps they trained; the exact commands that made them are in zoo/MANIFEST.json)
 """
@@ -47,19 +51,25 @@ import ready_jax as rj
 from ready_jax import checkpoint, cli, data, files, modes, provenance
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
+from ready_jax.mtp import FORMAT as MTP_FORMAT
 from ready_jax.training import (
     artifacts,
     distillation,
     drafter_loss,
     drafter_trainer,
     drafter_variants,
+    mtp_training,
     optimiser,
 )
 from ready_jax.training.loop import LoopConfig, claim_workdir
 
 
-def build_drafter(args, target: rj.Target) -> rj.Drafter:
+def build_drafter(args, target: rj.Target) -> rj.Drafter | rj.MTPDrafter:
     """The variant's starting drafter (fp32 for training)."""
+    if args.variant == "mtp":
+        if args.init_from is None:
+            return rj.MTPDrafter.init(target.config, args.mtp_steps, seed=args.seed)
+        return rj.MTPDrafter.load(args.init_from, dtype=jnp.float32).with_steps(args.mtp_steps)
     if args.variant == "dspark":
         overrides = dict(block_size=args.block_size, num_layers=args.num_layers, markov_rank=args.markov_rank,
                          context_window=args.context_window, target_layer_ids=args.target_layers)
@@ -96,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="corpus directory (built on first use, encoded with the target's tokenizer.json "
                         "where its directory ships one)")
     parser.add_argument("--init-from", default=None, type=cli.existing_directory,
-                        help="DSpark drafter to start from (ready, dspark-ft)")
+                        help="DSpark drafter to start from (ready, dspark-ft); an MTP head (mtp, optional)")
     parser.add_argument("--workdir", default=None, help="checkpoints and metrics (None: runs/drafter_<variant>)")
     parser.add_argument("--save-dir", default=None, help="write the trained drafter here")
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -118,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "restored if orbax reads it and the settings match, and its record is written anew)")
     # drafter shape (dspark) and reader (ready)
     parser.add_argument("--block-size", type=int, default=7, help="drafts per round (dspark)")
+    parser.add_argument("--mtp-steps", type=cli.positive_int, default=3,
+                        help="tokens the MTP head drafts per round (mtp; its training trains the first step)")
     parser.add_argument("--num-layers", type=int, default=2, help="draft layers (dspark)")
     parser.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (dspark)")
     parser.add_argument("--target-layers", type=int, nargs="+", default=None,
@@ -181,14 +193,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
         if os.path.isdir(distill_cache):
             raise IsADirectoryError(errno.EISDIR, f"--distill-cache {distill_cache} is a directory; name a file")
         if args.save_dir:
-            checkpoint.check_destination(args.save_dir, DRAFTER_FORMAT)
+            checkpoint.check_destination(args.save_dir, MTP_FORMAT if args.variant == "mtp" else DRAFTER_FORMAT)
     except OSError as e:
         parser.error(e.strerror or str(e))
     args.replace_save_dir = bool(args.save_dir and os.path.isdir(args.save_dir) and os.listdir(args.save_dir))
     return args, workdir, distill_cache
 
 
-def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter]:
+def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter | rj.MTPDrafter]:
     """The target (its shipped weights computed in fp32), its corpus and the variant's starting drafter."""
     target = rj.Target.load(args.target, dtype=jnp.float32)
     corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
@@ -206,7 +218,7 @@ def main(argv=None) -> None:
 
 
 def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.Target, corpus: data.Corpus,
-          drafter: rj.Drafter) -> None:
+          drafter: rj.Drafter | rj.MTPDrafter) -> None:
     """Distil, train ``drafter`` in ``workdir`` (resuming) and export it to ``--save-dir``, as the arguments say."""
     produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
     distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
@@ -219,27 +231,39 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
           f"({time.perf_counter() - start:.0f} s)")
 
-    layout = drafter_loss.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(drafter.params))
-    print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.num_anchors} anchors per sequence, "
-          f"reader {drafter.config.reader}")
+    if args.variant == "mtp":
+        print(f"mtp: {num_params / 1e6:.2f}M trainable parameters, {args.seq_len - args.prompt_len} slots per sequence")
+    else:
+        layout = drafter_loss.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
+        print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.num_anchors} anchors per "
+              f"sequence, reader {drafter.config.reader}")
     optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
     meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
             "optim": dataclasses.asdict(optim), "distill": dataclasses.asdict(distill_config),
-            "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from}
+            "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from, "seed": args.seed,
+            # by hash: another target, corpus or starting drafter at the same path is another run
+            "target_sha256": checkpoint.content_sha256(args.target), "corpus_sha256": corpus.sha256(),
+            "init_from_sha256": args.init_from and checkpoint.content_sha256(args.init_from)}
     start = time.perf_counter()
-    trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
-                                            batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
-    final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size,
-                                              args.impl)(trained.params)
+    if args.variant == "mtp":
+        trained = mtp_training.train_mtp(drafter, target, train_seqs, val_seqs, args.prompt_len, optim, loop, workdir,
+                                         batch_size=args.batch_size, seed=args.seed, meta=meta)
+        final = mtp_training.make_eval(trained, target, val_seqs, args.batch_size, args.prompt_len)(trained.params)
+    else:
+        trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
+                                                batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
+        final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size,
+                                                  args.impl)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
     files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
     if args.save_dir:
-        exported = rj.Drafter(nnx.merge(trained.graphdef, artifacts.cast(trained.params, jnp.dtype(args.export_dtype))))
+        exported = type(trained)(nnx.merge(trained.graphdef,
+                                           artifacts.cast(trained.params, jnp.dtype(args.export_dtype))))
         files.write_directory(args.save_dir, exported.save, replace=args.replace_save_dir)
         export_command = provenance.command_line("experiments.train_drafter", argv)
         artifacts.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))

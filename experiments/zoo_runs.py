@@ -23,6 +23,7 @@ from ready_jax import cli, data, files
 from .common import measured_tau
 
 DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))  # (label, zoo folder)
+COMPARED = (*DRAFTERS, ("MTP", "mtp"))  # and the target's own kind of MTP head, the baseline engines run
 
 
 def held_out_prompts(target_dir: Path, count: int, prompt_tokens: int, seed: int,
@@ -83,7 +84,8 @@ def train_command(arm: Arm, seed: int, args) -> list[str]:
            "--workdir", str(runs / "work" / run_name(arm.name, seed)),
            "--save-dir", str(runs / run_name(arm.name, seed))]
     if first:
-        cmd += ["--num-layers", str(DRAFT_LAYERS)]
+        if arm.variant != "mtp":  # an MTP head is one layer, shaped as the target's
+            cmd += ["--num-layers", str(DRAFT_LAYERS)]
     else:
         cmd += ["--init-from", str(runs / run_name(arm.base, seed))]
     return cmd + list(getattr(args, "common_flags", ())) + list(arm.flags)

@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ready_jax.training.optimiser", "ready_jax.training.train_state", "ready_jax.training.checkpoints",
      "ready_jax.training.loop", "ready_jax.training.artifacts"),
     ("ready_jax.training.target_recipe", "ready_jax.training.target_init", "ready_jax.training.distillation",
-     "ready_jax.training.drafter_loss", "ready_jax.training.drafter_variants", "ready_jax.training.drafter_trainer"),
+     "ready_jax.training.drafter_loss", "ready_jax.training.drafter_variants", "ready_jax.training.drafter_trainer",
+     "ready_jax.training.mtp_training"),
     ("convert.*", "experiments.*"),
 )
 

@@ -15,6 +15,8 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import data
+from ready_jax import mtp as mtp_lib
+from ready_jax import target as target_lib
 from ready_jax.layers import DT_INIT_RANGE
 from ready_jax.reader import committed_states
 from ready_jax.training import (
@@ -22,6 +24,7 @@ from ready_jax.training import (
     drafter_loss,
     drafter_trainer,
     drafter_variants,
+    mtp_training,
     optimiser,
     target_recipe,
     train_state,
@@ -268,6 +271,47 @@ def test_drafter_training_reduces_loss(drafter_setup, tmp_path, variant):
     assert any("val_tv" in r for r in rows)
     frozen = rj.SharedWeights.from_target(target)  # the shared embedding is not a drafter parameter
     assert not any(np.shape(v) == frozen.embedding.shape for v in trained.flat_params().values())
+
+
+# ---- MTP head trainer -------------------------------------------------------------------------------------------
+def test_mtp_slots_are_what_generate_drafts(drafter_setup):
+    """Each trained slot (one causal pass over the sequence, from the teacher's normed hidden states) is draft step
+    1 after a prefill of the tokens before its anchor, and its target distribution is the target's next-next token."""
+    target, seqs, _ = drafter_setup
+    mtp = rj.MTPDrafter.init(target.config, 2, seed=5)
+    tokens = jnp.asarray(seqs[:2])
+    hidden, logits = mtp_training.teacher_pass(target.graphdef, target.params, target.config, tokens)
+    shared = rj.SharedWeights.from_target(target)
+    cache = mtp_lib.init_cache(mtp.config, 2, LAYOUT.seq_len)
+    out, _ = mtp_lib.extend(mtp.graphdef, mtp.params, shared, cache, tokens[:, 1:], hidden[:, :-1],
+                            jnp.zeros((2,), jnp.int32))
+    slot_logits = shared.logits(out)
+    last = target.config.num_hidden_layers - 1
+    for anchor in (LAYOUT.prompt_len, LAYOUT.seq_len - 3):
+        pre = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens[:, :anchor], hidden_layers=(last,))
+        normed = target_lib.final_norm(target.graphdef, target.params, pre.hidden[0])
+        state = mtp_lib.prefill(mtp.graphdef, mtp.params, shared, mtp_lib.init_cache(mtp.config, 2, LAYOUT.seq_len),
+                                tokens[:, :anchor], normed, jnp.full((2,), anchor))
+        draft, _ = mtp_lib.draft(mtp.graphdef, mtp.params, shared, state, tokens[:, anchor], jnp.full((2,), anchor))
+        np.testing.assert_allclose(draft.logits[:, 0], slot_logits[:, anchor - 1], atol=2e-4)
+    full = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens)
+    np.testing.assert_allclose(logits, full.logits, atol=2e-4)   # position i + 1 scores the token at i + 2
+
+
+def test_mtp_training_reduces_loss_and_freezes_the_target(drafter_setup, tmp_path):
+    target, seqs, _ = drafter_setup
+    mtp = rj.MTPDrafter.init(target.config, 2, seed=5)
+    optim = optimiser.OptimConfig(lr=1e-2, warmup_steps=1, total_steps=6)
+    loop = LoopConfig(total_steps=6, log_every=1, checkpoint_every=3)
+    trained = mtp_training.train_mtp(mtp, target, seqs[:6], seqs[6:], LAYOUT.prompt_len, optim, loop, tmp_path,
+                                     batch_size=2, seed=0, log=lambda _: None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0], losses
+    assert any("val_accept_1" in r for r in rows)
+    frozen = rj.SharedWeights.from_target(target)
+    assert not any(np.shape(v) == frozen.embedding.shape for v in trained.flat_params.values())
+    assert trained.config == mtp.config
 
 
 # ---- the shipped zoo -------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
   (initialisations of its Gated DeltaNet layers).
 - The drafter: :mod:`.distillation` (self-distilled sequences), :mod:`.drafter_loss` (anchors, teacher pass,
   DeepSpec's loss), :mod:`.drafter_variants` (DSpark and ReaDy drafters from one another) and
-  :mod:`.drafter_trainer` (the run).
+  :mod:`.drafter_trainer` (the run); :mod:`.mtp_training` trains an MTP head on the same data.
 
 Import the submodules by name (``from ready_jax.training import loop``): this file loads none of them.
 """

@@ -14,7 +14,7 @@ from ..drafter import Drafter
 from ..drafter_config import DrafterConfig, ReaderConfig
 from ..target import Target
 
-VARIANTS = ("dspark", "dspark-ft", "ready")
+VARIANTS = ("dspark", "dspark-ft", "ready", "mtp")  # mtp: ready_jax.training.mtp_training
 
 
 def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConfig, seed: int,
