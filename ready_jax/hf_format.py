@@ -458,7 +458,8 @@ def _torch_to_numpy(t) -> np.ndarray:
 def _source_layout(config: TargetConfig, keys) -> tuple[str, bool, bool]:
     """(text-model prefix, fused GDN projections?, fused experts?) of a checkpoint, from its keys."""
     prefix = "model.language_model" if any(k.startswith("model.language_model.") for k in keys) else "model"
-    fused_experts = any(k.endswith(".mlp.experts.gate_up_proj") for k in keys)
+    # An MTP head's experts (mtp.*) may be stored in the other layout: the target's own keys decide its layout.
+    fused_experts = any(k.endswith(".mlp.experts.gate_up_proj") and not k.startswith(MTP_PREFIX) for k in keys)
     return prefix, config.model_type == "qwen3_next", fused_experts
 
 
@@ -563,8 +564,10 @@ def mtp_bindings(layer_config: TargetConfig, fused_experts: bool) -> list[Bindin
 
 
 def mtp_layer_count(path: str | os.PathLike) -> int:
-    """The MTP layers an HF directory's ``config.json`` declares (``mtp_num_hidden_layers``, 0 if absent), after
-    refusing the variant this project does not build (``mtp_use_dedicated_embeddings``)."""
+    """The MTP layers an HF directory's ``config.json`` declares (``mtp_num_hidden_layers``), after refusing the
+    variant this project does not build (``mtp_use_dedicated_embeddings``). Released Qwen3-Next configs declare no
+    count yet ship ``mtp.*`` tensors (vLLM and SGLang then build one layer): without the field, the count is the
+    ``mtp.layers.N`` the tensors hold (0 when they hold no head)."""
     raw = read_json(os.path.join(os.fspath(path), "config.json"))
     text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
     if not isinstance(text, dict):
@@ -572,7 +575,10 @@ def mtp_layer_count(path: str | os.PathLike) -> int:
     if text.get("mtp_use_dedicated_embeddings"):
         raise ValueError(f"{path}/config.json: mtp_use_dedicated_embeddings is true (an MTP head with an embedding of "
                          "its own); only heads sharing the target's embedding are supported")
-    count = text.get("mtp_num_hidden_layers", 0)
+    if "mtp_num_hidden_layers" not in text:
+        layer = re.compile(r"^mtp\.layers\.(\d+)\.")
+        return len({m[1] for m in map(layer.match, read_hf_tensors(path)) if m})
+    count = text["mtp_num_hidden_layers"]
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"{path}/config.json: mtp_num_hidden_layers must be a count, got {count!r}")
     return count

@@ -98,7 +98,9 @@ def _copy(tmp_path, edit_config=None, edit_tensors=None) -> str:
 
 
 @pytest.mark.parametrize("edit_config, edit_tensors, message", [
-    (lambda c: c.pop("mtp_num_hidden_layers"), None, "declares 0 MTP layers .* has no MTP head"),
+    (lambda c: c.update(mtp_num_hidden_layers=0), None, "declares 0 MTP layers .* has no MTP head"),
+    (lambda c: c.pop("mtp_num_hidden_layers"), lambda t: [t.pop(k) for k in list(t) if k.startswith("mtp.")],
+     "declares 0 MTP layers .* has no MTP head"),
     (lambda c: c.update(mtp_num_hidden_layers=2), None, "declares 2 MTP layers .* only the one-layer head"),
     (lambda c: c.update(mtp_use_dedicated_embeddings=True), None, "mtp_use_dedicated_embeddings is true"),
     (None, lambda t: [t.pop(k) for k in list(t) if k.startswith("mtp.")], "holds no MTP head"),
