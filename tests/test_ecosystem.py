@@ -328,12 +328,16 @@ def test_the_wheel_holds_no_top_level_convert_or_experiments(tmp_path):
         shutil.copy(REPO / name, source / name)
     for name in ("ready_jax", "pallas_kernels", "convert", "experiments"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True)
+    # setuptools warns of every folder it finds in a package but is not told of (pyproject's packages list)
+    assert "would be ignored" not in build.stdout + build.stderr
     wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("ready_jax-*.whl")))
     top_level = {name.split("/")[0] for name in wheel.namelist() if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"ready_jax", "pallas_kernels"}
-    assert {"ready_jax/convert/hf_target.py", "ready_jax/experiments/compare_zoo.py"} <= set(wheel.namelist())
+    assert {"ready_jax/convert/hf_target.py", "ready_jax/experiments/compare_zoo.py",
+            "pallas_kernels/state_reader/tpu/gather.py", "ready_jax/experiments/gpu_targets/h200.txtpb"
+            } <= set(wheel.namelist())
     entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     assert "ready-jax-spec-bench = ready_jax.experiments.spec_bench:main" in wheel.read(entry_points).decode()
     # spec_bench's default questions, where the installed module looks for them (beside itself)
