@@ -12,7 +12,7 @@ from types import ModuleType
 
 from ready_jax import files
 from ready_jax.cli import repo_root
-from ready_jax.config import read_json
+from ready_jax.config import SUPPORTED_MODEL_TYPES, read_json
 from ready_jax.provenance import environment
 
 
@@ -24,12 +24,18 @@ def convert_module(name: str) -> ModuleType:
     return importlib.import_module(f"{parent}.convert.{name}" if parent else f"convert.{name}")
 
 
+HF_WRAPPER_TYPES = ("qwen3_5", "qwen3_5_moe")  # the multimodal releases, whose text_config holds the text model
+
+
 def load_drafter_dir(path: str | os.PathLike, dtype):
     """The drafter of directory ``path``, computing in ``dtype``, in whichever layout it is: the ReaDy release
     (``SHA256.json`` beside ``reader/``; every hash checked before anything is read, ``convert.ready_release``), the
-    project's format (``rj.Drafter.load``), an SGLang DSpark draft (``architectures: ["DSparkDraftModel"]``,
-    ``convert.sglang_dspark``) or a DeepSpec DSpark checkpoint (``convert.deepspec``). Generation uses the
-    target's own embedding and LM head, so a checkpoint's copies of them are not kept."""
+    project's format (``rj.Drafter.load``), a project MTP head (``format: ready-jax-mtp``, ``rj.MTPDrafter.load``),
+    an HF Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint, whose own MTP head (``mtp.*``) drafts
+    (``rj.MTPDrafter.from_hf``, 3 steps a round; ``.with_steps(k)`` changes that), an SGLang DSpark draft
+    (``architectures: ["DSparkDraftModel"]``, ``convert.sglang_dspark``) or a DeepSpec DSpark checkpoint
+    (``convert.deepspec``). Generation uses the target's own embedding and LM head, so a checkpoint's copies of
+    them are not kept."""
     import ready_jax as rj
 
     path = os.fspath(path)
@@ -41,6 +47,12 @@ def load_drafter_dir(path: str | os.PathLike, dtype):
     meta = read_json(os.path.join(path, "config.json"))
     if isinstance(meta, dict) and meta.get("format") == "ready-jax-drafter":
         return rj.Drafter.load(path, dtype=dtype)
+    if isinstance(meta, dict) and meta.get("format") == "ready-jax-mtp":
+        return rj.MTPDrafter.load(path, dtype=dtype)
+    text = meta.get("text_config", meta) if isinstance(meta, dict) else None
+    if (isinstance(text, dict) and "format" not in meta
+            and text.get("model_type") in (*SUPPORTED_MODEL_TYPES, *HF_WRAPPER_TYPES)):
+        return rj.MTPDrafter.from_hf(path, dtype=dtype)
     if isinstance(meta, dict) and meta.get("architectures") == ["DSparkDraftModel"]:
         return convert_module("sglang_dspark").load_sglang(path, dtype=dtype)[0]
     return convert_module("deepspec").load_deepspec(path, dtype=dtype)[0]

@@ -31,15 +31,25 @@ into its ``data/spec_bench/model_answer/``.
 Checkpoints: ``--target`` is an HF directory (config.json + safetensors + tokenizer.json, loaded with
 ``rj.Target.from_hf``) or the project's own target format (``rj.Target.save``, e.g. ``zoo/target``);
 ``--drafter`` is the project's drafter format (``rj.Drafter.load``, e.g. ``zoo/ready``), the ReaDy release
-layout (``convert.ready_release``: its hashes are checked first), an SGLang DSpark draft
-(``convert.sglang_dspark``) or a DeepSpec DSpark checkpoint (``convert.deepspec``). Chat templates: ``chatml`` (Qwen's
+layout (``convert.ready_release``: its hashes are checked first), an MTP head (the project's, ``rj.MTPDrafter.load``,
+or an HF checkpoint's ``mtp.*``), an SGLang DSpark draft (``convert.sglang_dspark``) or a DeepSpec DSpark checkpoint
+(``convert.deepspec``).
+
+``--mtp K`` drafts with an MTP head, K tokens a round (vLLM's ``num_speculative_tokens``): by default the target
+checkpoint's own (the ``mtp.*`` tensors of the HF ``--target`` directory, ``rj.MTPDrafter.from_hf``), else the head
+``--drafter`` names. The project's target format holds no MTP head, so a project ``--target`` with ``--mtp`` needs
+``--drafter MTP_DIR`` (``convert.hf_mtp`` writes one from an HF checkpoint; a trained head is saved the same
+way). ``--drafter MTP_DIR`` without ``--mtp`` drafts as many tokens as the head was saved with. The MTP arm
+reports tau and the speedup like any other drafter (``--with-ar`` or ``--baseline``).
+
+Chat templates: ``chatml`` (Qwen's
 ``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``), ``none`` (plain turn texts joined by
 blank lines, for tokenizers without chat tokens such as the shipped tiny zoo's) or ``hf`` (the template
 of the checkpoint's tokenizer_config.json / chat_template.jinja: rendered by the tokenizer's
 ``apply_chat_template`` when transformers is installed, else by a sandboxed jinja2 renderer;
 ``--enable-thinking`` passes ``enable_thinking=True`` to it, as Qwen3.5's templates read).
 
-    python -m experiments.spec_bench --target DIR [--drafter DIR] [--with-ar | --baseline AR_FILE] \\
+    python -m experiments.spec_bench --target DIR [--drafter DIR] [--mtp N] [--with-ar | --baseline AR_FILE] \\
         [--questions experiments/data/spec_bench_questions.jsonl] [--categories qa,rag] [--per-category N] \\
         [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
         [--enable-thinking] [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench] \\
@@ -49,6 +59,10 @@ The tiny zoo (its tokenizer has no chat tokens), a quick CPU run:
 
     python -m experiments.spec_bench --target zoo/target --drafter zoo/ready --with-ar --chat-template none \\
         --per-category 1 --max-new-tokens 64
+
+A Qwen3.5 / Qwen3-Next checkpoint's own MTP head, 3 tokens a round, against AR:
+
+    python -m experiments.spec_bench --target HF_DIR --mtp 3 --with-ar --chat-template hf
 
 Prompts are padded to a multiple of ``--prompt-bucket`` tokens so that prompts of similar length
 share one compiled program; compile time is excluded from ``wall_time`` and reported in the summary.
@@ -281,7 +295,7 @@ class Method:
     """One way of generating (a drafter, or None: AR), named as in the answers, and its compile time."""
 
     model_id: str
-    drafter: rj.Drafter | None
+    drafter: rj.Drafter | rj.MTPDrafter | None
     compile_seconds: float = 0.0
 
 
@@ -413,14 +427,31 @@ def print_summary(summary: dict, with_baseline: bool) -> None:
         print(line)
 
 
-def load_models(args, dtype) -> tuple[rj.Target, rj.Drafter | None, Path]:
+def load_mtp_head(args, target_dir: Path, dtype) -> rj.MTPDrafter:
+    """``--mtp K``: the MTP head ``--drafter`` names, else the HF ``--target`` checkpoint's own, drafting K tokens."""
+    if args.drafter:
+        head = load_drafter_dir(Path(args.drafter), dtype)
+        if not isinstance(head, rj.MTPDrafter):
+            raise ValueError(f"--mtp drafts with an MTP head, and {args.drafter} holds a DSpark drafter: drop --mtp "
+                             "to draft with it")
+        return head.with_steps(args.mtp)
+    if _format(target_dir) == "ready-jax-target":
+        raise ValueError(f"{target_dir} is a project target, which holds no MTP head: pass one as --drafter MTP_DIR "
+                         "(python -m convert.hf_mtp HF_DIR MTP_DIR reads it from an HF checkpoint)")
+    return rj.MTPDrafter.from_hf(target_dir, args.mtp, dtype)
+
+
+def load_models(args, dtype) -> tuple[rj.Target, rj.Drafter | rj.MTPDrafter | None, Path]:
     """(the target, the drafter or None, the tokenizer's path): ``--target`` and ``--drafter`` in either format,
-    computed in ``dtype`` (None: as saved; an HF directory in bfloat16)."""
+    ``--mtp``'s head (:func:`load_mtp_head`), computed in ``dtype`` (None: as saved; an HF directory in bfloat16)."""
     target_dir = Path(args.target)
     try:
         target = load_target_dir(target_dir, dtype)
         # A drafter computes in the target's dtype unless one is asked for.
-        drafter = load_drafter_dir(Path(args.drafter), dtype or target.dtype) if args.drafter else None
+        if args.mtp is not None:
+            drafter = load_mtp_head(args, target_dir, dtype or target.dtype)
+        else:
+            drafter = load_drafter_dir(Path(args.drafter), dtype or target.dtype) if args.drafter else None
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     tokenizer_path = Path(args.tokenizer or target_dir / "tokenizer.json")
@@ -463,8 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, type=cli.existing_directory,
                         help="HF or project-format target directory")
     parser.add_argument("--drafter", type=cli.existing_directory,
-                        help="drafter directory: project format, ReaDy release, SGLang DSpark or DeepSpec "
-                        "(none: autoregressive)")
+                        help="drafter directory: project format, ReaDy release, MTP head (project or HF "
+                        "checkpoint), SGLang DSpark or DeepSpec (none: autoregressive)")
+    parser.add_argument("--mtp", type=cli.positive_int, metavar="K",
+                        help="draft K tokens a round with an MTP head: the HF --target's own, or --drafter's")
     parser.add_argument("--tokenizer", type=cli.existing_file, help="tokenizer.json (None: the target directory's)")
     parser.add_argument("--questions", default=QUESTIONS,
                         help="questions in Spec-Bench's JSONL format (default: the project's own 80, docs/results.md "
@@ -507,8 +540,8 @@ def parse_args(argv) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.with_ar and args.baseline:
         parser.error("--with-ar and --baseline both give the baseline: pass one")
-    if args.with_ar and not args.drafter:
-        parser.error("--with-ar compares a drafter with AR: pass --drafter")
+    if args.with_ar and not (args.drafter or args.mtp):
+        parser.error("--with-ar compares a drafter with AR: pass --drafter or --mtp")
     if args.enable_thinking and args.chat_template != "hf":
         parser.error("--enable-thinking is passed to the checkpoint's chat template: use --chat-template hf")
     cli.check_positions(parser, args.target, 1, args.max_new_tokens)
@@ -532,12 +565,15 @@ def main(argv=None) -> None:
     template = ChatTemplate(args.chat_template, tokenizer, tokenizer_path.parent, args.enable_thinking)
     stops = stop_ids(target, tokenizer, target_dir, args.chat_template)
 
-    def model_id(drafter_path: str | None) -> str:
-        return f"{target_dir.name}-{Path(drafter_path).name if drafter_path else 'ar'}-temp-{args.temperature}"
+    def model_id(name: str) -> str:
+        return f"{target_dir.name}-{name}-temp-{args.temperature}"
 
-    methods = [Method(args.model_id or model_id(args.drafter), drafter)]
+    name = Path(args.drafter).name if args.drafter else "ar"
+    if args.mtp is not None:  # the target's own head is "mtp3"; a head from elsewhere keeps its directory's name
+        name = f"{name}-mtp{args.mtp}" if args.drafter else f"mtp{args.mtp}"
+    methods = [Method(args.model_id or model_id(name), drafter)]
     if args.with_ar:
-        methods.append(Method(model_id(None), None))
+        methods.append(Method(model_id("ar"), None))
     print(f"{len(questions)} questions, {', '.join(m.model_id for m in methods)}; stop ids {list(stops)}; "
           f"{args.max_new_tokens} new tokens a turn, temperature {args.temperature:g}")
 

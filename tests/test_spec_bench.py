@@ -285,3 +285,83 @@ def test_a_greedy_answer_that_differs_from_ar_fails_the_run_after_writing_everyt
                          "--out-dir", str(tmp_path / "out")])
     assert (tmp_path / "out" / "target-ready-temp-0.0-summary.json").is_file()
     assert (tmp_path / "out" / "target-ar-temp-0.0.jsonl").is_file()
+
+
+# ---- the MTP arm: a target checkpoint's own MTP head ----------------------------------------------------
+MTP_FIXTURE = ZOO.parent / "tests" / "data" / "mtp_qwen3_5"  # a tiny HF Qwen3.5 checkpoint with an MTP head
+
+
+def _char_tokenizer(path: Path) -> Path:
+    """A tokenizer of printable ASCII, one token a character (96 ids < the fixture's vocabulary of 101)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    tokenizer = Tokenizer(models.WordLevel({**vocab, "[UNK]": len(vocab)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path))
+    return path
+
+
+def _mtp_main(tmp_path, target, *argv: str) -> Path:
+    """``spec_bench.main`` on ``target`` against AR, greedy, two questions cut to 24 tokens; returns --out-dir."""
+    questions = _jsonl(tmp_path / "question.jsonl", [json.dumps(QUESTIONS[0]), json.dumps(QUESTIONS[2])])
+    out = tmp_path / "out"
+    spec_bench.main(["--target", str(target), *argv, "--with-ar", "--tokenizer", str(_char_tokenizer(
+        tmp_path / "tokenizer.json")), "--questions", str(questions), "--chat-template", "none", "--max-new-tokens",
+        "8", "--warmup", "0", "--max-prompt-tokens", "24", "--too-long", "truncate", "--dtype", "float32",
+        "--out-dir", str(out)])
+    return out
+
+
+def test_mtp_k_drafts_with_the_hf_targets_own_head_and_reports_tau_and_speedup(tmp_path):
+    out = _mtp_main(tmp_path, MTP_FIXTURE, "--mtp", "2")
+    mtp, ar = (_answers(out / f"mtp_qwen3_5-{name}-temp-0.0.jsonl") for name in ("mtp2", "ar"))
+    assert [a["choices"][0]["turns"] for a in mtp] == [a["choices"][0]["turns"] for a in ar]
+    assert all(1 <= n <= 3 for a in mtp for n in a["choices"][0]["accept_lengths"])   # k = 2 drafts + the bonus
+    summary = json.loads((out / "mtp_qwen3_5-mtp2-temp-0.0-summary.json").read_text())
+    overall = summary["categories"]["overall"]
+    assert summary["baseline"] == "mtp_qwen3_5-ar-temp-0.0" and summary["settings"]["mtp"] == 2
+    assert overall["tau"] >= 1 and overall["speedup"] > 0 and overall["identical_to_baseline"] == 2
+
+
+def test_mtp_k_with_a_project_target_takes_the_head_from_drafter(tmp_path):
+    """The project's target format holds no MTP head: ``--drafter MTP_DIR`` gives it, ``--mtp K`` its steps."""
+    import ready_jax as rj
+
+    rj.Target.from_hf(MTP_FIXTURE).save(tmp_path / "target")
+    rj.MTPDrafter.from_hf(MTP_FIXTURE).save(tmp_path / "head")
+    out = _mtp_main(tmp_path, tmp_path / "target", "--drafter", str(tmp_path / "head"), "--mtp", "3")
+    mtp, ar = (_answers(out / f"target-{name}-temp-0.0.jsonl") for name in ("head-mtp3", "ar"))
+    assert [a["choices"][0]["turns"] for a in mtp] == [a["choices"][0]["turns"] for a in ar]
+    assert max(n for a in mtp for n in a["choices"][0]["accept_lengths"]) <= 4
+
+
+def test_drafter_dir_reads_an_mtp_head_in_either_form(tmp_path):
+    import jax.numpy as jnp
+
+    import ready_jax as rj
+    from experiments.common import load_drafter_dir
+
+    rj.MTPDrafter.from_hf(MTP_FIXTURE, 5).save(tmp_path / "head")
+    saved = load_drafter_dir(tmp_path / "head", jnp.float32)
+    hf = load_drafter_dir(MTP_FIXTURE, jnp.float32)
+    assert isinstance(saved, rj.MTPDrafter) and saved.config.num_steps == 5
+    assert isinstance(hf, rj.MTPDrafter) and hf.config.num_steps == 3
+    for key, value in hf.flat_params.items():
+        assert (saved.flat_params[key] == value).all(), key
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--mtp", "2"), "is a project target, which holds no MTP head: pass one as --drafter MTP_DIR"),
+    (("--mtp", "2", "--drafter", str(ZOO / "ready")), "--mtp drafts with an MTP head, and .* holds a DSpark drafter"),
+])
+def test_mtp_k_without_a_head_to_read_is_refused_with_what_to_pass(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=f"^error: .*{message}") as info:
+        spec_bench.main(["--target", str(ZOO / "target"), "--out-dir", str(tmp_path / "out"), *argv])
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_with_ar_takes_mtp_as_the_method(tmp_path):
+    args = spec_bench.parse_args(["--target", str(MTP_FIXTURE), "--mtp", "3", "--with-ar"])
+    assert args.mtp == 3 and args.drafter is None
