@@ -1,6 +1,8 @@
-"""AR vs DSpark vs DSpark-FT vs ReaDy with the shipped tiny zoo, on held-out prompts.
+"""AR vs DSpark vs DSpark-FT vs ReaDy vs an MTP head with the shipped tiny zoo, on held-out prompts.
 
-Loads the zoo's target (with its tokenizer and corpus split manifest) and its three drafters, draws
+Loads the zoo's target (with its tokenizer and corpus split manifest) and its four drafters (the MTP head is the
+kind Qwen3.5 / Qwen3-Next checkpoints ship and vLLM / SGLang draft with by default, trained here on the same data
+as the others), draws
 prompts from the corpus *test* split (code files and pydoc prose topics; documents no model trained
 on), and generates greedily through ``ready_jax.generate`` with each drafter and without one (AR):
 first at batch 1 (the latency case speculative decoding is for: ``--batch1-prompts`` prompts one at a
@@ -33,9 +35,9 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cli
 
-from .common import shown, write_json
+from .common import load_drafter_dir, shown, write_json
 from .timing import timed
-from .zoo_runs import DRAFTERS, held_out_prompts, summarize
+from .zoo_runs import COMPARED, held_out_prompts, summarize
 
 
 def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, drafters: dict) -> dict:
@@ -116,7 +118,7 @@ def main(argv=None) -> None:
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "
           f"of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens each, greedy")
 
-    drafters = {name: rj.Drafter.load(zoo / folder, dtype=target.dtype) for name, folder in DRAFTERS}
+    drafters = {name: load_drafter_dir(zoo / folder, dtype=target.dtype) for name, folder in COMPARED}
     single = {}
     if args.batch1_prompts:
         single = batch_one(target, [ids[i:i + 1] for i in range(min(args.batch1_prompts, len(ids)))],
@@ -128,7 +130,7 @@ def main(argv=None) -> None:
                   f"{'yes' if r['identical_to_ar'] else 'NO'}")
         print(f"\nbatch {len(ids)} (throughput):")
 
-    progress = cli.Progress("compare_zoo", 1 + len(DRAFTERS), "methods timed")
+    progress = cli.Progress("compare_zoo", 1 + len(COMPARED), "methods timed")
     ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
     progress.update(detail="autoregressive done")
     results = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0,

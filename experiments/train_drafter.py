@@ -26,7 +26,7 @@ settings, is refused at once with the first one's process id and command line, a
     python -m experiments.train_drafter --variant dspark --target zoo/target --steps 300 --save-dir zoo/dspark
     python -m experiments.train_drafter --variant ready --init-from zoo/dspark --steps 250 --save-dir zoo/ready
     python -m experiments.train_drafter --variant dspark-ft --init-from zoo/dspark --steps 250 --save-dir zoo/dspark_ft
-    python -m experiments.train_drafter --variant mtp --target zoo/target --steps 300 --save-dir zoo/mtp
+    python -m experiments.train_drafter --variant mtp --target zoo/target --steps 550 --save-dir zoo/mtp
 
 (the zoo's drafters, for the steps they trained; the exact commands that made them are in zoo/MANIFEST.json)
 """
