@@ -11,7 +11,7 @@ comma := ,
 # The stamp of an install with the extras $(1) ("core": none).
 stamp = $(VENV)/.installed-$(or $(subst $(comma),-,$(1)),core)
 
-.PHONY: setup demo test lint compile-check gpu-bench tpu-bench
+.PHONY: setup demo test lint compile-check gpu-bench tpu-bench results-check
 setup: $(call stamp,$(EXTRAS))
 
 $(VENV)/.installed-%: pyproject.toml
@@ -30,6 +30,11 @@ TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The README's deterministic figures (tau, rounds, equality with AR) rerun at HEAD and compared field by field with
+# the committed results JSON (experiments.results_check); minutes on a CPU. CI runs it in the slow set.
+results-check: $(call stamp,$(DEMO_EXTRAS))
+	$(PY) -m experiments.results_check
 
 # Every program compiled for TPU v5e, v5p, v6e and 7x with no TPU attached (libtpu from the tpu extra runs Mosaic's
 # passes, which lowering skips): the zoo and the Qwen3.5-27B geometry, reports in results/ (docs/kernels.md).

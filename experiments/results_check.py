@@ -1,0 +1,83 @@
+"""Rerun the deterministic figures the README quotes and compare them, field by field, with the committed results.
+
+Greedy generation is deterministic here (batch-invariant steps on a CPU, docs/numerics.md), so tau, rounds, the
+all-drafts-survive rate and the equality with AR of a rerun at HEAD must equal what the committed JSON records,
+exactly; times and speedups depend on the machine and its load and are not compared. A result drifts when the code
+changes what it computes: rerun the command it records and commit the new JSON with the text that quotes it
+(``--tables`` prints the README's table from the JSON, so the text is not typed by hand).
+
+    python -m experiments.results_check                 # rerun and compare (minutes; `make results-check`)
+    python -m experiments.results_check --tables        # the README's zoo table from results/compare_zoo_cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ready_jax import cli
+
+from .common import shown
+
+COMPARE_ZOO = Path("results") / "compare_zoo_cpu.json"
+# The settings of compare_zoo that decide its deterministic figures (the rest only times them).
+RERUN_SETTINGS = ("zoo", "prompts", "batch1_prompts", "prompt_tokens", "max_new_tokens", "seed", "dtype")
+DETERMINISTIC = ("tau", "tau_by_kind", "rounds", "all_drafts_survive", "identical_to_ar")
+
+
+def rerun_command(recorded: dict, out: str) -> list[str]:
+    """The compare_zoo command that reproduces ``recorded``'s deterministic figures, writing to ``out``."""
+    settings = recorded["settings"]
+    flags = [f"--{name.replace('_', '-')}={settings[name]}" for name in RERUN_SETTINGS]
+    return [sys.executable, "-m", f"{__package__}.compare_zoo", *flags, "--repeats=1", f"--out={out}"]
+
+
+def differences(recorded: dict, rerun: dict) -> list[str]:
+    """Every deterministic field of every method (batch 16, and batch 1 where both have it) that differs."""
+    found = []
+    for section, fields in (("results", DETERMINISTIC), ("batch1", ("tau", "identical_to_ar"))):
+        old, new = recorded.get(section, {}), rerun.get(section, {})
+        for method in sorted(set(old) | set(new)):
+            if method not in old or method not in new:
+                found.append(f"{section}.{method}: {'only in the rerun' if method in new else 'missing in the rerun'}")
+                continue
+            found += [f"{section}.{method}.{field}: recorded {old[method].get(field)!r}, now {new[method].get(field)!r}"
+                      for field in fields if old[method].get(field) != new[method].get(field)]
+    return found
+
+
+def readme_table(recorded: dict) -> str:
+    """The README's zoo table: tau and speedup at batch 16 per drafter, as the JSON records them."""
+    rows = ["| arm | tau | rounds | speedup vs AR |", "|---|---|---|---|"]
+    for method, r in recorded["results"].items():
+        if method != "autoregressive":
+            rows.append(f"| {method} | {shown(r['tau'], '.2f')} | {r['rounds']} | {r['speedup']:.2f}x |")
+    return "\n".join(rows)
+
+
+@cli.main
+def main(argv=None) -> None:
+    parser = cli.parser("experiments.results_check", __doc__)
+    parser.add_argument("--tables", action="store_true", help="print the README's table from the JSON and stop")
+    args = parser.parse_args(argv)
+    path = Path(cli.repo_root()) / COMPARE_ZOO
+    recorded = json.loads(path.read_text())
+    if args.tables:
+        print(readme_table(recorded))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rerun.json")
+        done = subprocess.run(rerun_command(recorded, out), cwd=cli.repo_root())
+        if done.returncode:
+            raise SystemExit(f"the rerun of {COMPARE_ZOO} failed (exit status {done.returncode})")
+        found = differences(recorded, json.loads(Path(out).read_text()))
+    if found:
+        raise SystemExit(f"{COMPARE_ZOO} drifted from HEAD in {len(found)} field(s):\n  " + "\n  ".join(found))
+    print(f"{COMPARE_ZOO}: every deterministic figure reproduced at HEAD")
+
+
+if __name__ == "__main__":
+    main()
