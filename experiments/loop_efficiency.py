@@ -21,7 +21,6 @@ CPU figures are ratios within this run; the machine's load is printed beside the
 from __future__ import annotations
 
 import functools
-import os
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, numerics
+from ready_jax import cli, numerics, provenance
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
@@ -193,13 +192,6 @@ def print_components(label: str, target_parts: dict, drafter_parts: dict, gamma:
           + f"; round at gamma {gamma}: {round_seconds(target_parts, drafter_parts, gamma) / ar:.2f}")
 
 
-def load_average() -> str:
-    try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 def preset_section(args) -> dict:
     preset = PRESETS[args.preset]
     config, gamma = preset.target, args.block_size
@@ -220,7 +212,7 @@ def preset_section(args) -> dict:
           f"{probes['sum'] / 1e9:.1f}, gemv {probes['gemv'] / 1e9:.1f}), last-level cache "
           f"{(limits['last_level_cache_bytes'] or 0) / 2**20:.0f} MiB, target weights {weight_bytes / 2**20:.0f} MiB "
           f"({'fit' if limits['weights_fit_in_cache'] else 'do not fit'}); weight-read roofline step "
-          f"{roofline_step * 1e3:.2f} ms; load average {load_average()}")
+          f"{roofline_step * 1e3:.2f} ms; {provenance.load_note()}")
     for row in limits["matmul"]:
         print(f"  matmul {row['m']:>2d} x {row['k']} x {row['n']} {row['library']:>5s}: "
               f"{row['seconds'] * 1e6:7.0f} us, "
@@ -278,7 +270,7 @@ def zoo_section(args) -> dict:
     parts = target_components(target, ids[0], sorted(set(args.gammas)), args.repeats)
     ar = parts["ar_step"]
     print(f"zoo target: AR step {ar * 1e3:.2f} ms; {len(ids)} held-out prompts at batch 1, "
-          f"{args.max_new_tokens} new tokens each")
+          f"{args.max_new_tokens} new tokens each; {provenance.load_note()}")
 
     def total_seconds(drafter):
         outs = []
@@ -336,12 +328,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    summary = {"settings": vars(args), "load_average_start": load_average(), "preset": preset_section(args)}
+    summary = {"settings": vars(args), "preset": preset_section(args)}
     if args.zoo:
         summary["zoo"] = zoo_section(args)
-    summary["load_average_end"] = load_average()
     summary["wall_seconds"] = time.perf_counter() - start
-    print(f"load average at the end: {summary['load_average_end']}")
+    print(f"at the end: {provenance.load_note()}")
     write_json(args.out, summary)
 
 

@@ -1,7 +1,9 @@
-"""Where a result or a shipped file came from: the command, the software and machine, and the code's git state.
+"""Where a result or a shipped file came from: the command, the software and machine, the conditions it ran in
+(the time, the CPU, the load), and the code's git state.
 
 :func:`environment` is the block every experiment's JSON and every trained checkpoint's manifest entry
-records; :func:`record` adds the command and the date.
+records; :func:`record` adds the command and the date. The start of a run is when this module was first
+imported: a script imports it (through ``experiments.common``) before its work begins.
 """
 
 from __future__ import annotations
@@ -16,6 +18,54 @@ from collections.abc import Sequence
 
 from .cli import repo_root
 
+# The CPU's instruction-set extensions that decide which kernels XLA's CPU backend emits (and so, in bf16, which
+# roundings a result has): /proc/cpuinfo flags with these prefixes.
+_ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (runnable processes; compare with the core count), or None where the
+    system keeps none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def load_note() -> str:
+    """``load average 1.93 (1 min; 2.40 at the start) on 2 cores``: printed beside the tables that compare speeds,
+    since a shared machine's load moves every timing in them."""
+    now, start = load_average(), _START["load_average"]
+    if now is None:
+        return f"load average unknown, {os.cpu_count()} cores"
+    return f"load average {now[0]:.2f} (1 min; {start[0]:.2f} at the start) on {os.cpu_count()} cores"
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of /proc/cpuinfo ({} where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def cpu() -> dict:
+    """The CPU's model name, its logical cores and its vector extensions (:data:`_ISA_PREFIXES`; a virtual
+    machine may name only the family, so the extensions say what the code ran on)."""
+    info = _cpuinfo()
+    flags = info.get("flags", "").split()
+    return {"cpu_model": info.get("model name") or platform.processor() or "unknown", "cpu_cores": os.cpu_count(),
+            "cpu_isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES))}
+
+
+_START = {"utc": utc_now(), "load_average": load_average()}
+
 
 def _git(*args: str) -> str:
     """``git <args>`` run in the repository (its output without trailing newlines), or "unknown" outside a git
@@ -28,9 +78,9 @@ def _git(*args: str) -> str:
 
 
 def environment() -> dict:
-    """Python, jax, jaxlib and flax versions, the first device's kind, the machine and its cores, the git
-    commit, and the uncommitted changes (``git status --porcelain`` lines: status and path; "unknown"
-    outside a git checkout)."""
+    """Python, jax, jaxlib and flax versions, the first device's kind, the machine, :func:`cpu`, the UTC time and
+    the load average (1, 5, 15 min) at the run's start and now (for a result: its end), the git commit, and the
+    uncommitted changes (``git status --porcelain`` lines: status and path; "unknown" outside a git checkout)."""
     import flax
     import jax
     import jaxlib
@@ -38,7 +88,10 @@ def environment() -> dict:
     changed = _git("status", "--porcelain")
     return {"python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "flax": flax.__version__, "device": jax.devices()[0].device_kind,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "git_commit": _git("rev-parse", "HEAD"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", **cpu(),
+            "started_utc": _START["utc"], "utc_time": utc_now(),
+            "load_average_start": _START["load_average"], "load_average_end": load_average(),
+            "git_commit": _git("rev-parse", "HEAD"),
             "uncommitted_changes": changed.splitlines() if changed != "unknown" else "unknown"}
 
 
@@ -49,5 +102,4 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 
 def record(module: str, argv: Sequence[str]) -> dict:
     """How a run was started: its command, the UTC date and :func:`environment`."""
-    return {"command": command_line(module, argv), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "environment": environment()}
+    return {"command": command_line(module, argv), "date": utc_now(), "environment": environment()}
