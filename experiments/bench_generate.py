@@ -16,13 +16,15 @@ Presets (``experiments.presets``): ``cpu`` (a mid-size target that runs in minut
 ``qwen3.5-27b`` (the real geometry, bf16, for a GPU or TPU). CPU timings compare variants with each other;
 only accelerator times are absolute.
 
-    python -m experiments.bench_generate [--preset cpu] [--impls xla,pallas] [--out results/bench_generate_cpu.json]
+    python -m experiments.bench_generate [--preset cpu] [--impls xla,pallas] [--out results/bench_generate_cpu.json] \\
+        [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -31,13 +33,13 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import cli
+from ready_jax import cli, provenance
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import ROLLBACKS
 
 from .common import write_json
 from .presets import PRESETS
-from .timing import round_breakdown, run_generate
+from .timing import add_profile_argument, round_breakdown, run_generate
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 
@@ -46,7 +48,8 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
     """AR, each drafter of ``variants`` and the scripted drafters (each checked against AR, as a ratio to it); the
     middle scripted drafter again with the checkpoint rollback, and with ``--impls xla,pallas`` AR and it with the
     Pallas kernels."""
-    results = {"ar": run_generate(target, prompts, new_tokens, repeats=args.repeats, name="ar")}
+    run = functools.partial(run_generate, target, prompts, new_tokens, repeats=args.repeats, profile=args.profile)
+    results = {"ar": run(name="ar")}
     reference = results["ar"].pop("tokens")
     rates = args.error_rates
     variants = dict(variants)
@@ -54,28 +57,27 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
                                                                    seed=args.seed)
     for name, drafter in variants.items():
-        results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, name=name)
+        results[name] = run(drafter, name=name)
         same = bool(np.array_equal(results[name].pop("tokens"), reference))
         results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
         results[name]["identical_to_ar"] = same
     # generate's default rollback is replay; the middle scripted drafter again with the other strategy:
     scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
     name = f"{scripted}_checkpoint"
-    results[name] = run_generate(target, prompts, new_tokens, variants[scripted],
-                                 repeats=args.repeats, rollback="checkpoint", name=name)
+    results[name] = run(variants[scripted], rollback="checkpoint", name=name)
     results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
     results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
     if "pallas" in args.impls:
         for name, drafter in (("ar_pallas", None), (f"{scripted}_pallas", variants[scripted])):
-            results[name] = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, impl="pallas",
-                                         name=name)
+            results[name] = run(drafter, impl="pallas", name=name)
             results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
             results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
     return results
 
 
 def print_report(results: dict, breakdown: dict) -> None:
-    """The variants' table, the round's pieces and the rollbacks' memory."""
+    """The variants' table (with the machine's load), the round's pieces and the rollbacks' memory."""
+    print(provenance.load_note())
     print(f"{'variant':28s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")
     for name, r in results.items():
         print(f"{name:28s} {r['tokens_per_s']:10.1f} {r.get('speedup_vs_ar', 1.0):7.2f} {r['tau']:6.2f} "
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
                              "(for a GPU or TPU: on a CPU they run interpreted, very slowly)")
     parser.add_argument("--out", help="write the figures as JSON here")
+    add_profile_argument(parser)
     return parser
 
 

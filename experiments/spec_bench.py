@@ -53,7 +53,7 @@ of the checkpoint's tokenizer_config.json / chat_template.jinja: rendered by the
         [--questions experiments/data/spec_bench_questions.jsonl] [--categories qa,rag] [--per-category N] \\
         [--limit N] [--chat-template chatml|none|hf] [--max-new-tokens 1024] [--max-prompt-tokens 4096] \\
         [--enable-thinking] [--too-long skip|truncate] [--temperature 0] [--out-dir runs/spec_bench] \\
-        [--model-id ID] [--answer-file PATH]
+        [--model-id ID] [--answer-file PATH] [--profile DIR]
 
 The tiny zoo (its tokenizer has no chat tokens), a quick CPU run:
 
@@ -83,9 +83,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, files
+from ready_jax import checkpoint, cli, files, provenance
 
 from .common import load_drafter_dir, shown, write_json
+from .timing import add_profile_argument, profile_generate
 
 # The project's own questions in Spec-Bench's format and categories; Spec-Bench's are passed with --questions.
 # Beside this module, in a checkout and in an installed wheel alike (package data of ready_jax.experiments).
@@ -292,18 +293,26 @@ def stop_ids(target: rj.Target, tokenizer: Tokenizer, checkpoint: Path, template
 # ---- answering --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Method:
-    """One way of generating (a drafter, or None: AR), named as in the answers, and its compile time."""
+    """One way of generating (a drafter, or None: AR), named as in the answers, its compile time, and whether a
+    turn of it has been profiled (``--profile``)."""
 
     model_id: str
     drafter: rj.Drafter | rj.MTPDrafter | None
     compile_seconds: float = 0.0
+    profiled: bool = False
 
 
 def answer_turn(target, tokenizer, ids: list[int], method: Method, args, stops: tuple[int, ...], seed: int):
-    """Generate one turn: (answer text, Spec-Bench per-turn fields)."""
-    out = rj.generate(target, [np.asarray(ids, np.int32)], args.max_new_tokens, drafter=method.drafter,
-                      temperature=args.temperature, seed=seed, eos_token_ids=stops, prompt_bucket=args.prompt_bucket)
+    """Generate one turn: (answer text, Spec-Bench per-turn fields). With ``--profile``, a method's first turn (the
+    warm-up's, where there is one) runs once more under the profiler."""
+    prompt = [np.asarray(ids, np.int32)]
+    kwargs = dict(drafter=method.drafter, temperature=args.temperature, seed=seed, eos_token_ids=stops,
+                  prompt_bucket=args.prompt_bucket)
+    out = rj.generate(target, prompt, args.max_new_tokens, **kwargs)
     method.compile_seconds += out.compile_seconds
+    if args.profile and not method.profiled:
+        profile_generate(args.profile, method.model_id, target, prompt, args.max_new_tokens, **kwargs)
+        method.profiled = True
     generated = out.tokens[0, :int(out.num_generated[0])].tolist()
     end = next((i for i, t in enumerate(generated) if t in stops), len(generated))
     accepted = out.accept_lengths[:, 0]
@@ -416,6 +425,7 @@ def write_answers(path: Path, answers: list[dict]) -> None:
 
 
 def print_summary(summary: dict, with_baseline: bool) -> None:
+    print(provenance.load_note())
     print(f"{'category':<16}{'questions':>10}{'tau':>7}{'tok/s':>9}"
           + (f"{'AR tok/s':>10}{'speedup':>9}{'speed.py':>10}{'same':>6}" if with_baseline else ""))
     for group, row in summary.items():
@@ -531,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--answer-file", help="write the answers to this file (None: <out-dir>/<model id>.jsonl)")
     parser.add_argument("--out-dir", default=cli.repo_path("runs", "spec_bench"),
                         help="answers (the AR baseline's too) and summary go here")
+    add_profile_argument(parser)
     return parser
 
 

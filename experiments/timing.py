@@ -1,10 +1,12 @@
 """How the experiments time what they measure: medians after a warm-up, interleaved so that a shared machine's
-drift hits every variant alike; whole generation programs (compile time apart); and the pieces of one
-speculative round (draft, verify, commit, context append, reader work), each jitted alone at the loop's shapes."""
+drift hits every variant alike; whole generation programs (compile time apart); the pieces of one
+speculative round (draft, verify, commit, context append, reader work), each jitted alone at the loop's shapes;
+and ``--profile DIR``, a ``jax.profiler`` trace of a timed generation program."""
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import jax
@@ -37,10 +39,14 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: str, **kwargs) -> dict:
-    """Compile once, then the median of ``repeats`` runs of the whole program; prints a progress line."""
+def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: str, profile: str | None = None,
+                 **kwargs) -> dict:
+    """Compile once, then the median of ``repeats`` runs of the whole program; prints a progress line. With
+    ``profile`` (a directory), one more run is traced there (:func:`profile_generate`)."""
     first = rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs)
     runs = [rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs) for _ in range(repeats)]
+    if profile:
+        profile_generate(profile, name, target, prompts, new_tokens, drafter, **kwargs)
     out = runs[len(runs) // 2]
     run_s = float(np.median([r.run_seconds for r in runs]))
     print(f"  {name}: {out.num_generated.sum() / run_s:.1f} tok/s, tau {out.tau:.2f}, compile "
@@ -49,6 +55,27 @@ def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: 
             "compile_s": first.compile_seconds, "tau": out.tau, "rounds": out.rounds,
             "full_accept_rate": out.full_accept_rate if out.block_size else None,
             "acceptance_histogram": out.acceptance_histogram.tolist(), "tokens": out.tokens}
+
+
+def add_profile_argument(parser) -> None:
+    """``--profile DIR``, the same in every script that times generation."""
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also trace one more run of each timed generation program with jax.profiler, into "
+                             "DIR/<method> (open with TensorBoard, xprof or Perfetto: docs/measurements.md)")
+
+
+def profile_generate(directory: str | os.PathLike, name: str, target, prompts, new_tokens, drafter=None,
+                     **kwargs) -> rj.GenerateOutput:
+    """One more run of a generation program that has just been timed (compiled already, so the trace holds the run
+    alone) under ``jax.profiler``, written to ``directory/name``: TensorBoard and xprof list each name as a run.
+    The program's XLA ops carry the loop's named scopes (``.../while/body/<scope>/...``, :data:`ROUND_SCOPES`)."""
+    path = os.path.join(directory, name)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python's own calls would outnumber the program's ops many times over
+    with jax.profiler.trace(path, create_perfetto_trace=True, profiler_options=options):
+        out = rj.generate(target, prompts, new_tokens, drafter=drafter, **kwargs)
+    print(f"  {name}: profile in {path}", flush=True)
+    return out
 
 
 def timed(target, prompts, new_tokens, drafter, repeats: int) -> tuple[rj.GenerateOutput, float]:

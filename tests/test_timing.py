@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_config
 
 import ready_jax as rj
-from experiments import timing
+from experiments import bench_generate, spec_bench, timing
 from ready_jax import generation
 from ready_jax.modes import ROLLBACKS
 
@@ -45,3 +45,20 @@ def test_the_breakdown_times_the_pieces_it_declares_for_each_scope(models):
     declared = {piece.format(rollback=rollback) for covered in timing.ROUND_SCOPES.values() for piece in covered
                 for rollback in ROLLBACKS}
     assert set(pieces) == declared | {timing.READER_ROUND}
+
+
+def test_a_profile_of_a_timed_run_holds_the_rounds_named_scopes(models, tmp_path):
+    target, drafter = models
+    timing.run_generate(target, np.zeros((1, 4), np.int32), 8, drafter, repeats=1, name="ready", profile=tmp_path)
+    written = [path for path in (tmp_path / "ready").rglob("*") if path.is_file()]
+    assert any(path.name.endswith(".xplane.pb") for path in written)  # what TensorBoard and xprof read
+    assert any(path.name == "perfetto_trace.json.gz" for path in written)
+    # The scopes sit in the ops' metadata (every platform) and, on a GPU or TPU, in the device events' names too.
+    traced = b"".join(path.read_bytes() for path in written if path.name.endswith(".xplane.pb"))
+    assert [scope for scope in timing.ROUND_SCOPES if f"/while/body/{scope}/".encode() in traced]
+
+
+@pytest.mark.parametrize("script", [bench_generate, spec_bench])
+def test_the_scripts_that_time_generation_take_a_profile_directory(script):
+    (action,) = [a for a in script.build_parser()._actions if "--profile" in a.option_strings]
+    assert action.dest == "profile" and action.metavar == "DIR"
