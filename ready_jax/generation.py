@@ -90,6 +90,18 @@ class GenerateOutput:
     def tokens_per_second(self) -> float:
         return float(self.num_generated.sum() / self.run_seconds)
 
+    def __str__(self) -> str:
+        """One line: ``2 sequences, 128 tokens in 30 rounds (tau 2.13, 7 drafts a round), 812.4 tok/s; run 0.16 s,
+        compile 9.87 s``."""
+        def count(n: int, noun: str) -> str:
+            return f"{n} {noun}{'s' * (n != 1)}"
+
+        drafts = f"{self.block_size} drafts a round" if self.block_size else "autoregressive"
+        tau = "n/a" if math.isnan(self.tau) else f"{self.tau:.2f}"
+        return (f"{count(len(self.num_generated), 'sequence')}, {count(int(self.num_generated.sum()), 'token')} in "
+                f"{count(self.rounds, 'round')} (tau {tau}, {drafts}), {self.tokens_per_second:.1f} tok/s; run "
+                f"{self.run_seconds:.2f} s, compile {self.compile_seconds:.2f} s")
+
 
 @dataclasses.dataclass(frozen=True)
 class ScriptedDrafter:

@@ -356,3 +356,15 @@ def test_tied_head_transposed_once_gives_the_same_tokens(monkeypatch):
     np.testing.assert_array_equal(programs[True]["ar"], programs[False]["ar"])
     np.testing.assert_array_equal(programs[True]["ready"], programs[False]["ready"])
     np.testing.assert_array_equal(programs[True]["ready"], programs[True]["ar"])
+
+
+def test_an_output_prints_as_one_labelled_line():
+    out = rj.GenerateOutput(tokens=np.zeros((2, 8), np.int32), num_generated=np.array([8, 6]),
+                            accept_lengths=np.array([[4, 3], [3, 3], [0, 1]]), block_size=7, compile_seconds=9.871,
+                            run_seconds=0.5, cache=None)
+    assert str(out) == ("2 sequences, 14 tokens in 3 rounds (tau 2.80, 7 drafts a round), 28.0 tok/s; run 0.50 s, "
+                        "compile 9.87 s")
+    ar = rj.GenerateOutput(tokens=np.zeros((1, 1), np.int32), num_generated=np.array([1]),
+                           accept_lengths=np.zeros((0, 1), np.int32), block_size=0, compile_seconds=0.0,
+                           run_seconds=0.25, cache=None)
+    assert str(ar) == "1 sequence, 1 token in 0 rounds (tau n/a, autoregressive), 4.0 tok/s; run 0.25 s, compile 0.00 s"
