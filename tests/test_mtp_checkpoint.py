@@ -132,3 +132,30 @@ def test_the_command_line_imports_and_exports_the_head(tmp_path):
         assert json.load(f)["mtp_num_hidden_layers"] == 1
     done = run("convert.hf_mtp", head, str(tmp_path / "no"), "--export")
     assert done.returncode == 2 and "--export and --target go together" in done.stderr
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(tie_word_embeddings=True, num_key_value_heads=1, head_dim=12, partial_rotary_factor=0.5),
+    pytest.param(dict(attention_bias=True, num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                      vocab_size=131), marks=pytest.mark.slow),
+    pytest.param(dict(model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24), marks=pytest.mark.slow),
+], ids=["tied-kv1", "bias-kv3", "qwen3_next-moe"])
+def test_a_head_written_for_other_geometries_reads_back_and_drafts_exactly(tmp_path, overrides):
+    """Export a random head with its target as one HF checkpoint, read both back: the same parameters, and greedy
+    speculative output with the head equal to AR's."""
+    from conftest import tiny_config
+
+    from convert.hf_mtp import export_hf_with_mtp
+
+    config = tiny_config(**overrides)
+    target = rj.Target.init(config, seed=2)
+    head = rj.MTPDrafter.init(config, 2, seed=3)
+    export_hf_with_mtp(target, head, str(tmp_path))
+    read = rj.MTPDrafter.from_hf(tmp_path, 2)
+    assert read.config.target == rj.Target.from_hf(tmp_path).config
+    for key, value in head.flat_params.items():
+        np.testing.assert_array_equal(np.asarray(read.flat_params[key]), np.asarray(value), err_msg=key)
+    prompts = [np.arange(7) % config.vocab_size, np.arange(3)]
+    np.testing.assert_array_equal(rj.generate(target, prompts, 10, drafter=read).tokens,
+                                  rj.generate(target, prompts, 10).tokens)
