@@ -121,7 +121,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, shared, pro
     generated = jnp.ones((batch,), jnp.int32)
     context = reader = mtp = None
     if s.is_mtp:
-        mtp_cache = sharding_lib.constrain(mtp_lib.init_cache(s.drafter_config, batch, s.capacity, dtype), s.layout)
+        mtp_cache = mtp_lib.init_cache(s.drafter_config, batch, s.capacity, dtype)  # placed as its inputs are
         mtp = mtp_lib.prefill(drafter_def, drafter_params, shared, mtp_cache, prompts,
                               target_lib.final_norm(target_def, target_params, out.hidden[0]), prompt_lengths)
     if s.learned:

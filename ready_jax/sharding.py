@@ -111,8 +111,9 @@ PARAM_AXES: tuple[tuple[str, Axes], ...] = (
     (r"mlp\.shared_expert_gate\.kernel", ("embed", None)),
     (r"(gate|up)_proj\.kernel", ("embed", "mlp")),
     (r"down_proj\.kernel", ("mlp", "embed")),
-    # Norms and the drafter's context projection.
-    (r"(norm|input_layernorm|post_attention_layernorm|hidden_norm)\.weight", ("embed",)),
+    # Norms, and the drafter's context projection and the MTP head's input projection (fc).
+    (r"(norm|input_layernorm|post_attention_layernorm|hidden_norm|pre_fc_norm_embedding|pre_fc_norm_hidden)\.weight",
+     ("embed",)),
     (r"fc\.kernel", (None, "embed")),
 )
 _COMPILED_AXES = tuple((re.compile(r"(^|\.)" + pattern + "$"), axes) for pattern, axes in PARAM_AXES)

