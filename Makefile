@@ -50,16 +50,21 @@ lint: setup
 	$(PY) -m pip install -q ruff
 	$(VENV)/bin/ruff check .
 
-# The GPU measurements in one go, with the interpreter already on the machine (a GPU box whose jax, flax, optax
-# and orbax are installed; nothing is installed here). Each script gets at most GPU_STEP_S seconds; logs and
-# JSON go to GPU_OUT (commit them under results/gpu/).
+# The GPU measurements in one go, with an interpreter whose jax sees a GPU (GPU_PYTHON: a GPU box's own python3,
+# or .venv/bin/python after `make setup EXTRAS=cuda`; nothing is installed here; docs/accelerators.md). It refuses to
+# start where jax sees no GPU. Each script gets at most GPU_STEP_S seconds; logs and JSON go to GPU_OUT (commit them
+# under results/gpu/). GPU_HBM_PEAK_GBPS is the GPU's HBM bandwidth for bench_kernels' fraction of peak (H200 4800,
+# H100 SXM 3350, H100 PCIe 2000).
 GPU_OUT ?= results/gpu
 GPU_STEP_S ?= 330
 GPU_PYTHON ?= python3
+GPU_HBM_PEAK_GBPS ?= 4800
 gpu-bench:
+	@$(GPU_PYTHON) -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" || \
+		{ echo "make gpu-bench: jax sees no GPU here ($(GPU_PYTHON)); docs/accelerators.md says how to install it"; exit 1; }
 	mkdir -p $(GPU_OUT)
 	-PYTHONPATH=. timeout $(GPU_STEP_S) $(GPU_PYTHON) -m experiments.bench_kernels --budget-s $$(($(GPU_STEP_S) - 90)) \
-		--out $(GPU_OUT)/bench_kernels.json 2>&1 | tee $(GPU_OUT)/bench_kernels.log
+		--hbm-peak-gbps $(GPU_HBM_PEAK_GBPS) --out $(GPU_OUT)/bench_kernels.json 2>&1 | tee $(GPU_OUT)/bench_kernels.log
 	-PYTHONPATH=. timeout $(GPU_STEP_S) $(GPU_PYTHON) -m experiments.bench_generate --preset qwen3.5-27b --impls xla,pallas \
 		--repeats 2 --out $(GPU_OUT)/bench_generate_qwen3.5-27b.json 2>&1 | tee $(GPU_OUT)/bench_generate_qwen3.5-27b.log
 

@@ -517,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="store_true",
                    help="also time each case's alternative Pallas configs (Triton kernels only)")
     p.add_argument("--hbm-peak-gbps", type=cli.positive_float, default=4800.0,
-                   help="HBM peak for the fraction (H200: 4800; TPU v5e: 819, v6e: 1640, v5p: 2765)")
+                   help="HBM peak for the fraction (H200: 4800, H100 SXM: 3350, H100 PCIe: 2000; TPU v5e: 819, "
+                        "v6e: 1640, v5p: 2765)")
     p.add_argument("--budget-s", type=cli.positive_float, default=420.0,
                    help="start nothing new after this many seconds")
     p.add_argument("--out", default=None, help="write the results as JSON here")

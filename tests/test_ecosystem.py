@@ -320,6 +320,15 @@ def test_the_torch_requirement_is_a_range_that_admits_the_local_cpu_wheel():
     assert torch.specifier.contains("2.13.0+cpu") and not torch.specifier.contains("2.14.0")
 
 
+@pytest.mark.parametrize("extra, platform", [("tpu", "tpu"), ("cuda", "cuda12")])
+def test_the_accelerator_extras_install_the_projects_own_jax(extra, platform):
+    from packaging.requirements import Requirement
+
+    jax = next(Requirement(r) for r in PYPROJECT["project"]["dependencies"] if Requirement(r).name == "jax")
+    (requirement,) = map(Requirement, PYPROJECT["project"]["optional-dependencies"][extra])
+    assert (requirement.name, requirement.extras, requirement.specifier) == ("jax", {platform}, jax.specifier)
+
+
 def test_the_wheel_holds_no_top_level_convert_or_experiments(tmp_path):
     pytest.importorskip("setuptools")
     source = tmp_path / "src"              # a copy: building writes build/ beside pyproject.toml
