@@ -126,8 +126,16 @@ def init_27b(layers: int) -> dict:
         stats = target_lib.init_program(build, piece).lower(key).compile().memory_analysis()
         return {"output_bytes": int(stats.output_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes)}
 
+    split = target_lib.init_pieces(leaves)
+    cli.Progress("27B init").note(f"compiling every parameter as one program, then in {len(split)} pieces")
     one = compiled_bytes(tuple(range(len(leaves))))
-    pieces = [compiled_bytes(piece) for piece in target_lib.init_pieces(leaves)]
+    # The ETA from the pieces alone: the one program is several pieces' work.
+    progress = cli.Progress("27B init", len(split), "pieces compiled", every_s=10)
+    pieces = []
+    for piece in split:
+        pieces.append(compiled_bytes(piece))
+        progress.update()
+    progress.close()
     worst = max(pieces, key=lambda p: p["output_bytes"] + p["temp_bytes"])
     out = {"layers": layers, "parameter_bytes": nbytes(leaves), "one_program": one, "pieces": pieces,
            "max_piece_bytes": target_lib.INIT_PROGRAM_BYTES, "worst_piece": worst}
@@ -153,6 +161,9 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
     out = {"layers": layers, "drafter": {"block_size": drafter_config.block_size,
                                          "num_layers": drafter_config.num_layers, "source_layers": list(sources),
                                          "rank": drafter_config.reader.rank}}
+    # Four compiles of a whole 27B program, each a minute or more at full depth: a line after each.
+    progress = cli.Progress(f"27B programs{f' on mesh {mesh[0]}x{mesh[1]}' if mesh else ''}", 4, "compiled",
+                            every_s=0)
     for dtype in (jnp.bfloat16, jnp.float32):
         # Stacked groups: what a GPU runs (Target splits them only on one CPU device).
         target = rj.Target(nnx.eval_shape(lambda d=dtype: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=d)),
@@ -166,6 +177,7 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
         for name, d in (("ar", None), ("ready", drafter)):
             run = f"{name}_{jnp.dtype(dtype).name}"
             out[run] = analyse(generation.prepare(target, prompts, new_tokens, drafter=d))
+            progress.update(detail=run)
             print(_line(f"27B {run} b{batch} {mesh or ''}", out[run]))
     for name in ("ar", "ready"):
         bf16, f32 = out[f"{name}_bfloat16"], out[f"{name}_float32"]
