@@ -13,7 +13,7 @@ rounds in which all drafts survive, tokens/s of the compiled program (compile ti
 the speedup over AR measured in the same run. Weights are shipped in bf16 and computed in fp32.
 
     python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--batch1-prompts 4] [--max-new-tokens 96] \\
-        [--out results/zoo.json]
+        [--out results/zoo.json] [--profile DIR]
 
 Where the time of a round goes, and what tau a drafter would need: ``python -m experiments.loop_efficiency``.
 
@@ -33,10 +33,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli
+from ready_jax import cli, provenance
 
 from .common import load_drafter_dir, shown, write_json
-from .timing import timed
+from .timing import add_profile_argument, profile_generate, timed
 from .zoo_runs import COMPARED, held_out_prompts, summarize
 
 
@@ -46,11 +46,16 @@ def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, 
     def run(drafter):
         return [timed(target, x, new_tokens, drafter, repeats)[0] for x in prompts]
 
+    started = cli.Progress("compare_zoo: batch 1")
     ar = run(None)
+    started.note("autoregressive timed")
+    # The ETA from the drafters alone: AR, with no drafter to compile or run, takes a fraction of one's time.
+    progress = cli.Progress("compare_zoo: batch 1", len(drafters), "drafters timed", every_s=0)
     ar_seconds = sum(o.run_seconds for o in ar)
     results = {}
     for name, drafter in drafters.items():
         outs = run(drafter)
+        progress.update(detail=f"{name} done")
         accepted = np.concatenate([o.accept_lengths[o.accept_lengths > 0] for o in outs])
         results[name] = {"tau": float(accepted.mean()) if accepted.size else None,
                          "seconds": sum(o.run_seconds for o in outs),
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("saved", "float32", "bfloat16"), default="saved",
                         help="compute dtype of the target and drafters (saved: the zoo's own, bfloat16)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
+    add_profile_argument(parser)
     return parser
 
 
@@ -123,7 +129,8 @@ def main(argv=None) -> None:
     if args.batch1_prompts:
         single = batch_one(target, [ids[i:i + 1] for i in range(min(args.batch1_prompts, len(ids)))],
                            args.max_new_tokens, args.repeats, drafters)
-        print(f"batch 1 (latency), {min(args.batch1_prompts, len(ids))} prompts one at a time:")
+        print(f"batch 1 (latency), {min(args.batch1_prompts, len(ids))} prompts one at a time; "
+              f"{provenance.load_note()}:")
         print(f"{'method':<16}{'tau':>6}{'seconds':>9}{'speedup':>9}  same as AR")
         for name, r in single.items():
             print(f"{name:<16}{shown(r['tau'], '.2f'):>6}{r['seconds']:>9.2f}{r['speedup']:>8.2f}x  "
@@ -132,11 +139,15 @@ def main(argv=None) -> None:
 
     progress = cli.Progress("compare_zoo", 1 + len(COMPARED), "methods timed")
     ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
+    if args.profile:
+        profile_generate(args.profile, "autoregressive", target, ids, args.max_new_tokens)
     progress.update(detail="autoregressive done")
     results = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0,
                                       identical_to_ar=True)}
     for name, drafter in drafters.items():
         out, compile_seconds = timed(target, ids, args.max_new_tokens, drafter, args.repeats)
+        if args.profile:
+            profile_generate(args.profile, name, target, ids, args.max_new_tokens, drafter)
         # A drafter of an earlier one's config runs that one's compiled program: its weights are arguments.
         shared = next((other for other in results if other in drafters and drafters[other].config == drafter.config),
                       None)
@@ -146,6 +157,7 @@ def main(argv=None) -> None:
         progress.update(detail=f"{name} done")
     progress.close()
 
+    print(provenance.load_note())
     print(f"{'method':<16}{'tau':>6}{'tau code':>10}{'tau prose':>10}{'all survive':>13}{'tok/s':>9}"
           f"{'speedup':>9}{'compile s':>11}  same as AR")
     for name, r in results.items():

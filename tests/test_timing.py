@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_config
 
 import ready_jax as rj
-from experiments import bench_generate, spec_bench, timing
+from experiments import bench_generate, compare_zoo, spec_bench, timing
 from ready_jax import generation
 from ready_jax.modes import ROLLBACKS
 
@@ -58,7 +58,7 @@ def test_a_profile_of_a_timed_run_holds_the_rounds_named_scopes(models, tmp_path
     assert [scope for scope in timing.ROUND_SCOPES if f"/while/body/{scope}/".encode() in traced]
 
 
-@pytest.mark.parametrize("script", [bench_generate, spec_bench])
+@pytest.mark.parametrize("script", [bench_generate, compare_zoo, spec_bench])
 def test_the_scripts_that_time_generation_take_a_profile_directory(script):
     (action,) = [a for a in script.build_parser()._actions if "--profile" in a.option_strings]
     assert action.dest == "profile" and action.metavar == "DIR"
