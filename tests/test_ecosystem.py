@@ -24,6 +24,7 @@ import ready_jax as rj
 from convert import deepspec, hf_target, upgrade
 from experiments import reproduce_table, spec_bench, train_drafter, zoo_runs
 from ready_jax import checkpoint, cli, data
+from ready_jax.config import NATIVE_CHECKPOINTS
 from ready_jax.hf_format import read_hf_config
 from ready_jax.training import distillation
 
@@ -103,9 +104,8 @@ def test_every_checkpoint_of_the_shipped_zoo_carries_the_marker():
     assert len(configs) >= 8
     for path in configs:
         meta = json.loads(path.read_text())
-        kind = meta["format"].removeprefix("ready-jax-")
-        assert meta["model_type"] == f"ready-jax-{kind}", path
-        assert meta["architectures"] == [f"ReadyJax{kind.capitalize()}"], path
+        assert meta["model_type"] == meta["format"], path
+        assert meta["architectures"] == [NATIVE_CHECKPOINTS[meta["format"]].architecture], path
 
 
 def test_checkpoints_without_the_marker_still_load(saved, tmp_path):
