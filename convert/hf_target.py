@@ -33,7 +33,6 @@ from ready_jax.hf_format import (
     default_layout,
     export_bindings,
     hf_config,
-    source_file,
 )
 from ready_jax.hf_format import expected_hf_shapes as _expected_hf_shapes
 from ready_jax.target import Target, param_shapes
@@ -84,10 +83,10 @@ def write_hf_files(directory: str, tensors: dict[str, np.ndarray], config: dict)
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy the :data:`TOKENIZER_FILES` that ``src`` holds into ``dst``. A link is followed only to a file inside
     ``src`` or, for a Hugging Face cache snapshot, inside its repository's ``blobs/``
-    (:func:`ready_jax.hf_format.source_file`); one leading anywhere else is an error, not a copy."""
+    (:func:`ready_jax.files.source_file`); one leading anywhere else is an error, not a copy."""
     for name in TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, name)):
-            shutil.copyfile(source_file(src, name, "tokenizer file"), os.path.join(dst, name))
+            shutil.copyfile(files.source_file(src, name, "tokenizer file"), os.path.join(dst, name))
 
 
 # ---- command line -------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from ready_jax.checkpoint import save_tensors
 from ready_jax.config import read_json
 from ready_jax.drafter import Drafter
 from ready_jax.drafter_config import ReaderConfig
-from ready_jax.hf_format import read_hf_tensors, source_file
+from ready_jax.hf_format import read_hf_tensors
 
 from . import sglang_dspark
 from .deepspec import key_table
@@ -112,7 +112,7 @@ def check_hashes(src) -> None:
     problems = [f"{name} is listed in {HASHES} but missing" for name in sorted(set(listed) - set(present))]
     problems += [f"{name} is not listed in {HASHES}" for name in present if name not in listed]
     for name in present:
-        if name in listed and sha256(source_file(src, name, "release file")) != listed[name].lower():
+        if name in listed and sha256(files.source_file(src, name, "release file")) != listed[name].lower():
             problems.append(f"{name} does not match its sha256 in {HASHES}")
     if problems:
         raise ReleaseIntegrityError(f"refusing the release {src}: " + "; ".join(problems))
@@ -165,7 +165,7 @@ def load_release(src, dtype=jnp.float32) -> tuple[Drafter, dict[str, np.ndarray]
         raise ValueError(f"{os.path.join(src, READER_CONFIG)} does not give the reader's whole geometry")
     state = {key: tensor.load() for key, tensor in read_hf_tensors(src).items()}
     names = _reader_names(config)
-    reader_state = load_file(source_file(src, READER_WEIGHTS, "reader weights"))
+    reader_state = load_file(files.source_file(src, READER_WEIGHTS, "reader weights"))
     clashes = sorted(set(state) & set(names.values()))
     unknown = sorted(set(reader_state) - set(names))
     if clashes or unknown:

@@ -63,7 +63,7 @@ def record_in_manifest(directory: Path, old: dict[str, dict], argv: Sequence[str
 
     def update(manifest: dict) -> None:
         for name in CHECKPOINT_FILES:
-            entry = manifest["files"].get(f"{directory.name}/{name}")
+            entry = checkpoint.manifest_entries(manifest, manifest_path).get(f"{directory.name}/{name}")
             if entry is None:
                 continue
             path = directory / name

@@ -203,7 +203,8 @@ def main(argv=None) -> None:
     parser.add_argument("step", choices=("train", "ship", "evaluate"), help="what to do (see above)")
     parser.add_argument("--target", default=cli.repo_path("zoo", "target"),
                         help="trained target (project format, with tokenizer)")
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
+                        help="corpus directory of the target")
     parser.add_argument("--runs", default=cli.repo_path("runs", "table"), help="drafters, their work dirs and logs")
     parser.add_argument("--seeds", type=cli.non_negative_int, nargs="+", default=[0, 1, 2],
                         help="seeds of the main arms")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import json
 import os
 import sys
@@ -102,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which drafter (see above)")
     parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory,
                         help="trained target (project format)")
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
                         help="corpus directory (built on first use, encoded with the target's tokenizer.json "
                         "where its directory ships one)")
     parser.add_argument("--init-from", default=None, type=cli.existing_directory,
@@ -188,10 +187,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
     workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
     distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
     try:  # before distilling and training, not after
-        files.check_output(workdir, what="--workdir")
-        files.check_output(distill_cache, what="--distill-cache")
-        if os.path.isdir(distill_cache):
-            raise IsADirectoryError(errno.EISDIR, f"--distill-cache {distill_cache} is a directory; name a file")
+        files.check_output(workdir, kind="directory", what="--workdir")
+        files.check_output(distill_cache, kind="file", what="--distill-cache")
         if args.save_dir:
             checkpoint.check_destination(args.save_dir, MTP_FORMAT if args.variant == "mtp" else DRAFTER_FORMAT)
     except OSError as e:

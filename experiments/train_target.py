@@ -54,7 +54,7 @@ RECALL_SEED = 0x5EED_0E7A
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.train_target", __doc__)
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"),
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
                         help="corpus directory (built on first use)")
     parser.add_argument("--workdir", default=cli.repo_path("runs", "target"), help="checkpoints and metrics.jsonl")
     parser.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size of the corpus")
@@ -148,7 +148,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--linear-memory {args.linear_memory} must be > 0 tokens and --linear-memory-heads "
                      f"{args.linear_memory_heads} >= 1")
     try:  # before the work: a run must not train for hours and then find it cannot write its results
-        files.check_output(args.workdir, what="--workdir")
+        files.check_output(args.workdir, kind="directory", what="--workdir")
         if args.save_dir:
             checkpoint.check_destination(args.save_dir, target_lib.FORMAT)
     except OSError as e:
@@ -245,12 +245,15 @@ def make_batch_fn(args, train_windows: data.Windows, long_range: LongRangeTask |
     return batch_fn
 
 
-def run_meta(args, config: rj.TargetConfig, optim: optimiser.OptimConfig, long_range: LongRangeTask | None) -> dict:
-    """The settings a run's checkpoints record: resuming with other ones is refused."""
+def run_meta(args, config: rj.TargetConfig, optim: optimiser.OptimConfig, long_range: LongRangeTask | None,
+             corpus: data.Corpus) -> dict:
+    """The settings a run's checkpoints record: resuming with other ones is refused. Its data and starting weights
+    are recorded by hash, so another corpus (of the same vocabulary) or another model at the same path is too."""
     meta = {"target": config.to_dict(), "optim": dataclasses.asdict(optim),
-            "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
+            "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed, "corpus_sha256": corpus.sha256()}
     if args.init_from:
         meta["init_from"] = str(args.init_from)
+        meta["init_from_sha256"] = checkpoint.content_sha256(args.init_from)
     if args.mimetic_init:
         meta["mimetic_init"] = True
     if args.recall_warmup:
@@ -323,7 +326,7 @@ def train(args, argv: list[str], corpus: data.Corpus, config: rj.TargetConfig) -
     start = time.perf_counter()
     state = train_loop(train_state.TrainState.create(target.params, optimizer, args.seed), step_fn,
                        make_batch_fn(args, train_windows, long_range), loop, args.workdir,
-                       eval_fn=eval_fn, meta=run_meta(args, config, optim, long_range))
+                       eval_fn=eval_fn, meta=run_meta(args, config, optim, long_range, corpus))
     final = eval_fn(state.params)
     summary = {"steps": int(state.step), "params": num_params, "wall_seconds_this_run": time.perf_counter() - start,
                **final, "tokens_seen": int(state.step) * args.batch_size * args.seq_len}

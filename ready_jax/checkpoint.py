@@ -52,7 +52,9 @@ def state_from_flat(params: nnx.State, flat: dict[str, np.ndarray], *, what: str
                     put: Callable[[str, np.ndarray], jax.Array] | None = None) -> nnx.State:
     """Replace every leaf of ``params`` by ``flat[path]`` (cast to the leaf's dtype).
 
-    Raises one ValueError listing all missing, unexpected and misshaped tensors, before placing any.
+    Raises one ValueError listing all missing, unexpected, misshaped and unusable tensors, before placing any. The
+    weights are checked on load as on save (:func:`weight_problems`): whatever wrote them (a re-hashed file, a
+    converter, an API caller), a model that would only ever emit token 0 is not built.
     ``put(path, array)`` places one tensor (default: on the default device); ``ready_jax.sharding``
     passes one that puts it straight onto its shards.
     """
@@ -63,6 +65,8 @@ def state_from_flat(params: nnx.State, flat: dict[str, np.ndarray], *, what: str
                  for k in sorted(set(expected) & set(flat)) if tuple(np.shape(flat[k])) != tuple(expected[k].shape)]
     problems = ([f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]
                 + [f"misshaped {m}" for m in misshaped])
+    if not problems:
+        problems = weight_problems(flat, {k: leaf.dtype for k, leaf in expected.items()})
     if problems:
         raise ValueError(f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     pure = nnx.to_pure_dict(params)
@@ -76,6 +80,25 @@ def state_from_flat(params: nnx.State, flat: dict[str, np.ndarray], *, what: str
     filled = jax.tree_util.tree_map_with_path(fill, pure)
     nnx.replace_by_pure_dict(params, filled)
     return params
+
+
+def weight_problems(flat: dict[str, np.ndarray], dtypes: dict[str, Any]) -> list[str]:
+    """What makes the tensors of ``flat`` unusable as the weights they are cast to (``dtypes``: name -> dtype): an
+    integer or bool dtype (an edited or foreign file: its values are not weights), NaN or Inf (a diverged run),
+    and values that overflow to Inf in the dtype they are loaded in (float32 weights beyond float16's range)."""
+    problems = []
+    for key in sorted(dtypes):
+        array = np.asarray(flat[key])
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            problems.append(f"{key} is {array.dtype.name}, not floating point")
+        elif not np.isfinite(array).all():
+            problems.append(f"{key} holds NaN or Inf")
+        elif jnp.finfo(dtypes[key]).max < jnp.finfo(array.dtype).max:
+            with np.errstate(over="ignore"):
+                if not np.isfinite(array.astype(dtypes[key])).all():
+                    problems.append(f"{key} overflows {jnp.dtype(dtypes[key]).name}: it holds values beyond "
+                                    f"{float(jnp.finfo(dtypes[key]).max):g}; load it in a wider dtype")
+    return problems
 
 
 def write_checkpoint(path, fmt: str, section: str, config: dict, params: nnx.State, dtype, *,
@@ -136,6 +159,15 @@ def record_sha256(meta: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def content_sha256(path) -> str:
+    """The sha256 that names a checkpoint's content (a run's settings record its target and starting point by it):
+    its record's, which covers the config and the weights' hash, or a version-1 checkpoint's weights' own."""
+    meta = read_json(files.source_file(path, "config.json", "checkpoint config"))
+    if isinstance(meta, dict) and isinstance(meta.get("sha256"), str):
+        return meta["sha256"]
+    return _sha256(files.source_file(path, "model.safetensors", "checkpoint weights"))
+
+
 def checkpoint_format(path) -> str | None:
     """The ``format`` a directory's config.json names (``None``: not a project checkpoint, or unreadable)."""
     try:
@@ -152,9 +184,12 @@ def check_destination(path, fmt: str, *, overwrite: bool = False, size: int | No
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"cannot save a {fmt} checkpoint to {path}: it is a file; choose another path")
+    files.check_output(path, kind="directory", size=size, what=f"{fmt} checkpoint")
     if not overwrite:
         _check_not_other_content(path, fmt)
-    files.check_output(path, size=size, what=f"{fmt} checkpoint")
+    manifest_path, _ = _nearest_manifest(os.path.realpath(path))
+    if manifest_path is not None:  # the trainers record their exports there; loads check them against it
+        read_manifest(manifest_path)
 
 
 def _check_not_other_content(path: str, fmt: str) -> None:
@@ -185,11 +220,50 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
         warnings.warn(f"{path} is missing: a save was killed while swapping it; reading the previous version from "
                       f"{aside} (the next save to {path} moves it back)", RuntimeWarning, stacklevel=3)
         path = aside
+    config_fd, weights_fd = _open_checkpoint(path, fmt)
+    try:
+        return _read_opened(path, fmt, section, hint, config_fd, weights_fd)
+    finally:
+        os.close(config_fd)
+        os.close(weights_fd)
+
+
+def _open_checkpoint(path: str, fmt: str) -> tuple[int, int]:
+    """Descriptors of ``config.json`` and ``model.safetensors`` of one version of the checkpoint directory ``path``:
+    both opened through one descriptor of the directory, so that a save swapping in a new version meanwhile
+    (:func:`ready_jax.files.write_directory`) gives the old pair or the new one, never the config of one and the
+    weights of the other (which would read as corrupted weights). When the old version is deleted between the two
+    opens, the new one is opened instead. Each must be a regular file inside ``path``
+    (:func:`ready_jax.files.source_file`), so a FIFO is refused at once rather than hanging the load."""
+    while True:
+        for name in CHECKPOINT_FILES:
+            files.source_file(path, name, f"{fmt} checkpoint file")
+        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        opened = []
+        try:
+            for name in CHECKPOINT_FILES:
+                opened.append(files.open_regular(name, f"{fmt} checkpoint file {os.path.join(path, name)}",
+                                                 dir_fd=directory))
+            return opened[0], opened[1]
+        except FileNotFoundError:
+            for fd in opened:
+                os.close(fd)
+            if os.stat(path).st_ino == os.fstat(directory).st_ino:  # not swapped: really missing
+                missing = CHECKPOINT_FILES[len(opened)]
+                raise FileNotFoundError(f"not a {fmt} checkpoint: {os.path.join(path, missing)} is missing") from None
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        finally:
+            os.close(directory)
+
+
+def _read_opened(path: str, fmt: str, section: str, hint: str, config_fd: int,
+                 weights_fd: int) -> tuple[dict, dict[str, np.ndarray], object]:
+    """:func:`read_checkpoint` of the files already opened (:func:`_open_checkpoint`)."""
     config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-    for p in (config_path, weights_path):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"not a {fmt} checkpoint: {p} is missing")
-    meta = read_json(config_path)
+    meta = read_json(config_path, fd=config_fd)
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         refuse_native_checkpoint({"format": found}, config_path, f"a {fmt} checkpoint")  # the other kind: say so
@@ -209,11 +283,11 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
         raise ValueError(f"{config_path} names dtype {meta['dtype']!r}; supported: {sorted(_DTYPES)}")
     from safetensors.numpy import load_file
 
-    try:
-        flat = load_file(weights_path)
+    try:  # the descriptor's own file, whatever has been renamed to weights_path since it was opened
+        flat = load_file(f"/dev/fd/{weights_fd}")
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
         raise ValueError(f"cannot read {weights_path}: {e}") from e
-    weights_sha256 = _sha256(weights_path)
+    weights_sha256 = _sha256(weights_fd)
     if "weights_sha256" in meta and weights_sha256 != meta["weights_sha256"]:
         raise ValueError(f"cannot read {weights_path}: its sha256 differs from the one {config_path} records "
                          "(the weights are corrupted, or the config belongs to other weights)")
@@ -228,23 +302,25 @@ def read_checkpoint(path, fmt: str, section: str, hint: str) -> tuple[dict, dict
 def check_manifest(directory, known: dict[str, str] | None = None) -> None:
     """Raise ValueError if a file of ``directory`` differs from its entry in the nearest ``MANIFEST.json`` above it
     (the parent's, or further up: ``zoo/MANIFEST.json`` lists ``long_range/target/...``), naming the file, the
-    sha256 listed and the one found, and how to fix it. Files the manifest does not list, and directories
-    no manifest lists, pass. Sizes are compared first; ``known`` gives hashes already computed (``{name:
-    sha256}``), so the weights, hashed once for their own record, are not read again."""
-    directory = os.path.abspath(os.fspath(directory))
+    sha256 listed and the one found, and how to fix it. ``directory`` is taken by its real path, so a link to a
+    listed model is checked as that model. A manifest that cannot be read as one (:func:`manifest_entries`) is
+    refused, not taken as no manifest, and so is a listed name that is not a regular file. Files the manifest does
+    not list, and directories no manifest lies above, pass. Sizes are compared first; ``known`` gives hashes
+    already computed (``{name: sha256}``), so the weights, hashed once for their own record, are not read again."""
+    directory = os.path.realpath(os.fspath(directory))
     manifest_path, prefix = _nearest_manifest(directory)
     if manifest_path is None:
         return
-    try:
-        listed = read_json(manifest_path).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        return  # not a manifest this project wrote
+    listed = read_manifest(manifest_path)
     for name in sorted(os.listdir(directory)):
         entry, path = listed.get(prefix + name), os.path.join(directory, name)
-        if not isinstance(entry, dict) or "sha256" not in entry or not os.path.isfile(path):
+        if entry is None:
             continue
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is not the file {manifest_path} lists for {prefix + name}: it is not a regular "
+                             "file")
         size = os.path.getsize(path)
-        found = (known or {}).get(name) or (_sha256(path) if size == entry.get("bytes", size) else None)
+        found = (known or {}).get(name) or (_sha256(path) if size == entry["bytes"] else None)
         if found != entry["sha256"]:
             found_text = f"sha256 {found}" if found else f"{size} bytes, not {entry['bytes']}"
             raise ValueError(f"{path} is not the file {manifest_path} lists for {prefix + name}: it lists sha256 "
@@ -254,14 +330,37 @@ def check_manifest(directory, known: dict[str, str] | None = None) -> None:
                              "write in the manifest)")
 
 
+def read_manifest(path) -> dict[str, dict]:
+    """The entries of the ``MANIFEST.json`` at ``path`` (:func:`manifest_entries`); one that cannot be read as one
+    is a ValueError naming it."""
+    try:
+        record = read_json(path)
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a file: a manifest must be one") from None
+    return manifest_entries(record, path)
+
+
+def manifest_entries(record: Any, path) -> dict[str, dict]:
+    """The ``files`` of a ``MANIFEST.json`` record (the manifest at ``path``): each listed file's ``sha256`` and size
+    in ``bytes``. Any other shape is a ValueError naming the file, so a damaged manifest neither turns the check off
+    nor ends a finished training run with a traceback."""
+    entries = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(entries, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) and type(e.get("bytes")) is int
+            for e in entries.values()):
+        raise ValueError(f"{path} is not a manifest: it must be a JSON object whose 'files' maps each file to its "
+                         "'sha256' and 'bytes'; restore it (git checkout, for the shipped zoo) or remove it")
+    return entries
+
+
 def _nearest_manifest(directory: str) -> tuple[str | None, str]:
-    """(the nearest ``MANIFEST.json`` in an ancestor of ``directory``, the prefix its entries give ``directory``'s
-    files), or (None, "")."""
+    """(the nearest ``MANIFEST.json`` in an ancestor of ``directory``, whatever it is, the prefix its entries give
+    ``directory``'s files), or (None, "")."""
     parts, parent = [], os.path.dirname(directory)
     parts.append(os.path.basename(directory))
     while True:
         candidate = os.path.join(parent, "MANIFEST.json")
-        if os.path.isfile(candidate):
+        if os.path.lexists(candidate):
             return candidate, "/".join(reversed(parts)) + "/"
         if os.path.dirname(parent) == parent:
             return None, ""
@@ -308,9 +407,11 @@ def check_dtype(dtype, supported) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _sha256(path: str) -> str:
+def _sha256(file: str | int) -> str:
+    """sha256 of the file at a path, or of an open descriptor's file (read from its start, the descriptor kept)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(os.dup(file) if isinstance(file, int) else file, "rb") as f:
+        f.seek(0)
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()

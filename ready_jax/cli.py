@@ -36,9 +36,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Keeps the description's own line breaks and appends each option's default to its help."""
 
 
-# Options naming where a script writes its results: a path that cannot be written is a usage error as soon as
-# the arguments are parsed (ready_jax.files.check_output), not after the work.
-OUTPUT_OPTIONS = ("out", "out_dir", "answer_file")
+# Options naming where a script writes its results, and whether a file or a directory: a path that cannot be
+# written as that is a usage error as soon as the arguments are parsed (ready_jax.files.check_output), not after
+# the work (an existing directory given as --out, found only when the results are written).
+OUTPUT_OPTIONS = {"out": "file", "out_dir": "directory", "answer_file": "file"}
 
 DEBUG_ENV = "READY_JAX_DEBUG"  # "1" (or true / yes / on): an error shows its traceback, as --debug does
 # Errors :func:`main` reports in one line: bad input (ValueError), the file system's refusals (OSError: a full
@@ -83,11 +84,11 @@ class _ScriptParser(argparse.ArgumentParser):
         global _debug_requested
         parsed, rest = super().parse_known_args(args, namespace)
         _debug_requested = parsed.debug
-        for option in OUTPUT_OPTIONS:  # before the work, not after it
+        for option, kind in OUTPUT_OPTIONS.items():  # before the work, not after it
             path = getattr(parsed, option, None)
             if path:
                 try:
-                    files.check_output(path, what=f"--{option.replace('_', '-')}")
+                    files.check_output(path, kind=kind, what=f"--{option.replace('_', '-')}")
                 except OSError as e:
                     self.error(e.strerror)
         if _parse_only:
@@ -179,6 +180,14 @@ def existing_directory(text: str) -> str:
     after the work that comes before loading it; the text is kept as given."""
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is {'not a directory' if os.path.exists(text) else 'missing'}")
+    return text
+
+
+def directory_path(text: str) -> str:
+    """argparse type: a directory, or a path where one will be made (a corpus built on first use), but not a file:
+    checked as the arguments are parsed, not when the work reaches it. The text is kept as given."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory")
     return text
 
 

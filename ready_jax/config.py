@@ -374,13 +374,14 @@ def _type_name(hint) -> str:
     return {type(None): "None", float: "a number"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """The parsed JSON file at ``path``; a missing file or invalid JSON is an error that names the file."""
+def read_json(path: str | os.PathLike, *, fd: int | None = None) -> Any:
+    """The parsed JSON file at ``path`` (read from the descriptor ``fd`` if given, which is left open); a missing file
+    or invalid JSON is an error that names the file."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if fd is None and not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path if fd is None else os.dup(fd), encoding="utf-8") as f:
             return json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read {path}: it is not valid JSON ({e})") from e

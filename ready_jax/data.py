@@ -162,6 +162,14 @@ class Corpus:
     def tokens(self, split: str) -> np.ndarray:
         return np.load(self.path / f"{split}.npy", mmap_mode="r")
 
+    def sha256(self) -> str:
+        """One hash of what the corpus feeds a run, its tokenizer and its token streams: a run's settings record it,
+        so that resuming on other data is refused (another corpus of the same vocabulary size included)."""
+        digest = hashlib.sha256()
+        for name in ["tokenizer.json", *sorted(p.name for p in self.path.glob("*.npy"))]:
+            digest.update(f"{name} {_sha256(self.path / name)}\n".encode())
+        return digest.hexdigest()
+
 
 def manifest_documents(record: dict, split: str) -> list[Document]:
     """The documents a manifest lists for ``split``, read from the running interpreter's stdlib.

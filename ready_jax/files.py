@@ -18,6 +18,13 @@ the next write to ``NAME`` recognises those of a writer that is no longer runnin
 (:func:`remove_leftovers`); they never block it. Directories left by versions of ready-jax that did not
 record the process id are reported, not removed.
 
+Every path is what it claims to be, by one rule for writers (:func:`output_kind`) and one for readers
+(:func:`source_file`, :func:`open_regular`): nothing is written through a symbolic link nor replaces one (a link
+planted where a lock, a metrics log, a checkpoint or an ``--out`` goes would otherwise have its target
+overwritten); a device, FIFO or socket named as an output (``/dev/null``, ``/dev/stdout``) is written in place,
+never replaced; a directory where a file goes is refused. A reader opens only regular files, never blocking on a
+FIFO, and only files that stay inside the directory they belong to.
+
 :func:`check_output` answers before any long work starts whether a path can be written at all (and whether
 the disk has room, when the size is known).
 """
@@ -33,6 +40,8 @@ import os
 import re
 import secrets
 import shutil
+import stat
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -45,7 +54,9 @@ _SUFFIX = re.compile(r"\.(\d+)-[0-9a-f]+\.(?:tmp|partial|old)")
 _OLD_FILE_LEFTOVER = r"{name}\.tmp-(?P<pid>\d+)"
 _OLD_DIRECTORY_LEFTOVER = r"\.{name}\.[a-z0-9_]{{8}}\.partial"
 _RENAME_EXCHANGE = 2  # linux/fs.h
-_held_locks: set[str] = set()  # lock files this process holds (exclusive_lock), so a nested claim passes
+# Lock files this process holds (exclusive_lock) -> the thread holding each, so a nested claim in that thread passes
+# and another thread's is refused like another process's.
+_held_locks: dict[str, int] = {}
 
 
 class DestinationTaken(FileExistsError):
@@ -60,8 +71,12 @@ class LockHeld(BlockingIOError):
 def write_file(dst: str | os.PathLike, write: Callable[[str], None]) -> None:
     """``write(tmp)`` a file beside ``dst``, flush it to disk and rename it over ``dst``: readers see the
     old file or the whole new one. A failed ``write`` (a full disk) leaves ``dst`` as it was and removes
-    the temporary. The file gets the permissions the umask gives any new file."""
+    the temporary. The file gets the permissions the umask gives any new file. A device, FIFO or socket
+    ``dst`` is written in place (``write(dst)``); a directory or a symbolic link is refused (:func:`output_kind`)."""
     dst = os.path.abspath(dst)
+    if output_kind(dst) == "in place":
+        write(dst)
+        return
     remove_leftovers(dst)
     tmp = temporary_name(dst, "tmp")
     try:
@@ -74,6 +89,103 @@ def write_file(dst: str | os.PathLike, write: Callable[[str], None]) -> None:
             os.remove(tmp)
         raise
     _fsync(os.path.dirname(dst))
+
+
+def output_kind(path: str | os.PathLike, what: str = "output", *, kind: str = "file") -> str:
+    """How the ``kind`` ("file" or "directory") at ``path`` is written, by the rule every writer follows: "new" (nothing
+    there) or "replace" (a regular file, or a directory for a directory): written whole beside it and renamed over it;
+    "in place" (a file only: a character or block device, a FIFO or a socket, or a link to one, such as
+    ``/dev/null`` or ``/dev/stdout``): opened and written, never replaced. Anything else is refused (OSError naming
+    ``path``): a directory where a file goes, a file where a directory goes, and a symbolic link to anything but a
+    device, FIFO or socket, which is neither written through (a link planted in a workdir would have its target
+    overwritten) nor replaced (the user's link would be lost)."""
+    path = os.fspath(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "new"
+    except NotADirectoryError:
+        return "new"  # an ancestor is a file: check_output names it
+    if stat.S_ISLNK(mode):
+        try:
+            followed = os.stat(path).st_mode
+        except OSError:
+            followed = None
+        if kind == "file" and followed is not None and _is_stream(followed):
+            return "in place"
+        raise OSError(errno.ELOOP, f"cannot write the {what} {path}: it is a symbolic link to "
+                      f"{os.path.realpath(path)}; nothing is written through a link nor replaces one (give the "
+                      "path itself)")
+    if kind == "file" and _is_stream(mode):
+        return "in place"
+    if kind == "file" and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"cannot write the {what} {path}: it is a directory; name a file")
+    if kind == "directory" and not stat.S_ISDIR(mode):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot write the {what} {path}: it is a file, not a directory")
+    return "replace"
+
+
+def _is_stream(mode: int) -> bool:
+    """A device, FIFO or socket: written in place, since replacing it would lose what it is (``/dev/null``)."""
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def open_append(path: str | os.PathLike):
+    """``path`` opened for appending text (a metrics log), made if missing; a symbolic link, or anything but a
+    regular file, is refused (:func:`output_kind`) and never written through."""
+    path = os.fspath(path)
+    if output_kind(path, "log") == "in place":
+        return open(path, "a", encoding="utf-8")  # noqa: SIM115 (the caller closes it)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def source_file(directory: str | os.PathLike, name: str, what: str = "file") -> str:
+    """The path of the file ``name`` of the directory ``directory`` (a checkpoint, a conversion's source), refused
+    (ValueError) unless it stays inside: ``name`` is a relative path without ``..``, and the file, followed through
+    every link, is a regular file (not a FIFO, which would hang the reader, nor a device or a directory) inside
+    ``directory`` or, when ``directory`` is a snapshot of the Hugging Face cache
+    (``.../models--ORG--NAME/snapshots/REVISION/``), inside that repository's ``blobs/``, where the snapshot's
+    links point. A directory handed over by someone else then cannot make a load or a conversion read or copy
+    another file of the machine: a ``tokenizer.json`` linking to ``/etc/passwd``, a shard named ``../../secret``.
+    A missing file is returned as it is, for the caller to report."""
+    directory = os.fspath(directory)
+    if not name or os.path.isabs(name) or ".." in name.split("/"):
+        raise ValueError(f"the {what} {name!r} of {directory} is not a file name inside it: refusing to read it")
+    path = os.path.join(directory, name)
+    resolved = os.path.realpath(path)
+    if not any(os.path.commonpath([resolved, root]) == root for root in _source_roots(directory)):
+        raise ValueError(f"the {what} {path} links to {resolved}, outside {directory}: refusing to read it (put the "
+                         "file itself there)")
+    if os.path.exists(resolved) and not os.path.isfile(resolved):
+        raise ValueError(f"the {what} {path} is not a regular file: refusing to read it")
+    return path
+
+
+def _source_roots(directory: str) -> list[str]:
+    """Where the files of directory ``directory`` may lie: the directory itself and, for a snapshot of the Hugging
+    Face cache (or a folder inside one), the ``blobs/`` of its repository."""
+    root = os.path.realpath(directory)
+    roots = [root]
+    ancestor = root
+    while os.path.dirname(ancestor) != ancestor:
+        parent = os.path.dirname(ancestor)
+        if os.path.basename(parent) == "snapshots" and "--" in os.path.basename(os.path.dirname(parent)):
+            roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+            break
+        ancestor = parent
+    return roots
+
+
+def open_regular(path: str | os.PathLike, what: str = "file", *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file ``path`` (relative to ``dir_fd`` if given). Opened without blocking,
+    then checked: a FIFO, device, socket or directory is a ValueError naming it at once, not a reader that hangs."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"the {what} {path} is not a regular file: refusing to read it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def write_text(dst: str | os.PathLike, text: str) -> None:
@@ -101,7 +213,8 @@ def write_directory(dst: str | os.PathLike, write: Callable[[str], None], *, kee
     ``keep_other_files`` the files of the old ``dst`` that ``write`` did not make are carried into the new
     one (hard links where the filesystem has them). A failed ``write`` leaves ``dst`` as it was.
     """
-    dst = os.path.realpath(dst)  # a link to a checkpoint directory: replace what it points to
+    dst = os.path.abspath(dst)
+    output_kind(dst, "directory", kind="directory")  # never through a link, nor over a file
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     remove_leftovers(dst)
@@ -154,9 +267,10 @@ def exclusive_lock(path: str | os.PathLike, record: dict, *, what: str) -> Itera
     and removed on release. The kernel drops the lock when the process ends however it ends, so the file a killed
     process leaves blocks nothing: the next claim takes it over. ``what`` names the locked thing in the refusal
     (``"workdir runs/x"``). A claim this process already holds passes (a script and the library function it calls
-    both claiming one workdir)."""
+    both claiming one workdir in one thread); another thread's claim is refused as another process's is. The lock file
+    must be a regular file or missing: a symbolic link there is refused, never written through."""
     path = os.path.abspath(path)
-    if path in _held_locks:
+    if _held_locks.get(path) == threading.get_ident():
         yield
         return
     fd = _lock_file(path, what)
@@ -164,11 +278,11 @@ def exclusive_lock(path: str | os.PathLike, record: dict, *, what: str) -> Itera
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                  **record}).encode())
-        _held_locks.add(path)
+        _held_locks[path] = threading.get_ident()
         try:
             yield
         finally:
-            _held_locks.discard(path)
+            del _held_locks[path]
             os.remove(path)  # while still locked: a claim waiting on this file finds it gone and makes a new one
     finally:
         os.close(fd)  # releases the lock
@@ -176,9 +290,18 @@ def exclusive_lock(path: str | os.PathLike, record: dict, *, what: str) -> Itera
 
 def _lock_file(path: str, what: str) -> int:
     """A descriptor of the file at ``path`` (made if missing) holding its exclusive ``flock``: retried when the file
-    was removed by its releasing holder between opening and locking it, so two claims never lock two files."""
+    was removed by its releasing holder between opening and locking it, so two claims never lock two files. A flock
+    belongs to its open file, so a second open in this process (another thread) is refused as another process is."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        if output_kind(path, f"lock of {what}") == "in place":
+            raise OSError(errno.EINVAL, f"cannot lock {what}: {path} is not a regular file (remove it)")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            output_kind(path, f"lock of {what}")  # a link made since: refused, naming it
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -213,6 +336,7 @@ def update_json(path: str | os.PathLike, update: Callable[[dict], None], *, empt
     back (:func:`write_file`), holding an exclusive ``flock`` on its directory throughout, so that writers in other
     processes adding their entries to the same file (a ``MANIFEST.json``) take turns and none loses another's."""
     path = os.path.abspath(path)
+    output_kind(path, "record")  # neither read nor written through a link
     fd = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
@@ -221,6 +345,11 @@ def update_json(path: str | os.PathLike, update: Callable[[dict], None], *, empt
                 record = json.load(f)
         except FileNotFoundError:
             record = dict(empty or {})
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"cannot update {path}: it is not valid JSON ({e}); restore it or remove it") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"cannot update {path}: it holds a JSON {type(record).__name__}, not an object; "
+                             "restore it or remove it")
         update(record)
         write_text(path, json.dumps(record, indent=1, sort_keys=True))
     finally:
@@ -292,13 +421,17 @@ def renamed_aside(dst: str | os.PathLike) -> str | None:
     return None
 
 
-def check_output(path: str | os.PathLike, *, size: int | None = None, what: str = "output") -> None:
-    """Raise OSError now if ``path`` could not be written later: an ancestor that is a file, a directory
-    that refuses a new file (read-only, or no permission), or, given ``size`` in bytes, too little free
-    space. Tried by creating and removing a file in the nearest existing directory, which is what the
-    write will do (a permission check alone passes everything for root). Creates nothing that stays."""
+def check_output(path: str | os.PathLike, *, kind: str, size: int | None = None, what: str = "output") -> None:
+    """Raise OSError now if the ``kind`` ("file" or "directory") at ``path`` could not be written later: what
+    :func:`output_kind` refuses (a directory where a file goes, a file where a directory goes, a symbolic link),
+    an ancestor that is a file, a directory that refuses a new file (read-only, or no permission), or, given
+    ``size`` in bytes, too little free space. Tried by creating and removing a file in the nearest existing
+    directory, which is what the write will do (a permission check alone passes everything for root). Creates
+    nothing that stays. A device or FIFO, written in place, passes."""
     path = os.path.abspath(path)
-    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    if output_kind(path, what, kind=kind) == "in place":
+        return
+    directory = path if kind == "directory" and os.path.isdir(path) else os.path.dirname(path)
     while not os.path.lexists(directory):
         directory = os.path.dirname(directory)
     if not os.path.isdir(directory):

@@ -13,7 +13,7 @@ The contract is strict: every source key is used exactly once or matched by an e
 (vision tower, MTP heads), every internal parameter is filled exactly once, every shape is checked
 against the config, and all problems are collected and raised together in one ``ValueError`` before any
 tensor data is read. Nothing here unpickles code: ``.bin`` files load with ``weights_only=True``. A shard an
-index names is read only from inside the checkpoint directory (:func:`source_file`).
+index names is read only from inside the checkpoint directory (:func:`ready_jax.files.source_file`).
 
 Internal layout: linear kernels are ``[in, out]`` (HF's ``weight`` transposed) and per-layer parameters
 are stacked over the ``G`` layer groups (decoder layer ``l = g * p + j`` lives at index ``g`` of
@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig, read_json
+from .files import source_file
 
 Shape = tuple[int, ...]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -310,14 +311,16 @@ class SourceTensor:
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, SourceTensor]:
     """All tensors of an HF directory: ``model.safetensors``, sharded safetensors with their index, or
-    (with torch) ``pytorch_model.bin`` / sharded ``.bin`` with their index. Safetensors come first."""
+    (with torch) ``pytorch_model.bin`` / sharded ``.bin`` with their index. Safetensors come first. Every file is
+    read only from inside ``path`` and only if it is a regular file (:func:`ready_jax.files.source_file`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory (expected an HF checkpoint directory)")
     for index_name, single_name, reader in (
             ("model.safetensors.index.json", "model.safetensors", _read_safetensors),
             ("pytorch_model.bin.index.json", "pytorch_model.bin", _read_torch_bin)):
-        index_path, single_path = os.path.join(path, index_name), os.path.join(path, single_name)
+        index_path = source_file(path, index_name, "checkpoint index")
+        single_path = source_file(path, single_name, "weights file")
         if os.path.exists(index_path):
             return _read_sharded(index_path, reader)
         if os.path.exists(single_path):
@@ -326,45 +329,10 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, SourceTensor]:
                             "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
 
 
-def source_file(directory: str | os.PathLike, name: str, what: str = "file") -> str:
-    """The path of the file ``name`` of the checkpoint directory ``directory``, refused (ValueError) unless it
-    stays inside: ``name`` is a relative path without ``..``, and the file, followed through every link, is a
-    regular file inside ``directory`` or, when ``directory`` is a snapshot of the Hugging Face cache
-    (``.../models--ORG--NAME/snapshots/REVISION/``), inside that repository's ``blobs/``, where the snapshot's
-    links point. A directory handed over by someone else then cannot make a conversion read or copy another file
-    of the machine: a ``tokenizer.json`` linking to ``/etc/passwd``, a shard named ``../../secret``."""
-    directory = os.fspath(directory)
-    if not name or os.path.isabs(name) or ".." in name.split("/"):
-        raise ValueError(f"the {what} {name!r} of {directory} is not a file name inside it: refusing to read it")
-    path = os.path.join(directory, name)
-    resolved = os.path.realpath(path)
-    if not any(os.path.commonpath([resolved, root]) == root for root in _source_roots(directory)):
-        raise ValueError(f"the {what} {path} links to {resolved}, outside {directory}: refusing to read it (put the "
-                         "file itself there)")
-    if os.path.exists(resolved) and not os.path.isfile(resolved):
-        raise ValueError(f"the {what} {path} is not a regular file: refusing to read it")
-    return path
-
-
-def _source_roots(directory: str) -> list[str]:
-    """Where the files of checkpoint directory ``directory`` may lie: the directory itself and, for a snapshot
-    of the Hugging Face cache (or a folder inside one), the ``blobs/`` of its repository."""
-    root = os.path.realpath(directory)
-    roots = [root]
-    ancestor = root
-    while os.path.dirname(ancestor) != ancestor:
-        parent = os.path.dirname(ancestor)
-        if os.path.basename(parent) == "snapshots" and "--" in os.path.basename(os.path.dirname(parent)):
-            roots.append(os.path.join(os.path.dirname(parent), "blobs"))
-            break
-        ancestor = parent
-    return roots
-
-
 def _read_sharded(index_path: str,
                   reader: Callable[[str], dict[str, SourceTensor]]) -> dict[str, SourceTensor]:
     """Read every shard named by an HF ``*.index.json`` and check the shards agree with its weight map. Shards
-    must lie in the index's directory (:func:`source_file`)."""
+    must lie in the index's directory (:func:`ready_jax.files.source_file`)."""
     try:
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
@@ -610,7 +578,7 @@ def _tied_head_problems(tensors: Mapping[str, SourceTensor], embed_key: str) -> 
 def read_hf_config(path: str | os.PathLike) -> TargetConfig:
     """The :class:`TargetConfig` of an HF checkpoint directory, with errors that say what the directory is
     (one of the project's own checkpoints is named, with how to load or export it)."""
-    config_path = os.path.join(os.fspath(path), "config.json")
+    config_path = source_file(path, "config.json", "config")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"not an HF checkpoint directory: {config_path} is missing")
     return TargetConfig.from_hf(config_path)

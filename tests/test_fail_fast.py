@@ -70,12 +70,12 @@ def test_a_directory_that_refuses_new_files_is_found_by_trying(tmp_path, monkeyp
 
     monkeypatch.setattr(files.os, "open", read_only)
     with pytest.raises(OSError, match="does not accept new files .Read-only file system"):
-        files.check_output(tmp_path / "out.json")
+        files.check_output(tmp_path / "out.json", kind="file")
 
 
 def test_free_space_is_checked_when_the_size_is_known(tmp_path):
     with pytest.raises(OSError, match="needs .* MiB"):
-        files.check_output(tmp_path / "ckpt", size=1 << 62)
+        files.check_output(tmp_path / "ckpt", kind="directory", size=1 << 62)
 
 
 @pytest.mark.parametrize("fields", [{"lr": math.nan}, {"lr": 0.0}, {"total_steps": 0}, {"warmup_steps": -1}])

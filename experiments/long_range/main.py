@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=cli.repo_path("zoo", "long_range", "target"),
                         help="train / ship / cost: the trained long-range target (project format, with tokenizer; "
                         "default: the shipped testbed's, which ship cannot replace by itself)")
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), help="corpus directory of the target")
+    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
+                        help="corpus directory of the target")
     parser.add_argument("--runs", default=None, help="the drafters' runs (train, ship; evaluate: every run there "
                         "instead of the zoo's drafters)")
     parser.add_argument("--zoo", default=cli.repo_path("zoo", "long_range"),

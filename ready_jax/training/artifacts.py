@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .. import files, provenance
+from .. import checkpoint, files, provenance
 
 
 def run_provenance(workdir: str | os.PathLike, module: str, argv: Sequence[str]) -> dict:
@@ -32,7 +32,8 @@ def record_artifacts(directory: str | os.PathLike, produced_by: dict) -> None:
     entries = {path.relative_to(directory.parent).as_posix(): {
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size, **produced_by}
         for path in sorted(p for p in directory.rglob("*") if p.is_file())}
-    files.update_json(directory.parent / "MANIFEST.json", lambda record: record["files"].update(entries),
+    manifest_path = directory.parent / "MANIFEST.json"
+    files.update_json(manifest_path, lambda record: checkpoint.manifest_entries(record, manifest_path).update(entries),
                       empty={"files": {}})
 
 

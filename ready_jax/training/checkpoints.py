@@ -165,7 +165,7 @@ class Checkpointer:
         # A full disk is refused here, before orbax writes anything: its writer threads report a failed write in
         # dozens of log lines and tracebacks of their own.
         needed = self._room_needed(state)
-        files.check_output(self.directory, size=needed, what=f"checkpoint of step {step} in")
+        files.check_output(self.directory, kind="directory", size=needed, what=f"checkpoint of step {step} in")
         self._pending_path(step).touch()
         try:
             with _failure_echoes_muted():

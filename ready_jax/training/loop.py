@@ -161,7 +161,7 @@ def _train(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], Any],
            eval_fn: Callable[[Any], dict] | None, save: Callable[[TrainState], None], metrics_path: Path,
            log: Callable[[str], None]) -> TrainState:
     """The steps of :func:`train_loop` from ``state.step``: log, evaluate and ``save`` as ``loop`` says."""
-    metrics_log = open(metrics_path, "a")  # noqa: SIM115 (closed in the finally below)
+    metrics_log = files.open_append(metrics_path)  # closed in the finally below; never through a link
     start_step, start_time = int(state.step), time.perf_counter()
     end = loop.total_steps if loop.stop_after is None else min(loop.total_steps, loop.stop_after)
 
