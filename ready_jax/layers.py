@@ -35,11 +35,13 @@ def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: 
                       kernel_init=_normal, rngs=rngs)
 
 
-# Row counts that make a matmul's rows round alike. XLA's CPU dots (Eigen) take one kernel path for every matmul of
-# at least this many rows, whatever the count and wherever a row sits in it; below it they take others (a
-# matrix-vector kernel for one row, other blockings for 2-7), which round differently (docs/numerics.md;
-# ``tests/test_numerics.py::test_matmul_rows_round_alike_at_any_row_count`` checks the property itself).
+# Rows per matmul in the batch-invariant mode. XLA's CPU dots (Eigen) choose their kernel and blocking by the
+# row count: a matrix-vector kernel for one row, other blockings for 2-7 rows, and at 8 against 16 rows, or across
+# prompt batches of hundreds of rows, blockings that round a row differently too (docs/numerics.md, "A row's tokens
+# and its batch"). So every matmul of the mode runs on tiles of exactly this many rows, one tile after another: a
+# decode step or verify position on ROW_TILE rows (the batch padded up to whole tiles), a prompt on PROMPT_TILE.
 ROW_TILE = 8
+PROMPT_TILE = 64
 # Key slots per step of the batch-invariant attention: every sum over keys runs over chunks of this many slots,
 # in slot order, and stops after the last chunk holding a visible key, so no sum depends on the cache's capacity.
 KV_CHUNK = 128
@@ -51,40 +53,48 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def row_tiles(fn, x: jax.Array, tile: int) -> jax.Array:
+    """``fn(x)`` for a row-wise ``fn`` of x [N, ...], computed on tiles of exactly ``tile`` rows (x padded with zero
+    rows to whole tiles, the tiles a loop), so that every matmul inside has the same shape whatever N and a row's
+    result depends on neither N nor the other rows. The padding rows' results are dropped."""
+    n = x.shape[0]
+    tiles = jnp.pad(x, [(0, round_up(n, tile) - n)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:])
+    out = fn(tiles[0])[None] if tiles.shape[0] == 1 else jax.lax.map(fn, tiles)
+    return out.reshape(-1, *out.shape[2:])[:n]
+
+
 def padded_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
     """``fn(x)`` for a row-wise ``fn`` (matmuls, an MLP) of x [..., D]; with ``batch_invariant``, x's rows
-    flattened and padded with zero rows to a multiple of :data:`ROW_TILE`, so that every matmul inside runs at
-    least that many rows and a row's result depends on neither the row count nor the row's place: a prefill
-    rounds every token alike whatever its padding, and reads the weights once. The padding rows' results are
-    dropped."""
+    flattened and run on tiles of :data:`PROMPT_TILE` rows (:func:`row_tiles`): a prompt's tokens round alike
+    whatever its padding, the batch and the other prompts."""
     if not batch_invariant:
         return fn(x)
-    lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
-    flat = x.reshape(rows, x.shape[-1])
-    out = fn(jnp.pad(flat, ((0, round_up(rows, ROW_TILE) - rows), (0, 0))))[:rows]
-    return out.reshape(*lead, *out.shape[1:])
+    out = row_tiles(fn, x.reshape(-1, x.shape[-1]), PROMPT_TILE)
+    return out.reshape(*x.shape[:-1], *out.shape[1:])
 
 
 def invariant_rows(fn, batch_invariant: bool, x: jax.Array, prefill: bool) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` of x [B, T, D], as ``batch_invariant`` needs it: a prefill on padded rows
-    (:func:`padded_rows`), a decode step or verify block one block position at a time (:func:`per_position`), so
-    that a verify block's every matmul and the fusions around it have a decode step's shapes. (Verify on padded
-    rows, 8 * k rows against decode's 8, rounds apart from decode at batch 8 and 16 on XLA's CPU backend,
-    around the Gated DeltaNet's input projections and conv: docs/numerics.md.)"""
+    """``fn(x)`` for a row-wise ``fn`` of x [B, T, D], as ``batch_invariant`` needs it: a prefill on tiles of
+    prompt rows (:func:`padded_rows`), a decode step or verify block one block position at a time, each on tiles of
+    :data:`ROW_TILE` rows (:func:`per_position`), so that a verify block's every matmul and the fusions around it
+    have a decode step's shapes, and neither depends on the batch."""
     return (padded_rows if prefill else per_position)(fn, batch_invariant, x)
 
 
 def per_position(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
     """``fn(x)`` for x [B, T, ...]; with ``batch_invariant``, one block position at a time, each at a decode
-    step's shape [B, 1, ...]. For the MoE, whose experts see the tokens routed to them together: a position
-    then shares its experts' matmuls with the same rows as in a decode step. The positions are a loop
-    (``lax.map``), not T copies: the program holds one copy of ``fn``'s kernels (each takes memory maps of its
-    own on a CPU: ``ready_jax.compiled_programs``), and no compiler pass can merge the positions' matmuls
-    into one over the whole block."""
-    if not batch_invariant or x.shape[1] == 1:
+    step's shape [B, 1, ...] on tiles of :data:`ROW_TILE` rows (:func:`row_tiles`). For the MoE, whose experts see
+    the tokens routed to them together: a position then shares its experts' matmuls with the same rows as in a
+    decode step. The positions are a loop (``lax.map``), not T copies: the program holds one copy of ``fn``'s
+    kernels (each takes memory maps of its own on a CPU: ``ready_jax.compiled_programs``), and no compiler pass
+    can merge the positions' matmuls into one over the whole block."""
+    if not batch_invariant:
         return fn(x)
+    tiled = functools.partial(row_tiles, fn, tile=ROW_TILE)
+    if x.shape[1] == 1:
+        return tiled(x)
     positions = jnp.moveaxis(x[:, :, None], 1, 0)                                 # [T, B, 1, ...]
-    return jnp.moveaxis(jax.lax.map(fn, positions), 0, 1)[:, :, 0]
+    return jnp.moveaxis(jax.lax.map(tiled, positions), 0, 1)[:, :, 0]
 
 
 class RMSNorm(nnx.Module):

@@ -1,5 +1,5 @@
-"""Batch invariance: when a token's logits depend on neither how many rows share its step, the padding nor the
-cache's capacity.
+"""Batch invariance: when a token's logits depend on neither how many rows share its step, the other rows, the
+padding nor the cache's capacity.
 
 Greedy speculative decoding gives autoregressive decoding's tokens only if a verify block (T rows per
 sequence) rounds every token exactly as a decode step (one row) does, and neither may depend on how large the
@@ -9,8 +9,11 @@ matmul's per-row result depends on its row count below 8 rows; a sum over the wh
 buffer's size; XLA's fusion recomputes a chain of Gated DeltaNet states inside one kernel, contracting
 multiply-adds differently by context; and excess precision keeps a bf16 intermediate in fp32 in one program and
 not in another. The target's ``batch_invariant`` steps avoid the first three by construction
-(``layers.padded_rows``, attention over fixed chunks of key slots, the recurrence's ``looped`` form) and compile
-with the options below for the last, which also keep the CPU's YNNPACK from fusing a matmul with its neighbours.
+(every matmul on tiles of a fixed row count, ``layers.row_tiles``; attention over fixed chunks of key slots; the
+recurrence's ``looped`` form) and compile with the options below for the last, which also keep the CPU's YNNPACK
+from fusing a matmul with its neighbours. On a dense target a row's tokens then depend on its own prompt alone,
+not on the batch, the other rows or the prompt bucket; an MoE's experts still share rows with the other tokens
+routed to them.
 
 On a GPU or TPU the same steps run but are not checked here (no device): there the default is off, and
 ``generate`` says once that greedy output may differ from the autoregressive one.

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cache as cache_lib
 from ready_jax.cache import AttentionCache
-from ready_jax.layers import KV_CHUNK, ROW_TILE
+from ready_jax.layers import KV_CHUNK, PROMPT_TILE, ROW_TILE, row_tiles
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -125,21 +125,24 @@ def test_zoo_as_saved_greedy_speculation_equals_ar():
 # ---- the construction's parts ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("k, n", [(1664, 576), (576, 12000), (200, 97), (96, 40)])
-def test_matmul_rows_round_alike_at_any_row_count(dtype, k, n):
-    """The platform property ``layers.padded_rows`` builds on: with at least ROW_TILE rows, a matmul row's result
-    depends on neither the row count nor where the row sits (the row counts of a decode step, a verify block and
-    a prefill); with one row it does, which is why rows are padded (the second check keeps the first honest)."""
+@pytest.mark.parametrize("tile", [ROW_TILE, PROMPT_TILE])
+def test_row_tiles_round_a_row_alike_at_any_row_count(dtype, k, n, tile):
+    """``layers.row_tiles``, what the mode runs every matmul through: a row's result depends on neither the row
+    count (1 to 1,100, below, at and across whole tiles) nor where the row sits. A plain matmul of one row rounds
+    apart from the same row among others (the last check keeps the first honest)."""
     rng = np.random.default_rng(k + n)
-    matmul = jax.jit(lambda x, w: x @ w, compiler_options=rj.numerics.CPU_COMPILER_OPTIONS)
     w = jnp.asarray(rng.standard_normal((k, n)), dtype)
-    rows = rng.standard_normal((ROW_TILE, k))
-    want = np.asarray(matmul(jnp.asarray(rows, dtype), w))
-    for count in (ROW_TILE, ROW_TILE + 3, 4 * ROW_TILE, 200, 1100):
+    tiled = jax.jit(lambda x, w: row_tiles(lambda rows: rows @ w, x, tile),
+                    compiler_options=rj.numerics.CPU_COMPILER_OPTIONS)
+    rows = rng.standard_normal((3, k))
+    want = np.asarray(tiled(jnp.asarray(rows, dtype), w))
+    for count in (3, 5, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE, PROMPT_TILE + 7, 200, 1100):
         x = rng.standard_normal((count, k))
-        at = rng.choice(count, ROW_TILE, replace=False)
+        at = rng.choice(count, 3, replace=False)
         x[at] = rows
-        np.testing.assert_array_equal(np.asarray(matmul(jnp.asarray(x, dtype), w))[at], want, err_msg=f"{count}")
-    if (dtype, k, n) in (("float32", 1664, 576), ("bfloat16", 576, 12000)):  # why decode pads its rows
+        np.testing.assert_array_equal(np.asarray(tiled(jnp.asarray(x, dtype), w))[at], want, err_msg=f"{count}")
+    if (dtype, k, n, tile) in (("float32", 1664, 576, ROW_TILE), ("bfloat16", 576, 12000, ROW_TILE)):
+        matmul = jax.jit(lambda x, w: x @ w, compiler_options=rj.numerics.CPU_COMPILER_OPTIONS)
         one_row = np.stack([np.asarray(matmul(jnp.asarray(r[None], dtype), w))[0] for r in rows])
         assert not np.array_equal(one_row, want)
 
@@ -260,8 +263,9 @@ def _drafter(target: rj.Target, kind: str, block_size: int, reference: np.ndarra
 def test_greedy_speculation_equals_ar_on_random_targets(config, data):
     """Random geometries and weights (near-flat logits, ties within a rounding step all the time), bf16 and
     float32, 128-160 tokens, blocks 1-16, batch 1-5 and 8 with ragged prompts, perfect and noisy scripted drafters and
-    learned ones, both rollbacks, default and explicit capacities: speculative greedy output equals AR's, and
-    AR's own output does not change with the capacity or the prompt bucket."""
+    learned ones, both rollbacks, default and explicit capacities: speculative greedy output equals AR's, AR's own
+    output does not change with the capacity or the prompt bucket, and a row generated alone gives its tokens in
+    the batch."""
     dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float32]), label="dtype")
     target = rj.Target.init(config, seed=data.draw(st.integers(0, 2**16), label="weights seed"), dtype=dtype)
     batch = data.draw(st.sampled_from([1, 2, 3, 4, 5, 8]), label="batch")
@@ -280,3 +284,28 @@ def test_greedy_speculation_equals_ar_on_random_targets(config, data):
     out = rj.generate(target, prompts, new_tokens, drafter=_drafter(target, kind, block, ar.tokens),
                       rollback=rollback, capacity=capacity)
     np.testing.assert_array_equal(out.tokens, ar.tokens)
+    row = data.draw(st.integers(0, batch - 1), label="row generated alone")
+    np.testing.assert_array_equal(rj.generate(target, [prompts[row]], new_tokens).tokens[0], ar.tokens[row])
+
+
+def _issue_geometry() -> rj.TargetConfig:
+    """A dense bf16 target on which each row's tokens depended on the batch (7 MHA heads of 48, attention first
+    and last, a vocabulary of 12289)."""
+    return rj.TargetConfig(vocab_size=12289, hidden_size=352, intermediate_size=928, num_hidden_layers=4,
+                           layer_types=(FULL, LINEAR, LINEAR, FULL), num_attention_heads=7, num_key_value_heads=7,
+                           head_dim=48, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=32,
+                           linear_value_head_dim=48)
+
+
+def test_a_rows_tokens_depend_on_its_own_prompt_alone():
+    """Each of 3 ragged prompts (37, 91 and 5 tokens) generated alone, in the batch of 3, in a batch of 9 beside
+    other prompts, and with another prompt bucket, greedy in bf16: the same 64 tokens. Before decode and verify ran
+    their matmuls on rows padded to a whole tile, the rows parted at tokens 22, 55 and 2."""
+    target = rj.Target.init(_issue_geometry(), seed=303, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(303)
+    prompts = [rng.integers(0, 12289, n) for n in (37, 91, 5)]
+    others = [rng.integers(0, 12289, n) for n in (12, 3, 60, 7, 20, 44)]
+    alone = np.concatenate([rj.generate(target, [p], 64).tokens for p in prompts])
+    np.testing.assert_array_equal(rj.generate(target, prompts, 64).tokens, alone)
+    np.testing.assert_array_equal(rj.generate(target, prompts + others, 64).tokens[:3], alone)
+    np.testing.assert_array_equal(rj.generate(target, prompts, 64, prompt_bucket=64).tokens, alone)
