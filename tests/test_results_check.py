@@ -38,5 +38,7 @@ def test_the_rerun_command_keeps_what_decides_the_figures():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not results_check.same_kernels(RECORDED),
+                    reason="the figures were recorded on a CPU with other vector extensions (other XLA kernels)")
 def test_head_reproduces_the_committed_zoo_figures():
     results_check.main([])
