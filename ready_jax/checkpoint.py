@@ -235,6 +235,9 @@ def _open_checkpoint(path: str, fmt: str) -> tuple[int, int]:
     weights of the other (which would read as corrupted weights). When the old version is deleted between the two
     opens, the new one is opened instead. Each must be a regular file inside ``path``
     (:func:`ready_jax.files.source_file`), so a FIFO is refused at once rather than hanging the load."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"not a {fmt} checkpoint: {path} is "
+                                + ("not a directory" if os.path.exists(path) else "missing"))
     while True:
         for name in CHECKPOINT_FILES:
             files.source_file(path, name, f"{fmt} checkpoint file")

@@ -152,7 +152,7 @@ class FreshClone:
             return "1"
         path = self.root / "placeholders" / word
         path.parent.mkdir(exist_ok=True)
-        if word.endswith("FILE"):
+        if word.endswith("FILE") or word == "PATH":  # PATH: a file to write (an --answer-file)
             path.touch()
         else:
             path.mkdir(exist_ok=True)

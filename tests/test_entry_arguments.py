@@ -38,8 +38,8 @@ def test_a_scripted_drafter_passed_as_the_target_is_named():
 
 
 def test_a_target_passed_as_the_drafter_is_named(tiny_target):
-    with pytest.raises(TypeError, match=r"drafter must be a ready_jax.Drafter, a ScriptedDrafter or None, got "
-                                        r"Target \(the target is the first argument\)"):
+    with pytest.raises(TypeError, match=r"drafter must be a ready_jax.Drafter, an MTPDrafter, a ScriptedDrafter or "
+                                        r"None, got Target \(the target is the first argument\)"):
         rj.generate(tiny_target, PROMPT, 2, drafter=tiny_target)
 
 

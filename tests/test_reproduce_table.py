@@ -13,7 +13,7 @@ def test_arms_follow_the_target_layer_pattern():
     assert arms["kv_read"].flags == ("--reader-kind", "kv")
     assert arms["ready_window"].base == "dspark_window" and arms["dspark_window"].flags == ("--context-window", "16")
     assert {a.name for a in arms.values() if a.all_seeds} == {"dspark", "dspark_ft", "ready", "ready_tied_read",
-                                                               "ready_tied_whole"}
+                                                               "ready_tied_whole", "mtp"}
     assert arms["ready_tied_read"].flags == ("--reader-query", "tied", "--readout", "tied")
     whole = arms["ready_tied_whole"].flags                                   # rank = the target's d_v
     assert whole[whole.index("--rank") + 1] == str(tiny_config().linear_value_head_dim)
