@@ -62,8 +62,9 @@ def zoo_calls(args):
 
 
 def soak_calls(args):
-    """``--calls`` varied calls on a tiny random target, within 32 program shapes: batch 1 or 2, prompts of
-    1..32 tokens in buckets of 16, 5..8 new tokens, AR or a scripted drafter, greedy or sampled."""
+    """``--calls`` varied calls on a tiny random target, within 16 program shapes (which the default map budget
+    holds at once): batch 1 or 2, prompts of 1..32 tokens in one bucket, 5..8 new tokens (buckets 6 and 8), AR or
+    a scripted drafter of any error rate (an input), greedy or sampled."""
     config = rj.TargetConfig.tiny()
     target = rj.Target.init(config, seed=args.seed)
     rng = np.random.default_rng(args.seed)
@@ -77,7 +78,7 @@ def soak_calls(args):
             drafter = rj.ScriptedDrafter(reference, block_size=4, error_rate=float(rng.random()), seed=i)
         temperature = float(rng.choice([0.0, 0.7]))
         yield f"call {i}", functools.partial(rj.generate, target, prompts, new_tokens, drafter=drafter,
-                                             temperature=temperature, seed=i, prompt_bucket=16)
+                                             temperature=temperature, seed=i, prompt_bucket=32)
 
 
 @cli.main

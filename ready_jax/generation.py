@@ -29,7 +29,7 @@ from .checks import as_array, check_flag, check_int, check_real, check_seed, che
 from .config import INT32_MAX
 from .drafter import Drafter
 from .drafter_config import MAX_BLOCK_SIZE
-from .generation_loop import PAD, ScriptedConfig, Settings, program_jit
+from .generation_loop import PAD, ScriptedConfig, ScriptedInputs, Settings, program_jit
 from .layers import KV_CHUNK, round_up
 from .modes import Impl, Rollback
 from .mtp import MTPDrafter
@@ -132,7 +132,7 @@ class ScriptedDrafter:
 
     @property
     def config(self) -> ScriptedConfig:
-        return ScriptedConfig(self.block_size, float(self.error_rate))
+        return ScriptedConfig(self.block_size)
 
 
 PROGRAMS = compiled_programs.ProgramCache()  # settings, shapes and placements -> executable
@@ -247,7 +247,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int,
         drafter_config, drafter_params, drafter_def = drafter.config, drafter.params, drafter.graphdef
     elif isinstance(drafter, ScriptedDrafter):
         drafter_config = drafter.config
-        drafter_params = _scripted_reference(drafter, len(lengths), target.config.vocab_size)
+        drafter_params = _scripted_inputs(drafter, len(lengths), target.config.vocab_size, max_new_tokens_bucket)
     gamma = 0 if drafter is None else drafter_config.block_size
     needed = int(lengths.max()) + max_new_tokens + gamma
     capacity = prompts.shape[1] + max_new_tokens_bucket + gamma if capacity is None else capacity
@@ -310,15 +310,18 @@ def effective_temperature(temperature) -> float:
     return 0.0 if temperature < drafter_lib.GREEDY_BELOW else temperature
 
 
-def _scripted_reference(drafter: ScriptedDrafter, batch: int, vocab_size: int) -> jax.Array:
-    """A :class:`ScriptedDrafter`'s reference tokens checked against the prompts' batch and the vocabulary (its
-    constructor checked the rest), as int32 [B, N]."""
+def _scripted_inputs(drafter: ScriptedDrafter, batch: int, vocab_size: int, new_tokens_bucket: int) -> ScriptedInputs:
+    """A :class:`ScriptedDrafter`'s program inputs, its reference checked against the prompts' batch and the
+    vocabulary (its constructor checked the rest). A reference shorter than the token bucket is padded with its
+    last column, which is what the drafts read past its end anyway, so references of any length up to the bucket
+    run one program."""
     reference = np.asarray(drafter.reference)
     if reference.shape[0] != batch:
         raise ValueError(f"ScriptedDrafter.reference must be [B={batch}, N] (a row per prompt), got {reference.shape}")
     if reference.min() < 0 or reference.max() >= vocab_size:
         raise ValueError(f"ScriptedDrafter.reference has token ids outside the vocabulary 0..{vocab_size - 1}")
-    return jnp.asarray(reference, jnp.int32)
+    reference = np.pad(reference, ((0, 0), (0, max(0, new_tokens_bucket - reference.shape[1]))), mode="edge")
+    return ScriptedInputs(jnp.asarray(reference, jnp.int32), jnp.asarray(drafter.error_rate, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +407,9 @@ def _place_inputs(args, drafter, layout: sharding_lib.Layout) -> tuple:
         drafter_params = sharding_lib.place(drafter_params,
                                             sharding_lib.param_shardings(drafter_params, layout, config))
     elif drafter_params is not None:
-        drafter_params = sharding_lib.place(drafter_params, layout.batch(drafter_params.shape))
+        drafter_params = ScriptedInputs(sharding_lib.place(drafter_params.reference,
+                                                           layout.batch(drafter_params.reference.shape)),
+                                        sharding_lib.place(drafter_params.error_rate, layout.replicated))
     prompts, lengths = (sharding_lib.place(x, layout.batch(x.shape)) for x in (prompts, lengths))
     key, max_new_tokens = (sharding_lib.place(x, layout.replicated) for x in (key, max_new_tokens))
     return target_params, drafter_params, prompts, lengths, key, max_new_tokens

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,17 @@ PAD = -1  # fills the token buffer (and GenerateOutput.tokens) after a sequence 
 
 @dataclasses.dataclass(frozen=True)
 class ScriptedConfig:
-    """The static part of a :class:`ScriptedDrafter` (its reference tokens are a program input)."""
+    """The static part of a :class:`ScriptedDrafter`: its block (its reference tokens and error rate are the
+    program's inputs, :class:`ScriptedInputs`, so a sweep over error rates runs one program)."""
 
     block_size: int
-    error_rate: float
+
+
+class ScriptedInputs(NamedTuple):
+    """A :class:`ScriptedDrafter`'s program inputs."""
+
+    reference: jax.Array   # int32 [B, N]: draft k of a row that has generated g tokens is reference[b, g + k]
+    error_rate: jax.Array  # float32 []: the probability that a draft is replaced by another token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,9 +229,9 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         reader=reader, mtp=mtp)
 
 
-def _scripted_drafts(reference: jax.Array, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
+def _scripted_drafts(scripted: ScriptedInputs, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
     """Drafts ``reference[b, generated[b] + k]`` for k < gamma, each corrupted with probability error_rate."""
-    error_rate = s.drafter_config.error_rate
+    reference, error_rate = scripted
     index = generated[:, None] + jnp.arange(s.gamma)[None, :]                         # [B, gamma]
     right = jnp.take_along_axis(reference, jnp.minimum(index, reference.shape[1] - 1), axis=1)
     wrong_key, where_key = jax.random.split(key)

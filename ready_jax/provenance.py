@@ -8,6 +8,7 @@ imported: a script imports it (through ``experiments.common``) before its work b
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import shlex
@@ -55,13 +56,29 @@ def _cpuinfo() -> dict[str, str]:
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
 
 
+def cpu_caches() -> dict[str, str]:
+    """The first core's caches, ``{"L1d": "32K", "L1i": "32K", "L2": "1024K", "L3": "32768K"}`` ({} where sysfs
+    has none). Eigen sizes the blocks of XLA's CPU matmuls from them, so two CPUs of one instruction set but other
+    caches sum a long dot product in other orders, and a bf16 result may round apart."""
+    caches = {}
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            level, kind, size = (open(os.path.join(index, name), encoding="utf-8").read().strip()
+                                 for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        caches[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size
+    return caches
+
+
 def cpu() -> dict:
-    """The CPU's model name, its logical cores and its vector extensions (:data:`_ISA_PREFIXES`; a virtual
-    machine may name only the family, so the extensions say what the code ran on)."""
+    """The CPU's model name, its logical cores, its vector extensions (:data:`_ISA_PREFIXES`; a virtual
+    machine may name only the family, so the extensions say what the code ran on) and its caches
+    (:func:`cpu_caches`)."""
     info = _cpuinfo()
     flags = info.get("flags", "").split()
     return {"cpu_model": info.get("model name") or platform.processor() or "unknown", "cpu_cores": os.cpu_count(),
-            "cpu_isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES))}
+            "cpu_isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES)), "cpu_caches": cpu_caches()}
 
 
 _START = {"utc": utc_now(), "load_average": load_average()}

@@ -168,6 +168,27 @@ def test_new_tokens_buckets_share_programs_and_keep_tokens(target):
         rj.generate(target, prompts, 4, new_tokens_bucket=0)
 
 
+def test_a_scripted_drafters_rate_and_reference_length_are_inputs(target):
+    """A sweep over error rates and reference lengths runs one program: a rate of 0 on the AR tokens accepts
+    whole blocks, a rate of 1 none, and a short reference drafts as its last column repeated does."""
+    prompts = _prompt_set(32, 2)
+    ar = rj.generate(target, prompts, 10)
+    reference = np.maximum(ar.tokens, 0)
+    runs = {rate: rj.generate(target, prompts, 10, drafter=rj.ScriptedDrafter(reference, 3, error_rate=rate))
+            for rate in (0.0, 0.4, 1.0)}
+    assert [r.compile_seconds == 0.0 for r in runs.values()] == [False, True, True]
+    for run in runs.values():
+        np.testing.assert_array_equal(run.tokens, ar.tokens)
+    assert runs[0.0].rounds < runs[0.4].rounds < runs[1.0].rounds
+    assert runs[1.0].accept_lengths.max() == 1 and runs[0.0].accept_lengths.max() == 4
+    short = reference[:, :4]
+    padded = np.concatenate([short, np.repeat(short[:, -1:], 12, axis=1)], axis=1)
+    by_length = [rj.generate(target, prompts, 10, drafter=rj.ScriptedDrafter(r, 3, error_rate=0.0, seed=1))
+                 for r in (short, padded)]
+    np.testing.assert_array_equal(by_length[0].accept_lengths, by_length[1].accept_lengths)
+    assert by_length[0].compile_seconds == 0.0 and by_length[1].compile_seconds == 0.0
+
+
 def test_bad_input(target):
     with pytest.raises(ValueError, match="empty"):
         rj.generate(target, [np.array([1, 2]), np.array([], np.int64)], 4)

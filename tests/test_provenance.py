@@ -27,8 +27,21 @@ def test_a_written_result_carries_the_conditions_of_its_run(tmp_path):
 def test_the_cpu_is_read_from_cpuinfo_where_there_is_one(monkeypatch):
     monkeypatch.setattr(provenance, "_cpuinfo", lambda: {"model name": "Some CPU 9000",
                                                          "flags": "fpu avx2 avx512f amx_bf16 sse4_2 vmx"})
+    monkeypatch.setattr(provenance, "cpu_caches", lambda: {"L1d": "48K"})
     assert provenance.cpu() == {"cpu_model": "Some CPU 9000", "cpu_cores": os.cpu_count(),
-                                "cpu_isa": ["amx_bf16", "avx2", "avx512f", "sse4_2"]}
+                                "cpu_isa": ["amx_bf16", "avx2", "avx512f", "sse4_2"], "cpu_caches": {"L1d": "48K"}}
+
+
+def test_the_caches_are_read_from_sysfs(tmp_path, monkeypatch):
+    for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(f"{value}\n")
+    (tmp_path / "index3").mkdir()                                         # unreadable: left out
+    real_glob = provenance.glob.glob
+    monkeypatch.setattr(provenance.glob, "glob", lambda pattern: real_glob(str(tmp_path / "index*")))
+    assert provenance.cpu_caches() == {"L1d": "32K", "L1i": "32K", "L2": "1024K"}
 
 
 def test_without_a_load_average_the_block_says_none_and_the_note_says_unknown(monkeypatch):
