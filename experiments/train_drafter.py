@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, data, files, modes, provenance
+from ready_jax import checkpoint, cli, data, files, modes, provenance, sharding
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
 from ready_jax.mtp import FORMAT as MTP_FORMAT
@@ -59,6 +59,7 @@ from ready_jax.training import (
     drafter_variants,
     mtp_training,
     optimiser,
+    recipes,
 )
 from ready_jax.training.loop import LoopConfig, claim_workdir
 
@@ -175,7 +176,113 @@ def build_parser() -> argparse.ArgumentParser:
                         "(None: runs/distill_<data-seed>.npz; variants sharing it train on the same data; "
                         "regenerated when the settings or the target's weights differ or it cannot be read; "
                         "written at exactly this path, whatever its suffix)")
+    add_scale_arguments(parser)
     return parser
+
+
+def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    """Training at a real target's scale: published recipes, a device mesh, drawn anchors, gradient accumulation
+    and several processes (docs/training_at_scale.md)."""
+    group = parser.add_argument_group("scale: recipes, mesh, anchors, accumulation (docs/training_at_scale.md)")
+    group.add_argument("--recipe", default=None, choices=sorted(recipes.RECIPES),
+                       help="preset every setting a published recipe fixes (ready_jax.training.recipes); a flag "
+                       "given explicitly wins over the recipe")
+    group.add_argument("--mesh", default=None, type=mesh_shape, metavar="DATAxMODEL",
+                       help="train on a data x model device mesh: the frozen target and the drafter split over model, "
+                       "the sequences over data (None: one device)")
+    group.add_argument("--grad-accum", type=cli.positive_int, default=1, metavar="N",
+                       help="split each step's --batch-size sequences into N accumulated micro-batches (one "
+                       "optimiser update per step)")
+    group.add_argument("--anchors", type=cli.positive_int, default=None, metavar="N",
+                       help="anchors drawn per sequence and step from the --stride grid (None: the whole grid)")
+    group.add_argument("--epochs", type=cli.positive_float, default=None,
+                       help="passes over the training sequences; sets the steps unless --steps is given")
+    group.add_argument("--warmup-fraction", type=cli.non_negative_float, default=None,
+                       help="warm up for this fraction of the steps unless --warmup is given")
+    defaults = optimiser.OptimConfig()
+    group.add_argument("--min-lr-ratio", type=cli.non_negative_float, default=defaults.min_lr_ratio,
+                       help="the cosine decay ends at this fraction of --lr")
+    group.add_argument("--weight-decay", type=cli.non_negative_float, default=defaults.weight_decay,
+                       help="AdamW weight decay (matrices only)")
+    group.add_argument("--b2", type=cli.probability, default=defaults.b2, help="AdamW's second-moment decay")
+    group.add_argument("--clip-norm", type=cli.positive_float, default=defaults.clip_norm,
+                       help="clip gradients to this global norm")
+    weights = drafter_loss.LossWeights()
+    group.add_argument("--ce-weight", type=cli.non_negative_float, default=weights.ce, help="loss weight of CE")
+    group.add_argument("--tv-weight", type=cli.non_negative_float, default=weights.tv, help="loss weight of TV")
+    group.add_argument("--confidence-weight", type=cli.non_negative_float, default=weights.confidence,
+                       help="loss weight of the confidence head's BCE")
+    group.add_argument("--position-decay", type=cli.positive_float, default=weights.position_decay,
+                       help="block position k weighs exp(-(k - 1) / this)")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="join a multi-process run whose process 0 listens here (jax.distributed)")
+    group.add_argument("--num-processes", type=cli.positive_int, default=1, help="processes of the run")
+    group.add_argument("--process-id", type=cli.non_negative_int, default=0, help="this process's rank")
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    data_size, _, model_size = text.lower().partition("x")
+    if not (data_size.isdigit() and model_size.isdigit() and int(data_size) > 0 and int(model_size) > 0):
+        raise argparse.ArgumentTypeError(f"mesh {text!r} is not DATAxMODEL (e.g. 2x4)")
+    return int(data_size), int(model_size)
+
+
+def explicit_settings(argv: list[str], args: argparse.Namespace) -> set[str]:
+    """The settings ``argv`` gives explicitly (parsed again with every default a marker; not a string, which
+    argparse would convert)."""
+    unset = object()
+    probe = build_parser()
+    probe.set_defaults(**{name: unset for name in vars(args)})
+    given, _ = argparse.ArgumentParser.parse_known_args(probe, argv)  # the plain parse: no runtime set up again
+    return {name for name, value in vars(given).items() if value is not unset}
+
+
+def apply_recipe(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
+    """``args`` with ``--recipe``'s settings where no flag set them; ``args.explicit``: the flags given."""
+    args.explicit = explicit_settings(argv, args)
+    names = set().union(*recipes.RECIPES.values())
+    settings = recipes.resolve(args.recipe, {name: getattr(args, name) for name in names & args.explicit},
+                               {name: getattr(args, name) for name in names})
+    for name, value in settings.items():
+        setattr(args, name, value)
+    if args.variant == "mtp" and (args.mesh or args.grad_accum > 1 or args.anchors):
+        parser.error("--mesh, --grad-accum and --anchors train DSpark and ReaDy drafters, not --variant mtp")
+    if args.batch_size % args.grad_accum:
+        parser.error(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} micro-batches")
+
+
+def schedule_steps(args: argparse.Namespace, sequences: int) -> tuple[int, int]:
+    """(steps, warm-up steps): --steps and --warmup where given, else from --epochs and --warmup-fraction."""
+    steps = args.steps
+    if args.epochs is not None and "steps" not in args.explicit:
+        steps = recipes.steps_for(args.epochs, sequences, args.batch_size)
+    warmup = args.warmup
+    if args.warmup_fraction is not None and "warmup" not in args.explicit:
+        warmup = recipes.warmup_steps_for(args.warmup_fraction, steps)
+    return steps, warmup
+
+
+def loss_weights(args: argparse.Namespace) -> drafter_loss.LossWeights:
+    return drafter_loss.LossWeights(ce=args.ce_weight, tv=args.tv_weight, confidence=args.confidence_weight,
+                                    position_decay=args.position_decay)
+
+
+def scale_settings(args: argparse.Namespace) -> dict:
+    """The run settings the scale flags add (recorded only when they change training: the mesh and the accumulation
+    do not, so a run may resume on another mesh)."""
+    out = {}
+    if args.anchors is not None:
+        out["anchors"] = args.anchors
+    if loss_weights(args) != drafter_loss.LossWeights():
+        out["loss_weights"] = dataclasses.asdict(loss_weights(args))
+    return out
+
+
+def training_mesh(args: argparse.Namespace) -> sharding.Layout | None:
+    """The ``--mesh`` layout over every process's devices (after joining ``--coordinator``'s run)."""
+    if args.coordinator is not None:
+        sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return None if args.mesh is None else sharding.Layout(sharding.make_mesh(*args.mesh))
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
@@ -184,6 +291,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
     writer puts there meanwhile."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_recipe(parser, argv, args)
     workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
     distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
     try:  # before distilling and training, not after
@@ -209,6 +317,7 @@ def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter | rj.MTPDrafte
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, workdir, distill_cache = parse_args(argv)
+    args.mesh_layout = training_mesh(args)  # before anything else uses jax
     inputs = load_inputs(args)
     with claim_workdir(workdir, provenance.command_line("experiments.train_drafter", argv)):
         train(args, argv, workdir, distill_cache, *inputs)
@@ -232,10 +341,14 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     if args.variant == "mtp":
         print(f"mtp: {num_params / 1e6:.2f}M trainable parameters, {args.seq_len - args.prompt_len} slots per sequence")
     else:
-        layout = drafter_loss.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size)
-        print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.num_anchors} anchors per "
-              f"sequence, reader {drafter.config.reader}")
-    optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
+        layout = drafter_loss.AnchorLayout(args.prompt_len, args.seq_len, args.stride, drafter.config.block_size,
+                                           args.anchors)
+        print(f"{args.variant}: {num_params / 1e6:.2f}M trainable parameters, {layout.drawn} of {layout.num_anchors} "
+              f"grid anchors per sequence, reader {drafter.config.reader}")
+    args.steps, warmup = schedule_steps(args, len(train_seqs))
+    optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
+                                  min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, b2=args.b2,
+                                  clip_norm=args.clip_norm)
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
     meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
@@ -243,7 +356,7 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from, "seed": args.seed,
             # by hash: another target, corpus or starting drafter at the same path is another run
             "target_sha256": checkpoint.content_sha256(args.target), "corpus_sha256": corpus.sha256(),
-            "init_from_sha256": args.init_from and checkpoint.content_sha256(args.init_from)}
+            "init_from_sha256": args.init_from and checkpoint.content_sha256(args.init_from), **scale_settings(args)}
     start = time.perf_counter()
     if args.variant == "mtp":
         trained = mtp_training.train_mtp(drafter, target, train_seqs, val_seqs, args.prompt_len, optim, loop, workdir,
@@ -251,9 +364,11 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
         final = mtp_training.make_eval(trained, target, val_seqs, args.batch_size, args.prompt_len)(trained.params)
     else:
         trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
-                                                batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl)
-        final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size,
-                                                  args.impl)(trained.params)
+                                                batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl,
+                                                weights=loss_weights(args), micro_batches=args.grad_accum,
+                                                mesh=args.mesh_layout)
+        final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size // args.grad_accum,
+                                                  args.impl, loss_weights(args), args.mesh_layout)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))

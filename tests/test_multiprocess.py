@@ -199,13 +199,14 @@ def _training(target, drafter, layout=None):
     anchors = drafter_loss.AnchorLayout(prompt_len=4, seq_len=16, stride=4, block_size=drafter.config.block_size)
     loss_fn = drafter_trainer.make_loss_fn(drafter, target, anchors)
     batch = {"tokens": jnp.asarray(np.random.default_rng(2).integers(3, 128, (8, 16)), jnp.int32),
-             "target": target.params, "shared": rj.SharedWeights.from_target(target)}
+             "rows": jnp.arange(8, dtype=jnp.int32), "target": target.params,
+             "shared": rj.SharedWeights.from_target(target)}
     state = train_state.TrainState.create(drafter.params, optimizer, 0)
     if layout is None:
         step = train_state.make_train_step(loss_fn, optimizer)
     else:
         state_shardings = sh.train_state_shardings(state, layout)
-        batch_shardings = sh.batch_shardings(batch, layout, split=lambda name: name == "tokens")
+        batch_shardings = sh.batch_shardings(batch, layout, split=drafter_trainer.per_example)
         step = train_state.make_train_step(loss_fn, optimizer, layout, state_shardings, batch_shardings)
         state, batch = sh.place(state, state_shardings), sh.place(batch, batch_shardings)
     losses = []

@@ -239,8 +239,9 @@ def _train_checks(sh, rj, target, drafter):
     anchors = drafter_loss.AnchorLayout(prompt_len=4, seq_len=16, stride=4, block_size=drafter.config.block_size)
     loss_fn = drafter_trainer.make_loss_fn(drafter, target, anchors)
     batch = {"tokens": jnp.asarray(np.random.default_rng(2).integers(3, 128, (8, 16)), jnp.int32),
-             "target": target.params, "shared": rj.SharedWeights.from_target(target)}
-    batch_shardings = {"tokens": layout.batch(batch["tokens"].shape),
+             "rows": jnp.arange(8, dtype=jnp.int32), "target": target.params,
+             "shared": rj.SharedWeights.from_target(target)}
+    batch_shardings = {"tokens": layout.batch(batch["tokens"].shape), "rows": layout.batch(batch["rows"].shape),
                        "target": sh.param_shardings(target.params, layout, target.config),
                        "shared": jax.tree.map(lambda _: layout.replicated, batch["shared"])}
 

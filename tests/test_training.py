@@ -221,11 +221,12 @@ def test_trainer_blocks_equal_generate_blocks(drafter_setup, variant):
     teacher = drafter_loss.teacher_pass(target.graphdef, target.params, target.config, tokens, LAYOUT, ids,
                                         rc.source_layers, rc.kind)
     model = nnx.merge(drafter.graphdef, drafter.params)
-    anchors = jnp.asarray(LAYOUT.anchors)
-    context = drafter_loss.anchor_context(model, teacher.hidden, anchors)
-    reader_states = drafter_loss.anchor_reader_states(model, teacher, anchors)
-    shared = rj.SharedWeights.from_target(target)
     k = LAYOUT.num_anchors
+    grid_index = jnp.broadcast_to(jnp.arange(k), (2, k))
+    anchors = jnp.asarray(LAYOUT.anchors)[grid_index]                                # [B, K]
+    context = drafter_loss.anchor_context(model, teacher.hidden, anchors)
+    reader_states = drafter_loss.anchor_reader_states(model, teacher, anchors, grid_index)
+    shared = rj.SharedWeights.from_target(target)
     prev = np.zeros((2 * k, LAYOUT.block_size), np.int32)
     expected = {}
     for j in (0, k - 1):

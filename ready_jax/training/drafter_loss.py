@@ -1,12 +1,16 @@
 """What a drafter trains against: the anchors of its blocks, the frozen target's pass over the sequence (the
 teacher) and DeepSpec's loss.
 
-**Anchors**: every sequence is cut into ``K`` blocks whose anchors sit in the generated part, at
-``a_j = prompt_len + j * stride`` (:class:`AnchorLayout`). Block j is exactly what ``generate`` drafts
-when ``a_j`` tokens are committed and the anchor is token ``a_j``: it sees the target features of
-positions ``< a_j`` and its own block, and (ReaDy) the target's GDN states after ``a_j`` tokens. The K
-blocks of B sequences are batched as ``B * K`` rows of one drafter call whose context cache holds the
-whole sequence's features with ``lengths = a_j``, so the attention mask does the rest.
+**Anchors**: anchors sit in the generated part on a grid ``a_j = prompt_len + j * stride``, j < K
+(:class:`AnchorLayout`). Each sequence trains on ``N`` of them (``AnchorLayout.per_sequence``): all K
+(the fixed grid), or N drawn uniformly without replacement per sequence and step, as DeepSpec samples its
+anchors (:func:`draw_anchors`; a pure function of the step's key and the sequence's row in the global
+batch, so a resumed, sharded or accumulated step draws the same ones). The draws stay on the grid because
+the state reader's teacher pass reads committed states only at segment ends. Block j is exactly what
+``generate`` drafts when ``a_j`` tokens are committed and the anchor is token ``a_j``: it sees the target
+features of positions ``< a_j`` and its own block, and (ReaDy) the target's GDN states after ``a_j``
+tokens. The N blocks of B sequences are batched as ``B * N`` rows of one drafter call whose context cache
+holds the whole sequence's features with ``lengths = a_j``, so the attention mask does the rest.
 
 **Teacher** (frozen, recomputed every step): one pass of the target over the sequence gives the
 hidden features of ``target_layer_ids`` and the logits at every position. For a reader the pass runs
@@ -17,8 +21,10 @@ source layers' committed states are read from the cache after each segment, exac
 **Loss** (DeepSpec's): per block position k = 1..gamma, with ``p_k`` the target's distribution for
 the token at ``a + k`` and ``q_k`` the drafter's (Markov bias from the teacher-forced previous token)::
 
-    l_k = 0.1 * CE(p_k, q_k) + 0.9 * TV(p_k, q_k) + BCE(c_k, 1 - TV(p_k, q_k))   [BCE only with a confidence head]
+    l_k = 0.1 * CE(p_k, q_k) + 0.9 * TV(p_k, q_k) + 1.0 * BCE(c_k, 1 - TV(p_k, q_k))   [BCE only with a confidence head]
     loss = sum_k w_k l_k / sum_k w_k,   w_k = exp(-(k - 1) / 4)
+
+(the weights and the decay are :class:`LossWeights`, DeepSpec's by default)
 
 ``CE(p, q) = -sum p log q`` (distillation against the target's distribution), ``TV = 0.5 |p - q|_1``;
 the confidence target ``1 - TV`` is the probability that speculative sampling accepts a draft from
@@ -47,23 +53,50 @@ from ..drafter_config import KV, STATE
 from ..kv_read import KVReadState
 from ..reader import committed_states, source_kv
 
-CE_WEIGHT, TV_WEIGHT = 0.1, 0.9
+CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
 POSITION_DECAY = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
+class LossWeights:
+    """The terms of DeepSpec's per-position loss and the decay of its position weight ``exp(-(k - 1) / decay)``."""
+
+    ce: float = CE_WEIGHT
+    tv: float = TV_WEIGHT
+    confidence: float = CONFIDENCE_WEIGHT
+    position_decay: float = POSITION_DECAY
+
+    def __post_init__(self):
+        if min(self.ce, self.tv, self.confidence) < 0 or not self.position_decay > 0:
+            raise ValueError(f"loss weights must be >= 0 and the position decay > 0, got {self}")
+
+
+DEEPSPEC_LOSS = LossWeights()
+
+
+@dataclasses.dataclass(frozen=True)
 class AnchorLayout:
-    """Anchors ``prompt_len + j * stride`` (j < K) of sequences of ``seq_len`` tokens, blocks of ``block_size``."""
+    """Anchor grid ``prompt_len + j * stride`` (j < K) of sequences of ``seq_len`` tokens, blocks of ``block_size``;
+    ``per_sequence`` of them drawn per sequence and step (None: all K, the fixed grid)."""
 
     prompt_len: int
     seq_len: int
     stride: int
     block_size: int
+    per_sequence: int | None = None
 
     def __post_init__(self):
         if self.num_anchors < 1:
             raise ValueError(f"no block of {self.block_size} fits after a {self.prompt_len}-token prompt in "
                              f"{self.seq_len} tokens")
+        if self.per_sequence is not None and not 1 <= self.per_sequence <= self.num_anchors:
+            raise ValueError(f"{self.per_sequence} anchors per sequence do not fit the grid's {self.num_anchors} "
+                             f"(stride {self.stride} after a {self.prompt_len}-token prompt in {self.seq_len} tokens)")
+
+    @property
+    def drawn(self) -> int:
+        """Anchors each sequence trains on per step (N)."""
+        return self.num_anchors if self.per_sequence is None else self.per_sequence
 
     @property
     def num_anchors(self) -> int:
@@ -124,27 +157,46 @@ def teacher_pass(graphdef, params, config: TargetConfig, tokens: jax.Array, layo
                    states=jnp.swapaxes(states, 0, 1))
 
 
-def anchor_reader_states(model: DrafterModel, teacher: Teacher, anchors: jax.Array) -> tuple | None:
-    """The reader input of every block row ``b * K + j`` (one entry per inject layer), or None without a reader.
+def draw_anchors(key: jax.Array | None, rows: jax.Array, layout: AnchorLayout) -> jax.Array:
+    """Grid indices [B, N] (ascending) of the anchors each sequence trains on.
 
-    State reader: each row's committed states, compressed. KV reader: each sequence's compressed keys and
-    values, repeated per anchor with ``lengths = a_j`` so row j reads exactly the committed tokens.
+    ``rows`` [B]: each sequence's row in the step's global batch; its draw uses ``fold_in(key, row)``, so it does
+    not depend on how the batch is split into shards or micro-batches. Without ``key`` (evaluation) or without
+    ``layout.per_sequence``, every sequence takes the whole grid.
+    """
+    k, n = layout.num_anchors, layout.drawn
+    if key is None or layout.per_sequence is None:
+        return jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (rows.shape[0], k))
+
+    def one(row):
+        order = jnp.argsort(jax.random.uniform(jax.random.fold_in(key, row), (k,)))
+        return jnp.sort(order[:n]).astype(jnp.int32)
+
+    return jax.vmap(one)(rows)
+
+
+def anchor_reader_states(model: DrafterModel, teacher: Teacher, anchors: jax.Array,
+                         grid_index: jax.Array) -> tuple | None:
+    """The reader input of every block row ``b * N + j`` (one entry per inject layer), or None without a reader.
+
+    ``anchors`` [B, N]: positions; ``grid_index`` [B, N]: their places on the grid, which index the teacher's
+    states. State reader: each row's committed states, compressed. KV reader: each sequence's compressed keys
+    and values, repeated per anchor with ``lengths = a_j`` so row j reads exactly the committed tokens.
     """
     rc = model.config.reader
     if rc is None:
         return None
     readers = [model.layers[i].reader for i in rc.inject_layers]
+    b, n = anchors.shape
     if rc.kind == KV:
-        k = anchors.shape[0]
-        b = teacher.source_keys.shape[1]
-        lengths = jnp.tile(anchors, b)
         out = []
         for reader in readers:
             kv = reader.prepare(teacher.source_keys, teacher.source_values, jnp.zeros((b,), jnp.int32))
-            out.append(KVReadState(keys=jnp.repeat(kv.keys, k, axis=0), values=jnp.repeat(kv.values, k, axis=0),
-                                   lengths=lengths))
+            out.append(KVReadState(keys=jnp.repeat(kv.keys, n, axis=0), values=jnp.repeat(kv.values, n, axis=0),
+                                   lengths=anchors.reshape(-1)))
         return tuple(out)
-    states = teacher.states.reshape(-1, *teacher.states.shape[2:])                   # [N, M, d_k, d_v]
+    states = jnp.take_along_axis(teacher.states, grid_index[:, :, None, None, None], axis=1)  # [B, N, M, dk, dv]
+    states = states.reshape(-1, *states.shape[2:])                                        # [B*N, M, dk, dv]
     return tuple(reader.prepare(states) for reader in readers)
 
 
@@ -173,50 +225,54 @@ def block_logits(model: DrafterModel, shared: SharedWeights, context: ContextCac
 
 
 def anchor_context(model: DrafterModel, hidden: jax.Array, anchors: jax.Array) -> ContextCache:
-    """Context K/V of whole sequences, repeated once per anchor: rows ``b * K + j`` see positions ``< anchors[j]``.
+    """Context K/V of whole sequences, repeated once per anchor: row ``b * N + j`` sees positions ``< anchors[b, j]``.
 
-    hidden: [n_ids, B, T, D]; anchors: [K].
+    hidden: [n_ids, B, T, D]; anchors: [B, N].
     """
     feats = model.context_features(hidden)                                          # [B, T, d]
     b, t, _ = feats.shape
+    n = anchors.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     kv = [layer.self_attn.keys_values(feats, positions) for layer in model.layers]
-    k = jnp.repeat(jnp.stack([k for k, _ in kv]), anchors.shape[0], axis=1)        # [L, B*K, T, H_kv, hd]
-    v = jnp.repeat(jnp.stack([v for _, v in kv]), anchors.shape[0], axis=1)
-    return ContextCache(k=k, v=v, lengths=jnp.tile(anchors, b))
+    k = jnp.repeat(jnp.stack([k for k, _ in kv]), n, axis=1)                         # [L, B*N, T, H_kv, hd]
+    v = jnp.repeat(jnp.stack([v for _, v in kv]), n, axis=1)
+    return ContextCache(k=k, v=v, lengths=anchors.reshape(-1))
 
 
-def position_weights(block_size: int) -> np.ndarray:
-    """DeepSpec's ``exp(-(k - 1) / 4)`` for block positions k = 1..gamma."""
-    return np.exp(-np.arange(block_size) / POSITION_DECAY).astype(np.float32)
+def position_weights(block_size: int, decay: float = POSITION_DECAY) -> np.ndarray:
+    """DeepSpec's ``exp(-(k - 1) / decay)`` for block positions k = 1..gamma."""
+    return np.exp(-np.arange(block_size) / decay).astype(np.float32)
 
 
 def drafter_loss(graphdef, params, shared: SharedWeights, teacher: Teacher, tokens: jax.Array,
-                 layout: AnchorLayout) -> tuple[jax.Array, dict]:
-    """DeepSpec's loss (module docstring) over all anchors of ``tokens`` [B, T]."""
+                 layout: AnchorLayout, grid_index: jax.Array,
+                 weights: LossWeights = DEEPSPEC_LOSS) -> tuple[jax.Array, dict]:
+    """DeepSpec's loss (module docstring) over the anchors ``grid_index`` [B, N] (:func:`draw_anchors`) of
+    ``tokens`` [B, T]."""
     model = nnx.merge(graphdef, params)
     cfg = model.config
-    g, anchors = cfg.block_size, jnp.asarray(layout.anchors)
-    b, k = tokens.shape[0], layout.num_anchors
-    index = anchors[:, None] + jnp.arange(g)[None, :]                                # [K, G]: positions a + k - 1
-    prev = tokens[:, index].reshape(b * k, g)
-    p_logits = teacher.logits[:, index].reshape(b * k, g, -1)
-    reader_states = anchor_reader_states(model, teacher, anchors)
+    g = cfg.block_size
+    (b, n), vocab = grid_index.shape, teacher.logits.shape[-1]
+    anchors = jnp.asarray(layout.anchors)[grid_index]                               # [B, N]
+    index = (anchors[:, :, None] + jnp.arange(g)).reshape(b, n * g)                 # positions a + k - 1
+    prev = jnp.take_along_axis(tokens, index, axis=1).reshape(b * n, g)
+    p_logits = jnp.take_along_axis(teacher.logits, index[:, :, None], axis=1).reshape(b * n, g, vocab)
+    reader_states = anchor_reader_states(model, teacher, anchors, grid_index)
     q_logits, confidence = block_logits(model, shared, anchor_context(model, teacher.hidden, anchors), prev,
                                         reader_states)
     p = jax.nn.softmax(p_logits, axis=-1)
     log_q = jax.nn.log_softmax(q_logits, axis=-1)
-    ce = -jnp.sum(p * log_q, axis=-1)                                                # [N, G]
+    ce = -jnp.sum(p * log_q, axis=-1)                                                # [B*N, G]
     tv = 0.5 * jnp.sum(jnp.abs(p - jnp.exp(log_q)), axis=-1)
-    per_position = CE_WEIGHT * ce + TV_WEIGHT * tv
+    per_position = weights.ce * ce + weights.tv * tv
     metrics = {"ce": ce.mean(), "tv": tv.mean()}
     if confidence is not None:
         label = jax.lax.stop_gradient(1.0 - tv)
         c = jnp.clip(confidence, 1e-6, 1 - 1e-6)
         bce = -(label * jnp.log(c) + (1 - label) * jnp.log1p(-c))
-        per_position = per_position + bce
+        per_position = per_position + weights.confidence * bce
         metrics["bce"] = bce.mean()
-    w = jnp.asarray(position_weights(g))
+    w = jnp.asarray(position_weights(g, weights.position_decay))
     loss = jnp.mean(per_position @ w) / jnp.sum(w)
     # Greedy acceptance with teacher forcing: drafts survive while the argmaxes agree.
     match = (jnp.argmax(q_logits, -1) == jnp.argmax(p_logits, -1)).astype(jnp.float32)

@@ -33,10 +33,40 @@ class TrainState:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
 
-def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
-    """``loss_fn(params, batch, key) -> (loss, metrics)`` -> pure ``step(state, batch) -> (state, metrics)``."""
+def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, micro_batches: int = 1,
+               per_example: Callable[[str], bool] = lambda name: True) -> Callable:
+    """``loss_fn(params, batch, key) -> (loss, metrics)`` -> pure ``step(state, batch) -> (state, metrics)``.
+
+    ``micro_batches`` > 1 accumulates gradients: the batch leaves whose dotted path ``per_example`` accepts (their
+    leading axis is the batch) are cut into that many equal micro-batches, rows ``i, i + n, i + 2n, ...`` in
+    micro-batch i (so each data shard's rows stay on it), and a scan sums their gradients, losses and metrics;
+    the other leaves (frozen weights riding in the batch) are seen whole by every micro-batch. One step is still
+    one optimiser update, and for a loss that is a mean over rows it equals the step on the whole batch up to
+    summation order.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def gradients(params, batch, key):
+        if micro_batches == 1:
+            return grad_fn(params, batch, key)
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        split = [per_example(sharding.dotted_path(path)) for path, _ in paths_leaves]
+        leaves = [x for _, x in paths_leaves]
+        parts = [_micro_batches(x, micro_batches) for x, s in zip(leaves, split, strict=True) if s]
+
+        def micro_batch(rows: list) -> Any:
+            rows = iter(rows)
+            return treedef.unflatten([next(rows) if s else x for x, s in zip(leaves, split, strict=True)])
+
+        def accumulate(total, rows):
+            return jax.tree.map(jnp.add, total, grad_fn(params, micro_batch(rows), key)), None
+
+        first = jax.eval_shape(grad_fn, params, micro_batch([x[0] for x in parts]), key)
+        total, _ = jax.lax.scan(accumulate, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), first), parts)
+        return jax.tree.map(lambda x: x / micro_batches, total)
+
     def step(state: TrainState, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.step_key())
+        (loss, metrics), grads = gradients(state.params, batch, state.step_key())
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
@@ -45,8 +75,16 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Ca
     return step
 
 
+def _micro_batches(x: jax.Array, count: int) -> jax.Array:
+    """[B, ...] -> [count, B / count, ...], micro-batch i holding rows i, i + count, ..."""
+    if x.shape[0] % count:
+        raise ValueError(f"a batch of {x.shape[0]} rows does not split into {count} micro-batches")
+    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+
+
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, layout=None,
-                    state_shardings=None, batch_shardings=None) -> Callable:
+                    state_shardings=None, batch_shardings=None, *, micro_batches: int = 1,
+                    per_example: Callable[[str], bool] = lambda name: True) -> Callable:
     """:func:`train_step`, jitted with the state donated: parameters and moments are updated in place.
 
     With a ``layout`` (``ready_jax.sharding.Layout`` or a mesh) the same step is compiled for the mesh: the
@@ -55,7 +93,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     into per-device partial gradients plus one all-reduce, so the result equals the single-device step up
     to summation order.
     """
-    step = train_step(loss_fn, optimizer)
+    step = train_step(loss_fn, optimizer, micro_batches, per_example)
     if layout is None:
         return jax.jit(step, donate_argnums=0)
     if state_shardings is None or batch_shardings is None:
