@@ -4,7 +4,7 @@
 # after the other installs only what is missing.
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= test,convert,notebook
+EXTRAS ?= test,convert,notebook,train
 DEMO_EXTRAS ?=
 PY := $(VENV)/bin/python
 comma := ,

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, data, files, modes, provenance, sharding
+from ready_jax import checkpoint, cli, conversations, data, files, modes, provenance, sharding
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
 from ready_jax.mtp import FORMAT as MTP_FORMAT
@@ -60,6 +60,8 @@ from ready_jax.training import (
     mtp_training,
     optimiser,
     recipes,
+    regeneration,
+    step_batches,
 )
 from ready_jax.training.loop import LoopConfig, claim_workdir
 
@@ -176,8 +178,57 @@ def build_parser() -> argparse.ArgumentParser:
                         "(None: runs/distill_<data-seed>.npz; variants sharing it train on the same data; "
                         "regenerated when the settings or the target's weights differ or it cannot be read; "
                         "written at exactly this path, whatever its suffix)")
+    add_data_arguments(parser)
     add_scale_arguments(parser)
     return parser
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Training on conversation files (``--data``) instead of self-distilled corpus windows: the target answers
+    their prompts (``ready_jax.training.regeneration``); docs/training_data.md."""
+    group = parser.add_argument_group("conversation data (instead of the corpus)")
+    group.add_argument("--data", action="append", default=None, type=cli.existing_file, metavar="FILE",
+                       help="conversations to train on: .jsonl or .parquet in ShareGPT, messages or text shape "
+                       "(repeatable); the target answers their prompts, each cut to its last --prompt-len tokens")
+    group.add_argument("--chat-template", default=conversations.AUTO, metavar="auto|none|PATH",
+                       help="how conversations become prompts: auto (the target's chat_template.jinja or "
+                       "tokenizer_config.json; an error if it has neither), none (turns joined as plain text), or "
+                       "a .jinja file or tokenizer_config.json")
+    group.add_argument("--strict", action="store_true",
+                       help="refuse a bad record (exit naming file:line and the problem) instead of counting it")
+    group.add_argument("--val-conversations", type=cli.positive_int, default=16,
+                       help="conversations held out for validation (those whose prompts hash lowest)")
+    group.add_argument("--regen-max-new-tokens", type=cli.positive_int, default=None,
+                       help="answer tokens the target writes per conversation (None: enough to fill --seq-len; "
+                       "with fewer, short rows are right-padded)")
+    group.add_argument("--regen-dir", default=None, type=cli.directory_path,
+                       help="where the answers are kept as hashed shards (None: runs/regen_<data-seed>; a rerun "
+                       "reuses finished shards made with the same settings and target)")
+
+
+def regen_dir(args) -> str:
+    return args.regen_dir or cli.repo_path("runs", f"regen_{args.data_seed}")
+
+
+def conversation_data(args, target: rj.Target, prompts: conversations.Prompts,
+                      log=print) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train rows, validation rows, the settings they depend on): the conversation prompts answered by the target,
+    laid out as ``--seq-len`` rows whose anchors all fall in the answers."""
+    config = regeneration.RegenConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
+                                      max_new_tokens=args.regen_max_new_tokens, temperature=args.distill_temperature,
+                                      seed=args.data_seed)
+    fitted, cut = regeneration.fit_prompts(prompts.ids, args.prompt_len)
+    if cut:
+        log(f"{cut} of {len(fitted)} prompts were longer than --prompt-len {args.prompt_len}: each keeps its last "
+            f"{args.prompt_len} tokens")
+    answers = regeneration.regenerate(target, fitted, config, regen_dir(args), log=log)
+    rows, padded = regeneration.training_rows(fitted, answers, args.seq_len, prompts.pad_id)
+    if padded:
+        log(f"{padded} rows are shorter than --seq-len {args.seq_len} (--regen-max-new-tokens): right-padded")
+    train_index, val_index = conversations.held_out(fitted, args.val_conversations)
+    settings = {**dataclasses.asdict(config), "conversations_sha256": prompts.sha256,
+                "val_conversations": args.val_conversations}
+    return rows[train_index], rows[val_index], settings
 
 
 def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +348,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
     try:  # before distilling and training, not after
         files.check_output(workdir, kind="directory", what="--workdir")
         files.check_output(distill_cache, kind="file", what="--distill-cache")
+        if args.data:
+            files.check_output(regen_dir(args), kind="directory", what="--regen-dir")
         if args.save_dir:
             checkpoint.check_destination(args.save_dir, MTP_FORMAT if args.variant == "mtp" else DRAFTER_FORMAT)
     except OSError as e:
@@ -305,10 +358,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
     return args, workdir, distill_cache
 
 
-def load_inputs(args) -> tuple[rj.Target, data.Corpus, rj.Drafter | rj.MTPDrafter]:
-    """The target (its shipped weights computed in fp32), its corpus and the variant's starting drafter."""
+def load_inputs(args) -> tuple[rj.Target, data.Corpus | conversations.Prompts, rj.Drafter | rj.MTPDrafter]:
+    """The target (its shipped weights computed in fp32), its corpus (with ``--data``: the conversation prompts) and
+    the variant's starting drafter."""
     target = rj.Target.load(args.target, dtype=jnp.float32)
-    corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
+    if args.data:
+        corpus = conversations.prepare_prompts(args.data, args.chat_template, args.target, target.config.vocab_size,
+                                               strict=args.strict)
+    else:
+        corpus = data.prepare_model_corpus(args.corpus, args.target, target.config.vocab_size)
     drafter = build_drafter(args, target)  # before distilling, so a shape the target cannot feed fails at once
     return target, corpus, drafter
 
@@ -323,18 +381,26 @@ def main(argv=None) -> None:
         train(args, argv, workdir, distill_cache, *inputs)
 
 
-def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.Target, corpus: data.Corpus,
-          drafter: rj.Drafter | rj.MTPDrafter) -> None:
+def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.Target,
+          corpus: data.Corpus | conversations.Prompts, drafter: rj.Drafter | rj.MTPDrafter) -> None:
     """Distil, train ``drafter`` in ``workdir`` (resuming) and export it to ``--save-dir``, as the arguments say."""
     produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
-    distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
-                                                num_sequences=args.sequences, temperature=args.distill_temperature,
-                                                seed=args.data_seed,
-                                                long_range_max_distance=args.long_range_max_distance,
-                                                **long_range_task(args))
     start = time.perf_counter()
-    train_seqs, val_seqs = distillation.distilled_data(target, corpus, distill_config, distill_cache)
-    print(f"self-distilled data: {train_seqs.shape} train, {val_seqs.shape} validation "
+    if args.data:
+        train_seqs, val_seqs, regen_settings = conversation_data(args, target, corpus)
+        data_settings = {"regeneration": regen_settings}
+        batches = step_batches.step_batches(train_seqs, args.batch_size, args.seed)
+    else:
+        distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
+                                                    num_sequences=args.sequences, temperature=args.distill_temperature,
+                                                    seed=args.data_seed,
+                                                    long_range_max_distance=args.long_range_max_distance,
+                                                    **long_range_task(args))
+        train_seqs, val_seqs = distillation.distilled_data(target, corpus, distill_config, distill_cache)
+        data_settings = {"distill": dataclasses.asdict(distill_config), "corpus_sha256": corpus.sha256()}
+        batches = None
+    print(f"{'regenerated conversation' if args.data else 'self-distilled'} data: {train_seqs.shape} train, "
+          f"{val_seqs.shape} validation "
           f"({time.perf_counter() - start:.0f} s)")
 
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(drafter.params))
@@ -352,10 +418,10 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
     meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
-            "optim": dataclasses.asdict(optim), "distill": dataclasses.asdict(distill_config),
+            "optim": dataclasses.asdict(optim), **data_settings,
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from, "seed": args.seed,
-            # by hash: another target, corpus or starting drafter at the same path is another run
-            "target_sha256": checkpoint.content_sha256(args.target), "corpus_sha256": corpus.sha256(),
+            # by hash: another target, corpus (conversations) or starting drafter at the same path is another run
+            "target_sha256": checkpoint.content_sha256(args.target),
             "init_from_sha256": args.init_from and checkpoint.content_sha256(args.init_from), **scale_settings(args)}
     start = time.perf_counter()
     if args.variant == "mtp":
@@ -365,8 +431,8 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     else:
         trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,
                                                 batch_size=args.batch_size, seed=args.seed, meta=meta, impl=args.impl,
-                                                weights=loss_weights(args), micro_batches=args.grad_accum,
-                                                mesh=args.mesh_layout)
+                                                batches=batches, weights=loss_weights(args),
+                                                micro_batches=args.grad_accum, mesh=args.mesh_layout)
         final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size // args.grad_accum,
                                                   args.impl, loss_weights(args), args.mesh_layout)(trained.params)
     summary = {"variant": args.variant, "steps": args.steps, "params": num_params,

@@ -54,7 +54,7 @@ def test_make_demo_installs_no_extra_and_make_test_installs_its_extras(tmp_path)
     demo = _make_dry_run("demo", tmp_path)
     assert 'pip install -q -e "."' in demo and '".[' not in demo and "-m experiments.compare_zoo" in demo, demo
     assert "-m experiments.long_range demo" in demo, demo
-    assert 'pip install -q -e ".[test,convert,notebook]"' in _make_dry_run("test", tmp_path)
+    assert 'pip install -q -e ".[test,convert,notebook,train]"' in _make_dry_run("test", tmp_path)
     assert 'pip install -q -e ".[test]"' in _make_dry_run("test", tmp_path, "EXTRAS=test")   # .ci/run's 3.12 run
 
 

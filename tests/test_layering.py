@@ -13,7 +13,8 @@ PACKAGES = ("ready_jax", "pallas_kernels", "convert", "experiments")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels.*",),
     ("ready_jax.modes", "ready_jax.debug", "ready_jax.data", "ready_jax.cli", "ready_jax.runtime", "ready_jax.files",
-     "ready_jax.compiled_programs", "ready_jax.provenance", "ready_jax.checks", "ready_jax.long_range_task"),
+     "ready_jax.compiled_programs", "ready_jax.provenance", "ready_jax.checks", "ready_jax.long_range_task",
+     "ready_jax.conversations"),
     ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format", "ready_jax.numerics"),
     ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read"),
     ("ready_jax.checkpoint",),
@@ -24,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "ready_jax.training.loop", "ready_jax.training.artifacts"),
     ("ready_jax.training.target_recipe", "ready_jax.training.target_init", "ready_jax.training.distillation",
      "ready_jax.training.drafter_loss", "ready_jax.training.drafter_variants", "ready_jax.training.drafter_trainer",
-     "ready_jax.training.mtp_training"),
+     "ready_jax.training.mtp_training", "ready_jax.training.regeneration", "ready_jax.training.step_batches"),
     ("convert.*", "experiments.*"),
 )
 

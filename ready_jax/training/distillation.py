@@ -121,8 +121,13 @@ def _read_distilled(path: Path, key: bytes, log: Callable[[str], None]) -> tuple
 
 def _distill_key(config: DistillConfig, target: Target) -> bytes:
     """What the kept sequences depend on: the settings and the exact target weights (sha256)."""
+    return json.dumps({**dataclasses.asdict(config), "target_sha256": target_sha256(target)}, sort_keys=True).encode()
+
+
+def target_sha256(target: Target) -> str:
+    """One hash of the target's exact weights, the same whatever its group layout: what generated data depends on."""
     digest = hashlib.sha256()
-    for name, value in sorted(flat_state(target.stacked_params()).items()):  # the same whatever the group layout
+    for name, value in sorted(flat_state(target.stacked_params()).items()):
         digest.update(name.encode())
         digest.update(np.asarray(value).tobytes())
-    return json.dumps({**dataclasses.asdict(config), "target_sha256": digest.hexdigest()}, sort_keys=True).encode()
+    return digest.hexdigest()

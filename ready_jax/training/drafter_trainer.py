@@ -99,13 +99,15 @@ def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_
                   layout: AnchorLayout, optim: OptimConfig, loop: LoopConfig, workdir, *,
                   batch_size: int, seed: int, meta: dict | None = None, impl: str = "xla",
                   weights: LossWeights = DEEPSPEC_LOSS, micro_batches: int = 1, mesh: sharding.Layout | None = None,
-                  log=print) -> Drafter:
+                  batches=None, log=print) -> Drafter:
     """Train all of ``drafter``'s parameters against the frozen ``target`` (resuming from ``workdir``).
 
     ``impl``: the teacher pass's Gated DeltaNet as XLA or the fused Pallas kernel. ``batch_size`` sequences per
     optimiser step, in ``micro_batches`` accumulated micro-batches. ``mesh``: train on a ``data x model`` mesh
     (module docstring); every process of a multi-process run calls this with the same arguments and places only
-    its own shards of each batch.
+    its own shards of each batch. ``batches[step]``: the sequences [batch_size, T] of ``step`` (a
+    :func:`~ready_jax.training.step_batches.step_batches` dataset); default: seeded per-epoch permutations of
+    ``train_seqs``.
     """
     if mesh is not None:
         target, drafter = shard_target(target, mesh), shard_drafter(drafter, mesh)
@@ -121,8 +123,11 @@ def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_
                               batch_placement, micro_batches=micro_batches, per_example=per_example)
 
     def batch_fn(step: int) -> dict:
-        rows = data.batch_indices(seed, step * batch_size, batch_size, len(train_seqs))
-        batch = make_batch(train_seqs[rows], target, shared)
+        if batches is not None:
+            tokens = np.asarray(batches[step])
+        else:
+            tokens = train_seqs[data.batch_indices(seed, step * batch_size, batch_size, len(train_seqs))]
+        batch = make_batch(tokens, target, shared)
         return batch if mesh is None else sharding.place(batch, batch_placement)
 
     eval_fn = make_drafter_eval(drafter, target, layout, val_seqs, batch_size // micro_batches, impl, weights, mesh)
