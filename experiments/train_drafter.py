@@ -187,7 +187,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Training on conversation files (``--data``) instead of self-distilled corpus windows: the target answers
     their prompts (``ready_jax.training.regeneration``); docs/training_data.md."""
     group = parser.add_argument_group("conversation data (instead of the corpus)")
-    group.add_argument("--data", action="append", default=None, type=cli.existing_file, metavar="FILE",
+    group.add_argument("--data", action=Repeated, default=None, type=cli.existing_file, metavar="FILE",
                        help="conversations to train on: .jsonl or .parquet in ShareGPT, messages or text shape "
                        "(repeatable); the target answers their prompts, each cut to its last --prompt-len tokens")
     group.add_argument("--chat-template", default=conversations.AUTO, metavar="auto|none|PATH",
@@ -204,6 +204,15 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--regen-dir", default=None, type=cli.directory_path,
                        help="where the answers are kept as hashed shards (None: runs/regen_<data-seed>; a rerun "
                        "reuses finished shards made with the same settings and target)")
+
+
+class Repeated(argparse.Action):
+    """A flag given once per value, collected in a list: argparse's ``append``, except that a default which is not a
+    list (the marker :func:`explicit_settings` parses with) starts the list instead of being appended to."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(given if isinstance(given, list) else []), value])
 
 
 def regen_dir(args) -> str:
