@@ -40,22 +40,37 @@ from .timing import add_profile_argument, profile_generate, timed
 from .zoo_runs import COMPARED, held_out_prompts, summarize
 
 
+def distinct_programs(drafters: dict) -> int:
+    """How many generate programs the drafters compile: a drafter of an earlier one's config runs its program."""
+    configs = []
+    for drafter in drafters.values():
+        if drafter.config not in configs:
+            configs.append(drafter.config)
+    return len(configs)
+
+
+def drafter_progress(label: str, drafters: dict) -> cli.Progress:
+    """A line per drafter timed. The time left comes from the drafters alone, compiles counted apart: AR, with no
+    drafter to compile or run, takes a fraction of one's time."""
+    return cli.Progress(label, len(drafters), "drafters timed", every_s=0, compiles=distinct_programs(drafters))
+
+
 def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, drafters: dict) -> dict:
     """Each prompt alone (batch 1) through AR and every drafter: summed run seconds (fastest of ``repeats``
     each), tau over all rounds, speedup over AR, and whether every output equals AR's."""
-    def run(drafter):
-        return [timed(target, x, new_tokens, drafter, repeats)[0] for x in prompts]
+    def run(drafter) -> tuple[list, float]:
+        timings = [timed(target, x, new_tokens, drafter, repeats) for x in prompts]
+        return [out for out, _ in timings], sum(compile_seconds for _, compile_seconds in timings)
 
     started = cli.Progress("compare_zoo: batch 1")
-    ar = run(None)
+    ar, _ = run(None)
     started.note("autoregressive timed")
-    # The ETA from the drafters alone: AR, with no drafter to compile or run, takes a fraction of one's time.
-    progress = cli.Progress("compare_zoo: batch 1", len(drafters), "drafters timed", every_s=0)
+    progress = drafter_progress("compare_zoo: batch 1", drafters)
     ar_seconds = sum(o.run_seconds for o in ar)
     results = {}
     for name, drafter in drafters.items():
-        outs = run(drafter)
-        progress.update(detail=f"{name} done")
+        outs, compile_seconds = run(drafter)
+        progress.update(detail=f"{name} done", compile_seconds=compile_seconds)
         accepted = np.concatenate([o.accept_lengths[o.accept_lengths > 0] for o in outs])
         results[name] = {"tau": float(accepted.mean()) if accepted.size else None,
                          "seconds": sum(o.run_seconds for o in outs),
@@ -137,11 +152,12 @@ def main(argv=None) -> None:
                   f"{'yes' if r['identical_to_ar'] else 'NO'}")
         print(f"\nbatch {len(ids)} (throughput):")
 
-    progress = cli.Progress("compare_zoo", 1 + len(COMPARED), "methods timed")
+    started = cli.Progress(f"compare_zoo: batch {len(ids)}")
     ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
     if args.profile:
         profile_generate(args.profile, "autoregressive", target, ids, args.max_new_tokens)
-    progress.update(detail="autoregressive done")
+    started.note("autoregressive timed")
+    progress = drafter_progress(f"compare_zoo: batch {len(ids)}", drafters)
     results = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0,
                                       identical_to_ar=True)}
     for name, drafter in drafters.items():
@@ -154,7 +170,7 @@ def main(argv=None) -> None:
         results[name] = dict(summarize(out, kinds), compile_seconds=compile_seconds, compiled_program_of=shared,
                              speedup=ar.run_seconds / out.run_seconds,
                              identical_to_ar=bool(np.array_equal(out.tokens, ar.tokens)))
-        progress.update(detail=f"{name} done")
+        progress.update(detail=f"{name} done", compile_seconds=compile_seconds)
     progress.close()
 
     print(provenance.load_note())

@@ -22,6 +22,27 @@ from ready_jax import cli, data, files
 
 from .common import measured_tau
 
+# Every shipped model's one name is its directory under zoo/: scripts print and write these names, the README and
+# docs use them, and a display label (zoo_label) adds the description after the name.
+ZOO_MODELS = {
+    "target": "the target: 8 layers, 6 Gated DeltaNet and 2 gated attention",
+    "dspark": "DSpark, 2 layers",
+    "dspark_ft": "DSpark fine-tuned from dspark, the readers' control",
+    "ready": "ReaDy from dspark: a rank-8 reader of layers 2 and 6",
+    "mtp": "an MTP head, 3 drafts a round",
+    "long_range/target": "the long-range testbed's target, float32",
+    "long_range/control": "DSpark-FT, window 16, the testbed's control",
+    "long_range/ready": "ReaDy r64: layers 0 and 2 read whole, window 16",
+    "long_range/ready_r8": "layer-0 reader at the rank-8 budget: tied query, rank-8 adapter, window 16",
+}
+TESTBED = "long_range"  # the long-range testbed's folder under zoo/
+
+
+def zoo_label(name: str) -> str:
+    """A shipped model's name with its description: ``long_range/ready_r8 (layer-0 reader ...)``."""
+    return f"{name} ({ZOO_MODELS[name]})"
+
+
 DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))  # (label, zoo folder)
 COMPARED = (*DRAFTERS, ("MTP", "mtp"))  # and the target's own kind of MTP head, the baseline engines run
 

@@ -330,11 +330,18 @@ class Progress:
     leaving a ``with`` block) prints the final line, unless the last update printed the same. Whole lines,
     never rewritten in place, so the output reads the same in a terminal, a log file or a pipe, and mixes
     with other output.
+
+    Where the first items also compile (``compiles``: how many of the items compile a program, each passing
+    its ``compile_seconds`` to :meth:`update`), the time left counts compiling apart: the mean time per item
+    without its compile for every item left, plus the mean compile for every compile left. Otherwise the
+    first items' compiles would stand for every later item, which reuses their programs.
     """
 
-    def __init__(self, label: str, total: int | None = None, unit: str = "", *, every_s: float = 5.0):
-        self.label, self.total, self.unit, self.every_s = label, total, unit, every_s
-        self.done = 0
+    def __init__(self, label: str, total: int | None = None, unit: str = "", *, every_s: float = 5.0,
+                 compiles: int = 0):
+        self.label, self.total, self.unit, self.every_s, self.compiles = label, total, unit, every_s, compiles
+        self.done = self.compiled = 0
+        self.compile_seconds = 0.0
         self.start = self._last = time.perf_counter()
         self._printed = ""
 
@@ -344,9 +351,13 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def update(self, n: int = 1, detail: str = "") -> None:
-        """Count ``n`` more done; print the line if it is due (``detail`` is appended to it)."""
+    def update(self, n: int = 1, detail: str = "", compile_seconds: float = 0.0) -> None:
+        """Count ``n`` more done, ``compile_seconds`` of whose time was a compile (0: none); print the line if
+        it is due (``detail`` is appended to it)."""
         self.done += n
+        if compile_seconds > 0:
+            self.compiled += 1
+            self.compile_seconds += compile_seconds
         if time.perf_counter() - self._last >= self.every_s:
             self._print(self.line(detail))
             self._printed = self.line()
@@ -366,8 +377,14 @@ class Progress:
         count = f"{self.done}/{self.total}" if self.total is not None else str(self.done)
         text = f"{self.label}: {count}{' ' + self.unit if self.unit else ''}, {_duration(elapsed)} elapsed"
         if self.total is not None and 0 < self.done < self.total:
-            text += f", about {_duration(elapsed / self.done * (self.total - self.done))} left"
+            text += f", about {_duration(self.seconds_left(elapsed))} left"
         return text + (f" ({detail})" if detail else "")
+
+    def seconds_left(self, elapsed: float) -> float:
+        """The estimated time left: per item from those done, compiles counted apart (see the class)."""
+        per_item = (elapsed - self.compile_seconds) / self.done
+        per_compile = self.compile_seconds / self.compiled if self.compiled else 0.0
+        return per_item * (self.total - self.done) + per_compile * max(self.compiles - self.compiled, 0)
 
     def _print(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -354,6 +354,8 @@ def _describe(program: Program) -> str:
     s = program.settings
     if s.drafter_config is None:
         kind = "autoregressive"
+    elif s.is_mtp:
+        kind = "MTP head"
     elif not s.learned:
         kind = "scripted drafter"
     else:

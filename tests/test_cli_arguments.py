@@ -134,9 +134,9 @@ def test_a_tau_of_no_round_is_null_in_json_and_n_a_in_tables(tmp_path):
     assert written["tau"] is None and written["rows"] == [{"ratio": None}, 2.0]
 
 
-def test_the_long_range_demo_names_readers_by_their_folder_and_the_zoo_it_read(tmp_path):
-    """The demo's lines name each reader by its zoo folder (``ready_r8``, as the README does) and by the path the
-    zoo was loaded from, wherever ``--zoo`` points, never a fixed ``zoo/long_range``."""
+def test_the_long_range_demo_names_readers_by_their_zoo_name_and_the_zoo_it_read(tmp_path):
+    """The demo's lines name each reader by its directory under zoo/ (``long_range/ready_r8``, as the README does)
+    and by the path the zoo was loaded from, wherever ``--zoo`` points, never a fixed ``zoo/long_range``."""
     from conftest import tiny_config
 
     import ready_jax as rj
@@ -148,7 +148,7 @@ def test_the_long_range_demo_names_readers_by_their_folder_and_the_zoo_it_read(t
                 (("control", None), ("ready_r8", rj.ReaderConfig(source_layers=(1,), rank=8, query="tied",
                                                                  query_rank=4)))}
     lines = long_range_demo.reader_lines(tmp_path / "copy", drafters, config.hidden_size)
-    assert len(lines) == 1 and lines[0].startswith("  ready_r8: ReaDy tied q4 (")
+    assert len(lines) == 1 and lines[0].startswith("  long_range/ready_r8 (layer-0 reader at the rank-8 budget")
     assert str(tmp_path / "copy" / "ready_r8") in lines[0] and "zoo/long_range" not in lines[0]
     shipped = long_range_demo.reader_lines(REPO / "zoo" / "long_range", drafters, config.hidden_size)
-    assert "(zoo/long_range/ready_r8)" in shipped[0]
+    assert ": zoo/long_range/ready_r8, " in shipped[0]

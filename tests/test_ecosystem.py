@@ -244,6 +244,17 @@ def test_progress_prints_counts_elapsed_and_time_left_to_stderr(capsys):
     assert capsys.readouterr().err == "quiet: 7, 0 s elapsed\n"     # not due: the final line only
 
 
+def test_progress_counts_compiles_apart_in_the_time_left():
+    """Two of six items compile (10 s each): after the first (12 s, 10 of them compiling) the time left is five
+    more 2 s runs and one more compile, not five more 12 s items."""
+    progress = cli.Progress("job", 6, "runs", every_s=3600, compiles=2)
+    progress.update(compile_seconds=10.0)
+    assert progress.seconds_left(elapsed=12.0) == pytest.approx(5 * 2.0 + 10.0)
+    progress.update(compile_seconds=10.0)
+    progress.update()
+    assert progress.seconds_left(elapsed=26.0) == pytest.approx(3 * 2.0)   # both compiled: runs alone
+
+
 def test_reproduce_table_loops_report_progress(tmp_path, monkeypatch, capsys):
     table = reproduce_table.arms(tiny_config(), window=16)
     args = SimpleNamespace(runs=tmp_path / "runs", target="t", corpus="c", seeds=[0, 1], jobs=2, sequences=4,

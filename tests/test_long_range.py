@@ -212,8 +212,9 @@ def test_mixture_prompts_have_one_length_and_many_distances(tokenizer):
 # ---- the testbed's bookkeeping ---------------------------------------------------------------------------------
 def test_arms_distances_and_commands():
     table = {a.name: a for a in arms.arms(window=16, state_dim=64, ranks=(8, 32, 64))}
-    assert set(table) == {"dspark_window", "control", "ready", "ready_rank32", "ready_rank64", "kv_read", "dspark_full"}
-    assert {a.name for a in table.values() if a.all_seeds} == {"dspark_window", "control", "ready"}
+    assert set(table) == {"dspark_window", "control", "ready_rank8", "ready_rank32", "ready_rank64", "kv_read",
+                          "dspark_full"}
+    assert {a.name for a in table.values() if a.all_seeds} == {"dspark_window", "control", "ready_rank8"}
     assert "lossless" in table["ready_rank64"].label and "lossless" not in table["ready_rank32"].label
     assert arms.distances(16) == [8, 32, 128, 512]
 
@@ -233,7 +234,7 @@ def test_arms_distances_and_commands():
 def test_seed_ranks_train_that_rank_on_every_seed():
     table = {a.name: a for a in arms.arms(16, 64, (8, 32), seed_ranks=(8, 64))}
     assert table["ready_rank64"].all_seeds and not table["ready_rank32"].all_seeds
-    assert table["ready_rank64"].flags == ("--rank", "64") and "ready_rank8" not in table
+    assert table["ready_rank64"].flags == ("--rank", "64") and table["ready_rank8"].all_seeds
 
 
 def test_query_designs_train_at_the_seed_ranks_on_every_seed_and_sweep_ranks_on_the_first():
@@ -249,15 +250,6 @@ def test_query_designs_train_at_the_seed_ranks_on_every_seed_and_sweep_ranks_on_
     assert [a.name for a in only] == ["dspark_window", "control", "ready_tied"]     # and what they start from
     with pytest.raises(SystemExit, match="unknown arms"):
         zoo_runs.only_arms(tuple(table.values()), ["ready_nearest"])
-
-
-@pytest.mark.parametrize("query, readout, rank, arm", [
-    ("basis", "learned", 8, "ready"), ("basis", "learned", 64, "ready_rank64"),
-    ("content", "learned", 8, "ready_content"), ("tied", "learned", 4, "ready_tied_rank4"),
-    ("tied", "tied", 8, "ready_tied_read")])
-def test_reader_arm_names_every_design(query, readout, rank, arm):
-    config = rj.DrafterConfig(reader=rj.ReaderConfig(rank=rank, query=query, readout=readout))
-    assert arms.reader_arm(config) == arm
 
 
 def test_query_space_is_the_basis_the_content_span_or_the_whole_key_space(tiny_target):
@@ -281,17 +273,17 @@ def test_query_space_is_the_basis_the_content_span_or_the_whole_key_space(tiny_t
 
 def test_aggregate_pairs_each_reader_arm_with_the_control_of_each_seed():
     table = arms.arms(16, 64, (8, 64), seed_ranks=(8, 64))
-    per_distance = {"8": {"tau": {"ready_s0": 3.0, "control_s0": 2.0, "ready_s1": 2.0, "control_s1": 2.0,
-                                  "ready_s2": 5.0, "ready_rank64_s1": 3.0, "kv_read_s0": 2.2}},
-                    "32": {"tau": {"ready_s0": 1.5, "control_s0": 1.0}}}
-    summary = evaluate.aggregate(per_distance, table, [0, 1, 2])
+    per_distance = {"8": {"tau": {"ready_rank8_s0": 3.0, "control_s0": 2.0, "ready_rank8_s1": 2.0, "control_s1": 2.0,
+                                  "ready_rank8_s2": 5.0, "ready_rank64_s1": 3.0, "kv_read_s0": 2.2}},
+                    "32": {"tau": {"ready_rank8_s0": 1.5, "control_s0": 1.0}}}
+    summary = evaluate.aggregate(per_distance, table, evaluate.seed_runs(table, [0, 1, 2]), "control")
     gains = summary["gains"]
-    assert gains["ready"]["8"]["ratio"]["values"] == [1.5, 1.0]                  # seed 2 has no control: unpaired
-    assert gains["ready"]["32"]["tau_difference"]["values"] == [0.5]
+    assert gains["ready_rank8"]["8"]["ratio"]["values"] == [1.5, 1.0]            # seed 2 has no control: unpaired
+    assert gains["ready_rank8"]["32"]["tau_difference"]["values"] == [0.5]
     assert gains["ready_rank64"]["8"]["ratio"]["values"] == [1.5] and "32" not in gains["ready_rank64"]
     assert gains["kv_read"]["8"]["ratio"]["values"] == pytest.approx([1.1])
     assert "control" not in gains and "dspark_full" not in gains
-    assert summary["arms"]["ready"]["tau"]["8"]["n"] == 3 and "dspark_full" not in summary["arms"]
+    assert summary["arms"]["ready_rank8"]["tau"]["8"]["n"] == 3 and "dspark_full" not in summary["arms"]
 
 
 # ---- the testbed's measurements on a tiny target ---------------------------------------------------------------
@@ -403,7 +395,7 @@ def test_target_defaults_to_the_shipped_one_which_ship_does_not_copy_onto_itself
 
 def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_path, tiny_target):
     runs = tmp_path / "runs"
-    sources = {"target": "target", "control_s0": "control", "ready_s0": "ready", "ready_rank64_s0": "ready"}
+    sources = {"target": "target", "control_s0": "control", "ready_rank8_s0": "ready", "ready_rank64_s0": "ready"}
     records = {}
     for folder, kind in sources.items():
         (runs / folder).mkdir(parents=True)
@@ -413,35 +405,40 @@ def test_ship_takes_the_named_ready_arm_and_evaluate_names_it_by_its_rank(tmp_pa
                                                   "bytes": len(payload), "command": f"make {folder}"}
     (runs / "MANIFEST.json").write_text(json.dumps({"files": records}))
     zoo = tmp_path / "zoo" / "long_range"
-    main.main(["ship", "--runs", str(runs), "--target", str(runs / "target"), "--zoo", str(zoo), "--ship-ready",
-             "ready_rank64"])
+    main.main(["ship", "--runs", str(runs), "--target", str(runs / "target"), "--zoo", str(zoo)])
     files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
     assert files["long_range/ready/model.safetensors"]["command"] == "make ready_rank64_s0"
     assert files["long_range/control/model.safetensors"]["command"] == "make control_s0"
     # ready_r8 alone, beside what is there: the zoo's own target is not copied, so it may be named.
     main.main(["ship", "--runs", str(runs), "--target", str(zoo / "target"), "--zoo", str(zoo), "--ship-folders",
-             "ready_r8", "--ship-r8", "ready"])
+             "ready_r8"])
     files = json.loads((tmp_path / "zoo" / "MANIFEST.json").read_text())["files"]
-    assert files["long_range/ready_r8/model.safetensors"]["command"] == "make ready_s0"
+    assert files["long_range/ready_r8/model.safetensors"]["command"] == "make ready_rank8_s0"
     assert files["long_range/ready/model.safetensors"]["command"] == "make ready_rank64_s0"
     assert (zoo / "target" / "model.safetensors").exists()
 
-    readers = (None, rj.ReaderConfig(source_layers=(1,), rank=8), rj.ReaderConfig(source_layers=(1,), rank=4),
-               rj.ReaderConfig(kind="kv", source_layers=(3,), rank=8))
-    assert [arms.reader_arm(_drafter(tiny_target, reader=r).config) for r in readers] == \
-        ["control", "ready", "ready_rank4", "kv_read"]
 
-
-def test_zoo_drafters_are_evaluated_under_their_arms_and_labelled_by_design(tiny_target):
-    """Without --runs, evaluate names each zoo drafter by its arm (a tied reader at a whole-state rank too), and the
-    demo labels it by rank and design."""
+def test_zoo_drafters_are_evaluated_and_labelled_under_their_zoo_names(tiny_target):
+    """Without --runs, evaluate names each zoo drafter by its directory under zoo/ (the README's and docs' name),
+    labels it with the zoo's description, and pairs each reader with the zoo's control."""
     readers = {"control": None, "ready": rj.ReaderConfig(source_layers=(1,), rank=8),
                "ready_r8": rj.ReaderConfig(source_layers=(1,), rank=8, query="tied", query_rank=4)}
-    drafters = {folder: _drafter(tiny_target, context_window=8, reader=r) for folder, r in readers.items()}
-    by_run = {zoo_runs.run_name(arms.reader_arm(d.config), 0): d for d in drafters.values()}
-    assert sorted(by_run) == ["control_s0", "ready_s0", "ready_tied_s0"]
-    assert [a.name for a in arms.zoo_arms(by_run, 8, 8, 0)] == ["control", "ready", "ready_tied"]
-    assert [arms.reader_label(d.config) for d in drafters.values()] == ["control", "ReaDy r8", "ReaDy tied q4"]
+    drafters = {arms.zoo_name(folder): _drafter(tiny_target, context_window=8, reader=r)
+                for folder, r in readers.items()}
+    table = arms.zoo_arms(drafters)
+    assert [a.name for a in table] == ["long_range/control", "long_range/ready", "long_range/ready_r8"]
+    assert table[2].label.startswith("long_range/ready_r8 (layer-0 reader")
+    per_distance = {"32": {"tau": {"long_range/control": 1.0, "long_range/ready": 2.0, "long_range/ready_r8": 1.5}}}
+    summary = evaluate.aggregate(per_distance, table, {name: [name] for name in drafters}, arms.CONTROL)
+    assert {name: g["32"]["ratio"]["mean"] for name, g in summary["gains"].items()} == {
+        "long_range/ready": 2.0, "long_range/ready_r8": 1.5}
+    assert cost.cost_label("long_range/ready") == zoo_runs.zoo_label("long_range/ready")
+
+
+def test_every_shipped_model_has_one_name_in_the_name_table():
+    """zoo_runs.ZOO_MODELS names every directory zoo/MANIFEST.json ships, and nothing else."""
+    shipped = json.loads((SHIPPED.parent / "MANIFEST.json").read_text())["files"]
+    assert set(zoo_runs.ZOO_MODELS) == {path.rpartition("/")[0] for path in shipped}
 
 
 def test_lookup_shares_find_what_a_state_wrote_unless_the_basis_drops_its_key():
@@ -484,7 +481,7 @@ def test_rank_retrieval_through_full_rank_orthonormal_bases_is_lossless(tiny_tar
 
 def test_cost_drafters_have_the_testbed_shapes(tiny_target):
     drafters = cost.cost_drafters(tiny_target, window=16, ranks=(8, 4))
-    ready, ready4, kv, full = (drafters[name].config for name in ("ready_s0", "ready_rank4_s0", "kv_read_s0",
+    ready, ready4, kv, full = (drafters[name].config for name in ("ready_rank8_s0", "ready_rank4_s0", "kv_read_s0",
                                                                   "dspark_full_s0"))
     assert ready.context_window == ready4.context_window == kv.context_window == 16 and full.context_window is None
     assert ready.reader.kind == "state" and ready.reader.rank == 8 and kv.reader.kind == "kv" and full.reader is None

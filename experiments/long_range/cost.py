@@ -17,7 +17,7 @@ from ready_jax.drafter_config import READER_DESIGNS
 from ready_jax.training import drafter_variants
 
 from ..common import pyplot, save_figure, write_json
-from ..zoo_runs import run_name
+from ..zoo_runs import ZOO_MODELS, run_name, zoo_label
 
 
 def round_cost(drafter: rj.Drafter, target: rj.Target, prefix: int, repeats: int) -> dict:
@@ -68,7 +68,7 @@ def cost_drafters(target: rj.Target, window: int, ranks: tuple[int, ...] = (8,),
                                                  reader=reader)
         return rj.Drafter.init(target.config, config, seed=0)
 
-    readers = {run_name("ready" if r == 8 else f"ready_rank{r}", 0): make(rj.ReaderConfig(rank=r)) for r in ranks}
+    readers = {run_name(f"ready_rank{r}", 0): make(rj.ReaderConfig(rank=r)) for r in ranks}
     readers |= {run_name(f"ready_{q}", 0): make(rj.ReaderConfig(**READER_DESIGNS[q][1])) for q in queries}
     return {**readers, run_name("kv_read", 0): make(rj.ReaderConfig(kind="kv")),
             run_name("dspark_full", 0): make(context_window=None)}
@@ -84,11 +84,13 @@ def cost_curve(drafters: dict[str, rj.Drafter], target: rj.Target, prefixes: lis
     return out
 
 
-COST_LABELS = {"ready": "ReaDy r8, windowed", "kv_read": "KV-read baseline, windowed",
-               "dspark_full": "DSpark, full context"}
+COST_LABELS = {"kv_read": "KV-read baseline, windowed", "dspark_full": "DSpark, full context"}
 
 
 def cost_label(run: str) -> str:
+    """A legend's label: a shipped drafter's zoo name and description, or a run's arm described."""
+    if run in ZOO_MODELS:
+        return zoo_label(run)
     arm = run.rpartition("_s")[0]
     if arm.startswith("ready_rank"):
         return f"ReaDy r{arm.removeprefix('ready_rank')}, windowed"

@@ -1,5 +1,5 @@
-"""``long_range demo``: the shipped testbed's tau table alone, the zoo's control beside each of its readers, every
-output checked against AR; no timing, lookups or JSON."""
+"""``long_range demo``: the shipped testbed's tau table alone, the zoo's control beside each of its readers (by zoo
+name), every output checked against AR; no timing, lookups or JSON."""
 
 from __future__ import annotations
 
@@ -9,23 +9,24 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import data
+from ready_jax import cli, data
 from ready_jax.long_range_task import long_range_prompts, long_range_settings
 
 from ..common import portable_paths
-from .arms import reader_label, zoo_drafters
+from ..zoo_runs import zoo_label
+from .arms import zoo_drafters, zoo_name
 
 
 def reader_lines(zoo: Path, drafters: dict[str, rj.Drafter], hidden_size: int) -> list[str]:
-    """One line per reader of the zoo: its folder (the name the README and docs use: ``ready``, ``ready_r8``),
-    its design, where it was loaded from (``zoo`` as given, relative to the repository inside it), its source
-    layers and trained parameters."""
+    """One line per reader of the zoo: its zoo name and description (``long_range/ready_r8 (layer-0 reader
+    ...)``), where it was loaded from (``zoo`` as given, relative to the repository inside it), its source layers
+    and trained parameters."""
     lines = []
     for folder, drafter in drafters.items():
         reader = drafter.config.reader
         if reader is not None:
-            lines.append(f"  {folder}: {reader_label(drafter.config)} ({portable_paths(zoo / folder)}), source "
-                         f"layers {list(reader.source_layers)}, {reader.round_cost(hidden_size)['parameters']:,} "
+            lines.append(f"  {zoo_label(zoo_name(folder))}: {portable_paths(zoo / folder)}, source layers "
+                         f"{list(reader.source_layers)}, {reader.round_cost(hidden_size)['parameters']:,} "
                          "trained reader parameters")
     return lines
 
@@ -36,25 +37,36 @@ def demo(args, target: rj.Target, target_dir: Path) -> None:
     task = long_range_settings(target_dir)
     zoo = Path(args.zoo)
     drafters = zoo_drafters(zoo)
-    readers = [name for name, d in drafters.items() if d.config.reader is not None]
+    readers = [folder for folder, d in drafters.items() if d.config.reader is not None]
     window = drafters["control"].config.context_window or args.window
     chosen = args.distances or [2 * window, 8 * window]
-    prompts = {d: long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task) for d in chosen}
-    width = max(len(p["ids"]) for batch in prompts.values() for p in batch)   # one program per drafter
     print(f"\nlong-range testbed: the answer sits D tokens back, beyond the drafters' {window}-token window; "
           f"{args.prompts} held-out prompts per D")
     print("\n".join(reader_lines(zoo, drafters, target.config.hidden_size)))
-    headers = "".join(f" {name + ' tau':>18s} {'/ control':>10s}" for name in readers)
-    print(f"{'D':>6s} {'control tau':>12s}{headers}  same as AR")
-    for distance, batch in prompts.items():
-        ids = np.asarray([p["ids"] for p in batch], np.int32)
-        new_tokens = len(batch[0]["reference"])
-        ar = rj.generate(target, ids, new_tokens, prompt_bucket=width)
-        outs = {name: rj.generate(target, ids, new_tokens, drafter=d, prompt_bucket=width)
-                for name, d in drafters.items()}
-        same = all(np.array_equal(out.tokens, ar.tokens) for out in outs.values())
-        print(f"{distance:6d} {outs['control'].tau:12.2f}"
-              + "".join(f" {outs[n].tau:18.2f} {outs[n].tau / outs['control'].tau:9.2f}x" for n in readers)
-              + f"  {'yes' if same else 'NO'}")
+    prompts = {d: long_range_prompts(tokenizer, d, args.prompts, args.prompt_seed, **task) for d in chosen}
+    width = max(len(p["ids"]) for batch in prompts.values() for p in batch)   # one program per drafter
+    ids = {d: np.asarray([p["ids"] for p in batch], np.int32) for d, batch in prompts.items()}
+    new_tokens = {d: len(batch[0]["reference"]) for d, batch in prompts.items()}
+    started = cli.Progress("long_range demo")
+    ar = {d: rj.generate(target, ids[d], new_tokens[d], prompt_bucket=width) for d in chosen}
+    started.note("autoregressive done")
+    # The time left from the drafters alone, compiles counted apart: a drafter's compile is most of its time, longer
+    # than AR's, and each drafter compiles once, at the first distance.
+    progress = cli.Progress("long_range demo", len(chosen) * len(drafters), "drafter runs", every_s=0,
+                            compiles=len(drafters))
+    rows = []
+    for distance in chosen:
+        outs = {}
+        for name, drafter in drafters.items():
+            outs[name] = rj.generate(target, ids[distance], new_tokens[distance], drafter=drafter, prompt_bucket=width)
+            progress.update(compile_seconds=outs[name].compile_seconds, detail=f"D={distance} {zoo_name(name)}")
+        same = all(np.array_equal(out.tokens, ar[distance].tokens) for out in outs.values())
+        rows.append(f"{distance:6d} {outs['control'].tau:23.2f}"
+                    + "".join(f" {outs[n].tau:23.2f} {outs[n].tau / outs['control'].tau:9.2f}x" for n in readers)
+                    + f"  {'yes' if same else 'NO'}")
         if not same:
             raise SystemExit(f"D={distance}: speculative output differs from autoregressive decoding")
+    progress.close()
+    headers = "".join(f" {zoo_name(folder) + ' tau':>23s} {'/ control':>10s}" for folder in readers)
+    print(f"{'D':>6s} {zoo_name('control') + ' tau':>23s}{headers}  same as AR")
+    print("\n".join(rows))

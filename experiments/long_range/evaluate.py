@@ -16,7 +16,7 @@ from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_ra
 
 from ..common import pyplot, save_figure, write_json
 from ..zoo_runs import Arm, only_arms, run_name, spread
-from .arms import arms, distances, load_drafters, zoo_arms
+from .arms import CONTROL, arms, distances, load_drafters, zoo_arms
 from .cost import cost_curve, draw_cost
 from .probes import reader_effect, retrieval_by_basis, state_carried_accuracy, state_retention
 
@@ -68,14 +68,15 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
     return per_distance
 
 
-def aggregate(per_distance: dict, table: tuple[Arm, ...], seeds: list[int]) -> dict:
-    """Per arm and distance: tau over seeds; per reader arm (ReaDy at each rank, the KV-read baseline) and
-    distance: its gain over the control, paired by seed."""
+def aggregate(per_distance: dict, table: tuple[Arm, ...], runs_of: dict[str, list[str]], control: str) -> dict:
+    """Per arm and distance: tau over its runs (``runs_of[arm]``, one per seed); per reader arm (ReaDy at each rank,
+    the KV-read baseline) and distance: its gain over the ``control`` arm, each run paired with the control's run
+    of the same seed (the same place in ``runs_of``)."""
     out = {"arms": {}, "gains": {}}
     for arm in table:
         cells = {}
         for distance, row in per_distance.items():
-            values = [row["tau"][run_name(arm.name, s)] for s in seeds if run_name(arm.name, s) in row["tau"]]
+            values = [row["tau"][run] for run in runs_of[arm.name] if run in row["tau"]]
             if values:
                 cells[distance] = spread(values)
         if cells:
@@ -84,12 +85,18 @@ def aggregate(per_distance: dict, table: tuple[Arm, ...], seeds: list[int]) -> d
         if arm.variant != "ready":
             continue
         for distance, row in per_distance.items():
-            pairs = [(row["tau"][run_name(arm.name, s)], row["tau"][run_name("control", s)]) for s in seeds
-                     if run_name(arm.name, s) in row["tau"] and run_name("control", s) in row["tau"]]
+            pairs = [(row["tau"][run], row["tau"][base])
+                     for run, base in zip(runs_of[arm.name], runs_of.get(control, ()), strict=False)
+                     if run in row["tau"] and base in row["tau"]]
             if pairs:
                 out["gains"].setdefault(arm.name, {})[distance] = {
                     "ratio": spread([r / c for r, c in pairs]), "tau_difference": spread([r - c for r, c in pairs])}
     return out
+
+
+def seed_runs(table: tuple[Arm, ...], seeds: list[int]) -> dict[str, list[str]]:
+    """Each trained arm's run names, one per seed."""
+    return {arm.name: [run_name(arm.name, seed) for seed in seeds] for arm in table}
 
 
 def print_report(result: dict) -> None:
@@ -147,15 +154,19 @@ def evaluate_testbed(args, target: rj.Target, target_dir: Path, runs: Path | Non
     if len(windows) > 1:
         raise SystemExit(f"the windowed drafters have different context windows {sorted(windows)}")
     window = windows.pop() if windows else args.window
-    table = only_arms(arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks), tuple(args.queries),
-                           tuple(args.query_ranks)), args.arms) if runs is not None \
-        else zoo_arms(drafters, window, state_dim, args.seeds[0])
+    if runs is not None:
+        table = only_arms(arms(window, state_dim, tuple(args.ranks), tuple(args.seed_ranks), tuple(args.queries),
+                               tuple(args.query_ranks)), args.arms)
+        runs_of, control = seed_runs(table, args.seeds), "control"
+    else:  # the zoo's drafters: one run each, under its zoo name
+        table = zoo_arms(drafters)
+        runs_of, control = {name: [name] for name in drafters}, CONTROL
     per_distance = evaluate(args, target, tokenizer, drafters, window, task)
-    timed_runs = [run_name(arm.name, args.seeds[0]) for arm in table   # every reader arm and full-context DSpark
+    timed_runs = [runs_of[arm.name][0] for arm in table   # every reader arm and full-context DSpark
                   if arm.variant == "ready" or arm.name == "dspark_full"]
     timed = {name: drafters[name] for name in timed_runs if name in drafters}
     result = {"window": window, "task": task, "per_distance": per_distance,
-              "summary": aggregate(per_distance, table, args.seeds),
+              "summary": aggregate(per_distance, table, runs_of, control),
               "round_cost": cost_curve(timed, target, args.prefixes, args.repeats)}
     print_report(result)
     write_json(args.out, {"settings": vars(args), **result, "wall_seconds": time.perf_counter() - start})

@@ -19,13 +19,13 @@ without ``--target``, ``train`` uses the shipped testbed's target, ``zoo/long_ra
 ``train`` trains every arm of :func:`arms` on the same self-distilled long-range data (prompts of
 ``--prompt-len`` tokens, distances up to ``--max-distance``; ``experiments.train_drafter`` with
 ``--long-range-max-distance``): a windowed DSpark per seed; from it, for the same number of steps, the
-control (DSpark-FT, windowed, no state access), ReaDy (windowed, rank 8; with ``--seed-ranks`` other ranks
-too), and with the first seed ReaDy at the other ``--ranks`` and the KV-read baseline; and a full-context
+control (DSpark-FT, windowed, no state access), ReaDy (windowed, rank 8: ``ready_rank8``; with ``--seed-ranks``
+other ranks too), and with the first seed ReaDy at the other ``--ranks`` and the KV-read baseline; and a full-context
 DSpark trained from scratch for both phases' steps (the upper bound). ``ship`` copies the target, the first
-seed's control and ReaDy (``--ship-ready``: rank 8, or the arm of another rank) into
+seed's control and ReaDy (``--ship-ready``: the arm of rank 64 by default) into
 ``zoo/long_range/{target,control,ready}`` (``--ship-folders``, which may add ``ready_r8``: the ``--ship-r8`` arm)
-and records them in ``zoo/MANIFEST.json``; ``evaluate`` without
-``--runs`` evaluates the zoo's drafters, each under its arm's name, and ``demo`` prints their tau side by side.
+and records them in ``zoo/MANIFEST.json``; ``evaluate`` without ``--runs`` evaluates the zoo's drafters, each
+under its zoo name (``long_range/ready_r8``), and ``demo`` prints their tau side by side.
 
 ``cost`` alone times one drafter round against prefix length (below) for the testbed's drafter shapes on any
 target, freshly initialised, since a round's time and memory do not depend on the weights:
@@ -95,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train / evaluate only these arms (and those they start from); default: all")
     parser.add_argument("--ship-folders", nargs="+", default=["target", "control", "ready"],
                         choices=("target", "control", "ready", "ready_r8"), help="ship: what to copy into the zoo")
-    parser.add_argument("--ship-r8", default="ready",
+    parser.add_argument("--ship-r8", default="ready_rank8",
                         help="ship: the arm shipped as the zoo's ready_r8 (the best reader at the paper's budget)")
-    parser.add_argument("--ship-ready", default="ready",
-                        help="ship: the ReaDy arm shipped as the zoo's ready (ready: rank 8; ready_rank<r>: rank r)")
+    parser.add_argument("--ship-ready", default="ready_rank64",
+                        help="ship: the ReaDy arm shipped as the zoo's ready (ready_rank<r>: rank r)")
     parser.add_argument("--jobs", type=cli.positive_int, default=1, help="trainings at a time")
     parser.add_argument("--sequences", type=cli.positive_int, default=512, help="self-distilled training sequences")
     parser.add_argument("--prompt-len", type=cli.positive_int, default=640, help="tokens of each training prompt")
