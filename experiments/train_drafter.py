@@ -215,6 +215,22 @@ class Repeated(argparse.Action):
         setattr(namespace, self.dest, [*(given if isinstance(given, list) else []), value])
 
 
+def check_data_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, what ``--data`` cannot honour."""
+    if not args.data:
+        return
+    if args.long_range_max_distance is not None:
+        parser.error("--long-range-max-distance distils long-range recall prompts from the corpus; it does not "
+                     "apply to --data")
+    if args.val_conversations < args.batch_size:
+        parser.error(f"--val-conversations {args.val_conversations} is below --batch-size {args.batch_size}: "
+                     "validation runs whole batches")
+    try:
+        files.check_output(regen_dir(args), kind="directory", what="--regen-dir")
+    except OSError as e:
+        parser.error(e.strerror or str(e))
+
+
 def regen_dir(args) -> str:
     return args.regen_dir or cli.repo_path("runs", f"regen_{args.data_seed}")
 
@@ -354,11 +370,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
     apply_recipe(parser, argv, args)
     workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
     distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
+    check_data_arguments(parser, args)
     try:  # before distilling and training, not after
         files.check_output(workdir, kind="directory", what="--workdir")
         files.check_output(distill_cache, kind="file", what="--distill-cache")
-        if args.data:
-            files.check_output(regen_dir(args), kind="directory", what="--regen-dir")
         if args.save_dir:
             checkpoint.check_destination(args.save_dir, MTP_FORMAT if args.variant == "mtp" else DRAFTER_FORMAT)
     except OSError as e:

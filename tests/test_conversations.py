@@ -217,3 +217,14 @@ def test_train_drafter_strict_refuses_a_bad_record_in_one_line(chat_target, tmp_
     assert err == [f"error: {DATA / 'bad.jsonl'}:2: not JSON (Expecting ',' delimiter at character 60) "
                    "(--strict refuses bad records)"]
     assert not (tmp_path / "work").exists()  # refused before the run claimed its workdir
+
+
+def test_train_drafter_refuses_what_data_cannot_honour(tmp_path, capsys):
+    argv = ["--variant", "dspark", "--target", str(tmp_path), "--workdir", str(tmp_path / "work"),
+            "--data", str(DATA / "text.jsonl")]
+    for extra, message in ((["--long-range-max-distance", "32"], "--long-range-max-distance distils long-range"),
+                           (["--val-conversations", "2", "--batch-size", "4"], "--val-conversations 2 is below "
+                                                                                "--batch-size 4")):
+        with pytest.raises(SystemExit) as refused:
+            train_drafter.main(argv + extra)
+        assert refused.value.code == 2 and message in capsys.readouterr().err
