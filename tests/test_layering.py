@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "ready_jax.training.loop", "ready_jax.training.artifacts"),
     ("ready_jax.training.target_recipe", "ready_jax.training.target_init", "ready_jax.training.distillation",
      "ready_jax.training.drafter_loss", "ready_jax.training.drafter_variants", "ready_jax.training.drafter_trainer",
-     "ready_jax.training.mtp_training", "ready_jax.training.regeneration", "ready_jax.training.step_batches"),
+     "ready_jax.training.mtp_training", "ready_jax.training.regeneration", "ready_jax.training.step_batches",
+     "ready_jax.training.recipes"),
     ("convert.*", "experiments.*"),
 )
 
