@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -204,29 +205,24 @@ class ChatTemplate:
                                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
 
-_compiled_templates: dict[str, object] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _compiled(template: str):
-    if template not in _compiled_templates:
-        import jinja2  # the train extra
-        import jinja2.ext
-        import jinja2.sandbox
+    import jinja2  # the train extra
+    import jinja2.ext
+    import jinja2.sandbox
 
-        def raise_exception(message):
-            raise jinja2.TemplateError(message)
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
 
-        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag()])
-        environment.filters["tojson"] = tojson
-        environment.globals["raise_exception"] = raise_exception
-        environment.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        _compiled_templates[template] = environment.from_string(template)
-    return _compiled_templates[template]
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag()])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return environment.from_string(template)
 
 
 def _generation_tag():
@@ -406,7 +402,8 @@ def prepare_prompts(paths: Sequence[str | os.PathLike], template_spec: str, targ
     ids, _ = tokenize(rendered.records, tokenizer)
     digest = hashlib.sha256()
     for path in [*rendered.files, tokenizer_path]:
-        digest.update(hashlib.sha256(Path(path).read_bytes()).digest())
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
     digest.update(b"" if template is None else template.template.encode())
     pad_token = (template.special_tokens.get("pad_token") if template is not None else None) or data.PAD_TOKEN
     pad_id = tokenizer.token_to_id(pad_token)

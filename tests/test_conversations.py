@@ -134,6 +134,21 @@ def test_template_renders_as_transformers_apply_chat_template():
                 assert ours == theirs, (record.path, record.line)
 
 
+def test_filters_loop_controls_and_special_tokens_render_as_in_transformers():
+    transformers = pytest.importorskip("transformers")
+    source = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+              "{{ m | tojson }}{% if loop.last %}{{ eos_token }}{% endif %}{% endfor %}"
+              "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+              "[{{ ns.n }}]{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokens = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=chat_tokenizer(), chat_template=source, **tokens)
+    messages = [{"role": "system", "content": "skip me"}, {"role": "user", "content": "Über café \"quoted\""}]
+    for generation_prompt in (False, True):
+        ours = conversations.ChatTemplate(source, tokens, "test").render(messages, generation_prompt)
+        assert ours == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        assert "Über" in ours  # tojson keeps non-ASCII text
+
+
 def test_prompt_and_answer_split_at_the_last_assistant_turn():
     template = _template()
     records = {(Path(r.path).name, r.line): r
