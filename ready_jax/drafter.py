@@ -127,9 +127,12 @@ def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: j
 
     q: [B, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd] (a slot is visible when it holds a committed position,
     and with ``window`` one >= ctx_len - window; see :func:`context_positions`); blk_k / blk_v:
-    [B, G, H_kv, hd], all visible (bidirectional).
+    [B, G, H_kv, hd], all visible (bidirectional). Training passes one context per sequence for N blocks of it:
+    ctx_k / ctx_v [B / N, S, H_kv, hd], rows ``b * N + j`` sharing sequence b's (:func:`shared_context_attention`).
     -> [B, G, H, hd]
     """
+    if ctx_k.shape[0] != q.shape[0]:
+        return shared_context_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, window)
     b, g, h, hd = q.shape
     h_kv, slots = blk_k.shape[2], ctx_k.shape[1]
     q = q.reshape(b, g, h_kv, h // h_kv, hd)
@@ -144,6 +147,34 @@ def block_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: j
     out = (jnp.einsum("bkrgs,bskd->bgkrd", probs[..., :slots], ctx_v)
            + jnp.einsum("bkrgj,bjkd->bgkrd", probs[..., slots:], blk_v))
     return out.reshape(b, g, h, hd)
+
+
+def shared_context_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, ctx_len: jax.Array,
+                             blk_k: jax.Array, blk_v: jax.Array, window: int | None = None) -> jax.Array:
+    """:func:`block_attention` of N blocks per sequence over that sequence's one context, never copied per block.
+
+    q: [B*N, G, H, hd]; ctx_k / ctx_v: [B, S, H_kv, hd]; ctx_len: [B*N] (block row b * N + j sees what
+    ``ctx_len[b * N + j]`` commits); blk_k / blk_v: [B*N, G, H_kv, hd]. -> [B*N, G, H, hd]
+    """
+    rows, g, h, hd = q.shape
+    b, slots, h_kv, _ = ctx_k.shape
+    if rows % b:
+        raise ValueError(f"{rows} block rows do not share {b} contexts evenly")
+    n = rows // b
+    qn = q.reshape(b, n, g, h_kv, h // h_kv, hd)
+    s_ctx = jnp.einsum("bngkrd,bskd->bnkrgs", qn, ctx_k).astype(jnp.float32)            # [B, N, kv, r, G, S]
+    s_blk = jnp.einsum("bgkrd,bjkd->bkrgj", q.reshape(rows, g, h_kv, h // h_kv, hd), blk_k).astype(jnp.float32)
+    held = context_positions(ctx_len, slots).reshape(b, n, slots)                      # [B, N, S]
+    visible = held >= 0
+    if window is not None:
+        visible &= held >= ctx_len.reshape(b, n)[:, :, None] - window
+    s_ctx = jnp.where(visible[:, :, None, None, None, :], s_ctx, -jnp.inf)
+    scores = jnp.concatenate([s_ctx, s_blk.reshape(b, n, *s_blk.shape[1:])], axis=-1)
+    probs = jax.nn.softmax(scores * hd**-0.5, axis=-1).astype(q.dtype)
+    out = (jnp.einsum("bnkrgs,bskd->bngkrd", probs[..., :slots], ctx_v)
+           + jnp.einsum("bkrgj,bjkd->bgkrd", probs[..., slots:].reshape(rows, *probs.shape[2:-1], g), blk_v)
+           .reshape(b, n, g, h_kv, h // h_kv, hd))
+    return out.reshape(rows, g, h, hd)
 
 
 def context_positions(lengths: jax.Array, slots: int) -> jax.Array:

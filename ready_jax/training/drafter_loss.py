@@ -10,7 +10,7 @@ the state reader's teacher pass reads committed states only at segment ends. Blo
 ``generate`` drafts when ``a_j`` tokens are committed and the anchor is token ``a_j``: it sees the target
 features of positions ``< a_j`` and its own block, and (ReaDy) the target's GDN states after ``a_j``
 tokens. The N blocks of B sequences are batched as ``B * N`` rows of one drafter call whose context cache
-holds the whole sequence's features with ``lengths = a_j``, so the attention mask does the rest.
+holds each sequence's features once, with ``lengths = a_j`` per row, so the attention mask does the rest.
 
 **Teacher** (frozen, recomputed every step): one pass of the target over the sequence gives the
 hidden features of ``target_layer_ids`` and the logits at every position. For a reader the pass runs
@@ -225,18 +225,17 @@ def block_logits(model: DrafterModel, shared: SharedWeights, context: ContextCac
 
 
 def anchor_context(model: DrafterModel, hidden: jax.Array, anchors: jax.Array) -> ContextCache:
-    """Context K/V of whole sequences, repeated once per anchor: row ``b * N + j`` sees positions ``< anchors[b, j]``.
+    """Context K/V of whole sequences, one per sequence however many anchors it has: row ``b * N + j`` sees
+    positions ``< anchors[b, j]`` (``lengths`` holds one per row; the drafter's attention shares each sequence's
+    keys and values among its N rows: ``ready_jax.drafter.shared_context_attention``).
 
-    hidden: [n_ids, B, T, D]; anchors: [B, N].
+    hidden: [n_ids, B, T, D]; anchors: [B, N] -> k / v [L, B, T, H_kv, hd], lengths [B*N].
     """
     feats = model.context_features(hidden)                                          # [B, T, d]
     b, t, _ = feats.shape
-    n = anchors.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     kv = [layer.self_attn.keys_values(feats, positions) for layer in model.layers]
-    k = jnp.repeat(jnp.stack([k for k, _ in kv]), n, axis=1)                         # [L, B*N, T, H_kv, hd]
-    v = jnp.repeat(jnp.stack([v for _, v in kv]), n, axis=1)
-    return ContextCache(k=k, v=v, lengths=anchors.reshape(-1))
+    return ContextCache(k=jnp.stack([k for k, _ in kv]), v=jnp.stack([v for _, v in kv]), lengths=anchors.reshape(-1))
 
 
 def position_weights(block_size: int, decay: float = POSITION_DECAY) -> np.ndarray:
