@@ -246,9 +246,7 @@ def conversation_data(args, target: rj.Target, prompts: conversations.Prompts,
     if cut:
         log(f"{cut} of {len(fitted)} prompts were longer than --prompt-len {args.prompt_len}: each keeps its last "
             f"{args.prompt_len} tokens")
-    # On --mesh the target answers there too (generate runs a placed target's program on its mesh).
-    generator = target if args.mesh_layout is None else rj.shard_target(target, args.mesh_layout)
-    answers = regeneration.regenerate(generator, fitted, config, regen_dir(args), log=log)
+    answers = regeneration.regenerate(target, fitted, config, regen_dir(args), mesh=args.mesh_layout, log=log)
     rows, padded = regeneration.training_rows(fitted, answers, args.seq_len, prompts.pad_id)
     if padded:
         log(f"{padded} rows are shorter than --seq-len {args.seq_len} (--regen-max-new-tokens): right-padded")

@@ -183,9 +183,9 @@ def test_regenerated_answers_are_the_targets_own_greedy_answers(tmp_path):
     for prompt, answer in zip(prompts, answers, strict=True):
         alone = rj.generate(target, prompt[None], config.seq_len - len(prompt), eos_token_ids=()).tokens[0]
         assert np.array_equal(answer, alone)
-    placed = rj.shard_target(target, rj.Layout(rj.make_mesh(1, 1)))  # what train_drafter --mesh hands over
-    on_mesh = regeneration.regenerate(placed, prompts, config, tmp_path / "regen_mesh", log=lambda _: None)
+    mesh = rj.Layout(rj.make_mesh(1, 1))                    # what train_drafter --mesh hands over
+    on_mesh = regeneration.regenerate(target, prompts, config, tmp_path / "regen_mesh", mesh=mesh, log=lambda _: None)
     assert all(np.array_equal(a, b) for a, b in zip(answers, on_mesh, strict=True))
     settings = [json.loads((tmp_path / name / "index.json").read_text())["settings"]
                 for name in ("regen", "regen_mesh")]
-    assert settings[0] == settings[1]                       # the same target hash, placed or not
+    assert settings[0] == settings[1]                       # the same settings and target hash, placed or not

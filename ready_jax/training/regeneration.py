@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import cli, files
 from ..generation import generate
-from ..target import Target
+from ..sharding import Layout
+from ..target import Target, shard_target
 from .distillation import target_sha256
 
 INDEX_FILE = "index.json"
@@ -80,9 +81,11 @@ def prompts_sha256(prompts: Sequence[np.ndarray]) -> str:
 
 
 def regenerate(target: Target, prompts: Sequence[np.ndarray], config: RegenConfig, directory: str | os.PathLike, *,
-               log: Callable[[str], None] = print) -> list[np.ndarray]:
+               mesh: Layout | None = None, log: Callable[[str], None] = print) -> list[np.ndarray]:
     """The answer ids of every prompt (each at most ``config.prompt_len`` tokens: :func:`fit_prompts`), made by the
-    target and kept as shards in ``directory`` (module docstring). Generating prints progress to stderr."""
+    target and kept as shards in ``directory`` (module docstring); with ``mesh``, by the target placed there
+    (:func:`ready_jax.shard_target`; the index records the hash of the weights as loaded, whatever the placement).
+    Generating prints progress to stderr."""
     if any(not 1 <= len(p) <= config.prompt_len for p in prompts):
         raise ValueError(f"every prompt must hold 1 to {config.prompt_len} tokens: fit them to the budget first")
     directory = Path(directory)
@@ -91,6 +94,7 @@ def regenerate(target: Target, prompts: Sequence[np.ndarray], config: RegenConfi
     settings = {"format": FORMAT, **dataclasses.asdict(config), "target_sha256": target_sha256(target),
                 "prompts_sha256": prompts_sha256(prompts), "conversations": len(prompts)}
     index = _read_index(directory, settings, log)
+    generator = target if mesh is None else shard_target(target, mesh)
     starts = range(0, len(prompts), config.shard_size)
     answers: list[np.ndarray] = []
     with cli.Progress("regeneration", len(prompts), "conversations") as progress:
@@ -99,7 +103,7 @@ def regenerate(target: Target, prompts: Sequence[np.ndarray], config: RegenConfi
             name = f"shard-{shard:05d}.npz"
             kept = _read_shard(directory, name, index["shards"].get(name), len(chunk), log)
             if kept is None:
-                kept = _generate_shard(target, chunk, config, shard)
+                kept = _generate_shard(generator, chunk, config, shard)
                 digest = _write_shard(directory / name, *kept)
                 index["shards"][name] = {"sha256": digest, "conversations": len(chunk)}
                 files.write_text(directory / INDEX_FILE, json.dumps(index, indent=1))
