@@ -106,12 +106,12 @@ def read_conversations(paths: Sequence[str | os.PathLike], *, strict: bool = Fal
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, object]]:
     """``(line number, parsed JSON or BadRecord)`` for every non-blank line."""
-    with open(path, "rb") as f:
+    with os.fdopen(files.open_regular(path, "conversation file"), "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield number, BadRecord(path, number, f"invalid UTF-8 (byte {e.start})")
+                yield number, BadRecord(path, number, f"invalid UTF-8 at byte {e.start + 1}")
                 continue
             if not text.strip():
                 continue  # a blank line holds no record
@@ -119,6 +119,8 @@ def _jsonl_rows(path: str) -> Iterator[tuple[int, object]]:
                 yield number, json.loads(text)
             except json.JSONDecodeError as e:
                 yield number, BadRecord(path, number, f"not JSON ({e.msg} at character {e.pos + 1})")
+            except RecursionError:
+                yield number, BadRecord(path, number, "not JSON this reader takes (nested too deeply)")
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[int, object]]:

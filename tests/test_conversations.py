@@ -2,6 +2,7 @@
 counted with their file and line (and refused under --strict), prompts tokenized with the target's tokenizer."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -103,6 +104,16 @@ def test_strict_refuses_the_first_bad_record_naming_file_and_line():
     good.records = [r for r in good.records if r.line == 10]  # read fine; the template refuses it
     with pytest.raises(conversations.BadRecord, match=r"bad\.jsonl:10: the chat template refused it"):
         conversations.render_conversations(good, _template(), strict=True)
+
+
+def test_deep_nesting_is_a_bad_record_and_a_fifo_is_never_read(tmp_path):
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n" + '{"text": "fine"}\n')
+    read = conversations.read_conversations([tmp_path / "deep.jsonl"])
+    assert [(b.line, b.problem) for b in read.bad] == [(1, "not JSON this reader takes (nested too deeply)")]
+    assert [r.text for r in read.records] == ["fine"]
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(ValueError, match=r"pipe\.jsonl is not a regular file"):
+        conversations.read_conversations([tmp_path / "pipe.jsonl"])
 
 
 def test_a_file_of_another_kind_is_refused_whole(tmp_path):
