@@ -127,15 +127,16 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, object]]:
     """``(row number from 1, row as a dict)`` of a parquet file, read in batches."""
     import pyarrow.parquet as pq  # the train extra; only conversation files need it
 
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises its own types for a file that is not parquet
-        raise ValueError(f"{path} cannot be read as parquet ({type(e).__name__}: {e})") from None
-    number = 0
-    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, row
+    with os.fdopen(files.open_regular(path, "conversation file"), "rb") as f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises its own types for a file that is not parquet
+            raise ValueError(f"{path} cannot be read as parquet ({type(e).__name__}: {e})") from None
+        number = 0
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
 
 
 def parse_record(path: str, line: int, row: object) -> Record:

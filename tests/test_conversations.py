@@ -111,9 +111,10 @@ def test_deep_nesting_is_a_bad_record_and_a_fifo_is_never_read(tmp_path):
     read = conversations.read_conversations([tmp_path / "deep.jsonl"])
     assert [(b.line, b.problem) for b in read.bad] == [(1, "not JSON this reader takes (nested too deeply)")]
     assert [r.text for r in read.records] == ["fine"]
-    os.mkfifo(tmp_path / "pipe.jsonl")
-    with pytest.raises(ValueError, match=r"pipe\.jsonl is not a regular file"):
-        conversations.read_conversations([tmp_path / "pipe.jsonl"])
+    for name in ("pipe.jsonl", "pipe.parquet"):
+        os.mkfifo(tmp_path / name)
+        with pytest.raises(ValueError, match=rf"{name} is not a regular file"):
+            conversations.read_conversations([tmp_path / name])
 
 
 def test_a_file_of_another_kind_is_refused_whole(tmp_path):
