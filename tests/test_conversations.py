@@ -178,6 +178,9 @@ def test_prompt_and_answer_split_at_the_last_assistant_turn():
     assert unanswered.prompt.endswith("five words.<|im_end|>\n<|im_start|>assistant\n") and unanswered.answer == ""
     text = conversations.render_record(records["text.jsonl", 1], template)
     assert (text.prompt, text.answer) == ("def add(a, b):\n    return a + b\n", "")  # text is not templated
+    lone_answer = conversations.Record("x.jsonl", 4, messages=({"role": "assistant", "content": "hi"},))
+    with pytest.raises(conversations.BadRecord, match=r"x\.jsonl:4: nothing comes before the answer"):
+        conversations.render_record(lone_answer, template)
     plain = conversations.render_record(records["sharegpt.jsonl", 1], None)
     assert plain.prompt == "What does a hash map do?\n\n"
     assert plain.answer == "It stores values under keys and finds them in constant time on average."
