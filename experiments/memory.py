@@ -145,6 +145,9 @@ def init_27b(layers: int) -> dict:
     return out
 
 
+READY_COMPILE_WEIGHT = 1.5  # a 27B ReaDy program's compile time over AR's, on one device and on a mesh
+
+
 def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh: tuple[int, int] | None) -> dict:
     """The Qwen3.5-27B geometry, weights abstract; on a mesh the figures are per device.
 
@@ -161,9 +164,10 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
     out = {"layers": layers, "drafter": {"block_size": drafter_config.block_size,
                                          "num_layers": drafter_config.num_layers, "source_layers": list(sources),
                                          "rank": drafter_config.reader.rank}}
-    # Four compiles of a whole 27B program, each a minute or more at full depth: a line after each.
+    # Four compiles of a whole 27B program, each a minute or more at full depth: a line after each. ReaDy's program
+    # takes longer to compile than AR's (docs/measurements.md, "Progress lines"): it weighs more in the time left.
     progress = cli.Progress(f"27B programs{f' on mesh {mesh[0]}x{mesh[1]}' if mesh else ''}", 4, "compiled",
-                            every_s=0)
+                            every_s=0, weights=(1.0, READY_COMPILE_WEIGHT) * 2)
     for dtype in (jnp.bfloat16, jnp.float32):
         # Stacked groups: what a GPU runs (Target splits them only on one CPU device).
         target = rj.Target(nnx.eval_shape(lambda d=dtype: rj.TargetModel(config, rngs=nnx.Rngs(0), dtype=d)),

@@ -334,12 +334,16 @@ class Progress:
     Where the first items also compile (``compiles``: how many of the items compile a program, each passing
     its ``compile_seconds`` to :meth:`update`), the time left counts compiling apart: the mean time per item
     without its compile for every item left, plus the mean compile for every compile left. Otherwise the
-    first items' compiles would stand for every later item, which reuses their programs.
+    first items' compiles would stand for every later item, which reuses their programs. Items of known unequal
+    cost give their relative ``weights``, one per item in order; the time left is then per unit of weight.
     """
 
     def __init__(self, label: str, total: int | None = None, unit: str = "", *, every_s: float = 5.0,
-                 compiles: int = 0):
+                 compiles: int = 0, weights: tuple[float, ...] | None = None):
+        if weights is not None and len(weights) != total:
+            raise ValueError(f"{len(weights)} weights for {total} items")
         self.label, self.total, self.unit, self.every_s, self.compiles = label, total, unit, every_s, compiles
+        self.weights = weights
         self.done = self.compiled = 0
         self.compile_seconds = 0.0
         self.start = self._last = time.perf_counter()
@@ -381,10 +385,12 @@ class Progress:
         return text + (f" ({detail})" if detail else "")
 
     def seconds_left(self, elapsed: float) -> float:
-        """The estimated time left: per item from those done, compiles counted apart (see the class)."""
-        per_item = (elapsed - self.compile_seconds) / self.done
+        """The estimated time left: per item (or unit of weight) from those done, compiles counted apart (see the
+        class)."""
+        weights = self.weights or (1.0,) * self.total
+        per_weight = (elapsed - self.compile_seconds) / sum(weights[:self.done])
         per_compile = self.compile_seconds / self.compiled if self.compiled else 0.0
-        return per_item * (self.total - self.done) + per_compile * max(self.compiles - self.compiled, 0)
+        return per_weight * sum(weights[self.done:]) + per_compile * max(self.compiles - self.compiled, 0)
 
     def _print(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -255,6 +255,15 @@ def test_progress_counts_compiles_apart_in_the_time_left():
     assert progress.seconds_left(elapsed=26.0) == pytest.approx(3 * 2.0)   # both compiled: runs alone
 
 
+def test_progress_weighs_items_of_unequal_cost():
+    """Items weighing 1, 2, 1, 2: after the first (10 s) the time left is 5 more units of 10 s."""
+    progress = cli.Progress("job", 4, "programs", every_s=3600, weights=(1.0, 2.0, 1.0, 2.0))
+    progress.update()
+    assert progress.seconds_left(elapsed=10.0) == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="3 weights for 4 items"):
+        cli.Progress("job", 4, weights=(1.0, 2.0, 1.0))
+
+
 def test_reproduce_table_loops_report_progress(tmp_path, monkeypatch, capsys):
     table = reproduce_table.arms(tiny_config(), window=16)
     args = SimpleNamespace(runs=tmp_path / "runs", target="t", corpus="c", seeds=[0, 1], jobs=2, sequences=4,
