@@ -166,12 +166,15 @@ def gains(per_run: dict, seeds: list[int]) -> dict:
 
 def print_table(result: dict) -> None:
     ar = result["runs"]["autoregressive"]
-    print(f"\n{'arm':<40}{'tau':>13}{'code':>7}{'prose':>7}{'mixed':>7}{'all survive':>13}{'tok/s':>8}{'speedup':>9}")
-    print(f"{'AR':<40}{1.0:>13.2f}{'':>21}{'-':>13}{ar['tokens_per_second']:>8.1f}{1.0:>8.2f}x")
-    for arm in result["arms"].values():
+    # An arm is named as in the JSON (the shipped ones as their zoo folders: dspark, dspark_ft, ready, mtp), then
+    # described by its label.
+    print(f"\n{'arm':<60}{'tau':>13}{'code':>7}{'prose':>7}{'mixed':>7}{'all survive':>13}{'tok/s':>8}{'speedup':>9}")
+    print(f"{'autoregressive':<60}{1.0:>13.2f}{'':>21}{'-':>13}{ar['tokens_per_second']:>8.1f}{1.0:>8.2f}x")
+    for name, arm in result["arms"].items():
         t, k = arm["tau"], arm["tau_by_kind"]
         cell = f"{t['mean']:.2f}" + (f" ± {t['std']:.2f}" if t["n"] > 1 else "")
-        print(f"{arm['label'][:39]:<40}{cell:>13}" + "".join(f"{k[x]['mean']:>7.2f}" if x in k else f"{'':>7}"
+        named = f"{name}: {arm['label']}"[:59]
+        print(f"{named:<60}{cell:>13}" + "".join(f"{k[x]['mean']:>7.2f}" if x in k else f"{'':>7}"
                                                           for x in ("code", "prose", "mixed"))
               + f"{arm['all_drafts_survive']['mean']:>13.1%}{arm['tokens_per_second']['mean']:>8.1f}"
               f"{arm['speedup']['mean']:>8.2f}x")
