@@ -200,6 +200,8 @@ def preset_section(args) -> dict:
     weight_bytes = sum(x.nbytes for x in params)
     prompt = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(1, args.prompt))
 
+    started = cli.Progress("loop_efficiency")
+    started.note("measuring the machine: bandwidth, cache, matmul throughput")
     probes = bandwidth_bytes_per_s(max(3, args.repeats // 4))
     limits = {"bandwidth_probes_bytes_per_s": probes, "bandwidth_bytes_per_s": max(probes.values()),
               "last_level_cache_bytes": last_level_cache_bytes(), "target_weight_bytes": weight_bytes}
@@ -221,11 +223,15 @@ def preset_section(args) -> dict:
     print(f"matmuls of one step, summed: {gamma + 1} rows cost {bound['xla_ratio']:.2f}x one row through XLA, "
           f"{bound['best_library_ratio']:.2f}x with the faster library per shape (XLA or numpy's BLAS)")
     gammas = sorted(set(args.gammas) | {gamma})
+    pieces = cli.Progress(f"loop_efficiency: {args.preset} round pieces", 3, "models timed", every_s=0)
     parts = target_components(target, prompt, gammas, args.repeats)
+    pieces.update(detail="target")
     ready = rj.Drafter.init(config, preset.drafter(gamma, rj.ReaderConfig(rank=8)), seed=1, dtype=target.dtype)
     dspark = rj.Drafter.init(config, preset.drafter(gamma), seed=1, dtype=target.dtype)
-    drafters = {"dspark": drafter_components(target, dspark, prompt, args.repeats),
-                "ready": drafter_components(target, ready, prompt, args.repeats)}
+    drafters = {}
+    for name, drafter in (("dspark", dspark), ("ready", ready)):
+        drafters[name] = drafter_components(target, drafter, prompt, args.repeats)
+        pieces.update(detail=name)
     ar = parts["ar_step"]
     print(f"AR step {ar * 1e3:.2f} ms: the weight-read roofline step is {roofline_step / ar:.0%} of it")
     for name, d in drafters.items():
@@ -264,6 +270,8 @@ def zoo_section(args) -> dict:
     from .zoo_runs import DRAFTERS, held_out_prompts
 
     zoo = Path(args.zoo)
+    started = cli.Progress("loop_efficiency: zoo")
+    started.note("timing the zoo target's pieces")
     target = rj.Target.load(zoo / "target", dtype=jnp.float32)
     prompts = held_out_prompts(zoo / "target", args.zoo_prompts, args.prompt_tokens, args.seed)
     ids = [np.asarray([p["ids"]], np.int32) for p in prompts]                 # batch 1 each
@@ -272,24 +280,33 @@ def zoo_section(args) -> dict:
     print(f"zoo target: AR step {ar * 1e3:.2f} ms; {len(ids)} held-out prompts at batch 1, "
           f"{args.max_new_tokens} new tokens each; {provenance.load_note()}")
 
-    def total_seconds(drafter):
-        outs = []
+    def total_seconds(drafter) -> tuple[list, float]:
+        """Each prompt's fastest timed run, and the seconds its programs took to compile."""
+        outs, compile_seconds = [], 0.0
         for x in ids:
             runs = [rj.generate(target, x, args.max_new_tokens, drafter=drafter)
                     for _ in range(args.repeats_generate + 1)]
             outs.append(min(runs[1:], key=lambda o: o.run_seconds))  # the first run compiles
-        return outs
+            compile_seconds += runs[0].compile_seconds
+        return outs, compile_seconds
 
-    ar_outs = total_seconds(None)
+    ar_outs, _ = total_seconds(None)
     ar_seconds = sum(o.run_seconds for o in ar_outs)
+    started.note("autoregressive timed")
+    drafters = {name: rj.Drafter.load(zoo / folder, dtype=jnp.float32) for name, folder in DRAFTERS}
+    # The time left from the drafters alone (AR has no pieces of its own to time), compiles counted apart: a
+    # drafter of an earlier one's config runs its program.
+    configs = [d.config for d in drafters.values()]
+    progress = cli.Progress("loop_efficiency: zoo", len(drafters), "drafters timed", every_s=0,
+                            compiles=len([c for i, c in enumerate(configs) if c not in configs[:i]]))
     result = {"ar_step_s": ar, "target_components_s": parts, "prompts": len(ids), "drafters": {}}
-    for name, folder in DRAFTERS:
-        drafter = rj.Drafter.load(zoo / folder, dtype=jnp.float32)
+    for name, drafter in drafters.items():
         gamma = drafter.config.block_size
         if f"verify_{gamma + 1}" not in parts:
             parts.update(target_components(target, ids[0], [gamma], args.repeats))
         d_parts = drafter_components(target, drafter, ids[0], args.repeats)
-        outs = total_seconds(drafter)
+        outs, compile_seconds = total_seconds(drafter)
+        progress.update(detail=name, compile_seconds=compile_seconds)
         same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(outs, ar_outs, strict=True))
         committed = sum(float(o.accept_lengths[o.accept_lengths > 0].sum()) for o in outs)
         rounds = sum(int((o.accept_lengths > 0).sum()) for o in outs)
