@@ -19,6 +19,9 @@ a TPU slice of as many devices, scaled by the device count (labelled).
 
     python -m experiments.compile_train --recipe ready-paper --slices v5p:2x2x1,v5e:2x4,h200:1x1x8 --search \\
         --out results/compile_train_qwen3.5-27b.json
+
+A GPU node compiles with ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false``: XLA's Triton GEMM emitter finds no tiles
+for the confidence head's one-column weight gradient (docs/training_at_scale.md).
 """
 
 from __future__ import annotations
@@ -128,10 +131,10 @@ def compile_step(geo: TrainGeometry, slice_name: str, micro_batch: int, model: i
               "micro_batch_per_data_shard": micro_batch, **dataclasses.asdict(result), "fits_hbm": result.fits(hbm),
               "out_of_memory": result.out_of_memory}
     memory = "" if result.memory is None else f"{result.memory['total_bytes'] / 1e9:.2f} GB per device, "
-    status = result.error if result.error and not result.out_of_memory else (
-        "fits" if result.fits(hbm) else "does NOT fit")
+    status = f"FAILED: {result.error}" if result.error and not result.out_of_memory else (
+        f"{'fits' if result.fits(hbm) else 'does NOT fit'} {hbm / 1e9:.1f} GB")
     print(f"{slice_name} ({data} x {model} data x model) micro-batch {micro_batch}: compiled in "
-          f"{result.seconds:.0f} s: {memory}{status} of {hbm / 1e9:.1f} GB", flush=True)
+          f"{result.seconds:.0f} s: {memory}{status}", flush=True)
     return record
 
 
@@ -161,11 +164,27 @@ def analytic_flops(geo: TrainGeometry) -> float:
     return float(teacher + 3 * forward + 2 * head)
 
 
+def analytic_weight_bytes(geo: TrainGeometry, model: int) -> float:
+    """HBM bytes one device streams per micro-step for the weights alone, at least: its shard of the frozen target
+    once per teacher segment (a state reader's pass calls the target once per anchor segment: the prompt, every
+    stride, the tail), and its shard of the f32 drafter and its two AdamW moments read and written once each,
+    the drafter read twice more (forward, backward)."""
+    t, c = geo.target, geo.drafter
+    count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+    target = count(nnx.state(nnx.eval_shape(lambda: rj.TargetModel(t, rngs=nnx.Rngs(0), dtype=geo.dtype))))
+    drafter = count(nnx.state(nnx.eval_shape(lambda: drafter_lib.DrafterModel(c, rngs=nnx.Rngs(0),
+                                                                              dtype=jnp.float32))))
+    segments = geo.anchors.num_anchors + 1 if c.reader is not None else 1
+    return (segments * target * geo.dtype.itemsize + (2 + 2 * 2 + 2) * drafter * 4) / model
+
+
 def roofline(record: dict, geo: TrainGeometry, conversations: int, flops_per_device: float | None,
-             flops_source: str) -> dict:
-    """Labelled lower bounds on a micro-step, a global-batch step and an epoch from the compile's analyses."""
+             flops_source: str, bytes_per_device: float | None = None) -> dict:
+    """Labelled lower bounds on a micro-step, a global-batch step and an epoch from the compile's analyses (or the
+    given bytes)."""
     chip = CHIPS[record["chip"]]
-    bytes_per_device = record["cost"]["bytes_accessed"] if record["cost"] else None
+    if bytes_per_device is None:
+        bytes_per_device = record["cost"]["bytes_accessed"] if record["cost"] else None
     compute_s = flops_per_device / chip["bf16_flops_per_s"] if flops_per_device else None
     memory_s = bytes_per_device / chip["hbm_bytes_per_s"] if bytes_per_device else None
     micro_step_s = max(t for t in (compute_s, memory_s) if t is not None) if (compute_s or memory_s) else None
@@ -221,7 +240,8 @@ def summarise(compiles: dict[str, list[dict]], geo: TrainGeometry, conversations
                          "memory_gb_per_device": best["memory"]["total_bytes"] / 1e9,
                          "xla": roofline(best, geo, conversations, flops, source),
                          "analytic": roofline(best, geo, conversations, by_hand,
-                                              "counted by hand (analytic_flops), per device")}
+                                              "counted by hand (analytic_flops), per device",
+                                              analytic_weight_bytes(geo, best["model"]))}
         for label in ("xla", "analytic"):
             estimate = summary[name][label]
             if estimate["step_s"]:
