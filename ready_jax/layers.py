@@ -75,26 +75,25 @@ def padded_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
 
 def invariant_rows(fn, batch_invariant: bool, x: jax.Array, prefill: bool) -> jax.Array:
     """``fn(x)`` for a row-wise ``fn`` of x [B, T, D], as ``batch_invariant`` needs it: a prefill on tiles of
-    prompt rows (:func:`padded_rows`), a decode step or verify block one block position at a time, each on tiles of
-    :data:`ROW_TILE` rows (:func:`per_position`), so that a verify block's every matmul and the fusions around it
-    have a decode step's shapes, and neither depends on the batch."""
-    return (padded_rows if prefill else per_position)(fn, batch_invariant, x)
+    prompt rows (:func:`padded_rows`), a decode step or verify block on tiles of :data:`ROW_TILE` rows
+    (:func:`step_rows`), so that a verify block's every matmul and the fusions around it have a decode step's
+    shapes, and neither depends on the batch."""
+    return (padded_rows if prefill else step_rows)(fn, batch_invariant, x)
 
 
-def per_position(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
-    """``fn(x)`` for x [B, T, ...]; with ``batch_invariant``, one block position at a time, each at a decode
-    step's shape [B, 1, ...] on tiles of :data:`ROW_TILE` rows (:func:`row_tiles`). For the MoE, whose experts see
-    the tokens routed to them together: a position then shares its experts' matmuls with the same rows as in a
-    decode step. The positions are a loop (``lax.map``), not T copies: the program holds one copy of ``fn``'s
-    kernels (each takes memory maps of its own on a CPU: ``ready_jax.compiled_programs``), and no compiler pass
-    can merge the positions' matmuls into one over the whole block."""
+def step_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
+    """``fn(x)`` for a row-wise ``fn`` of x [B, T, ...] (a decode step, T = 1, or a verify block); with
+    ``batch_invariant``, the B * T rows on tiles of exactly :data:`ROW_TILE` rows (:func:`row_tiles`). Every matmul
+    then has one shape, whatever the batch and the block, and a row's result depends on neither its neighbours in a
+    tile nor its place there (``tests/test_numerics.py``): a verify position rounds as a decode step of the same
+    row, and a block of 8 positions at batch 1 reads each weight once. For the MoE, whose experts see the tokens
+    routed to them together, the tile is what they share. The tiles are a loop (``lax.map``), so the program holds
+    one copy of ``fn``'s kernels (each takes memory maps of its own on a CPU: ``ready_jax.compiled_programs``)."""
     if not batch_invariant:
         return fn(x)
-    tiled = functools.partial(row_tiles, fn, tile=ROW_TILE)
-    if x.shape[1] == 1:
-        return tiled(x)
-    positions = jnp.moveaxis(x[:, :, None], 1, 0)                                 # [T, B, 1, ...]
-    return jnp.moveaxis(jax.lax.map(tiled, positions), 0, 1)[:, :, 0]
+    b, t = x.shape[:2]
+    out = row_tiles(fn, x.reshape(b * t, 1, *x.shape[2:]), ROW_TILE)
+    return out.reshape(b, t, *out.shape[2:])
 
 
 class RMSNorm(nnx.Module):

@@ -48,7 +48,7 @@ from .checks import (
     is_int,
 )
 from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
-from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, invariant_rows, per_position
+from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, invariant_rows, step_rows
 from .modes import Form, Impl, Rollback
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
@@ -84,10 +84,10 @@ class DecoderLayer(nnx.Module):
             mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl,
                                                   batch_invariant=batch_invariant)
         h = h + mixed
-        # An MoE's experts run the tokens routed to them together, so a decode or verify step's MoE runs one block
-        # position at a time (a prefill's runs whole: per position it would unroll the prompt).
+        # An MoE's experts run the tokens routed to them together, so a decode or verify step's MoE runs on the
+        # step's row tiles (a prefill's runs whole).
         if isinstance(self.mlp, SparseMoE):
-            mlp = per_position(self.mlp, batch_invariant and form != "chunked", self.post_attention_layernorm(h))
+            mlp = step_rows(self.mlp, batch_invariant and form != "chunked", self.post_attention_layernorm(h))
         else:
             mlp = invariant_rows(self.mlp, batch_invariant, self.post_attention_layernorm(h), form == "chunked")
         return h + mlp, layer_cache
