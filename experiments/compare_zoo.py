@@ -1,4 +1,4 @@
-"""AR vs DSpark vs DSpark-FT vs ReaDy vs an MTP head with the shipped tiny zoo, on held-out prompts.
+"""AR against the zoo's drafters, by their folder names (dspark, dspark_ft, ready, mtp), on held-out prompts.
 
 Loads the zoo's target (with its tokenizer and corpus split manifest) and its four drafters (the MTP head is the
 kind Qwen3.5 / Qwen3-Next checkpoints ship and vLLM / SGLang draft with by default, trained here on the same data
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}) "
           f"of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens each, greedy")
 
-    drafters = {name: load_drafter_dir(zoo / folder, dtype=target.dtype) for name, folder in COMPARED}
+    drafters = {name: load_drafter_dir(zoo / name, dtype=target.dtype) for name in COMPARED}
     single = {}
     if args.batch1_prompts:
         single = batch_one(target, [ids[i:i + 1] for i in range(min(args.batch1_prompts, len(ids)))],

@@ -293,7 +293,7 @@ def zoo_section(args) -> dict:
     ar_outs, _ = total_seconds(None)
     ar_seconds = sum(o.run_seconds for o in ar_outs)
     started.note("autoregressive timed")
-    drafters = {name: rj.Drafter.load(zoo / folder, dtype=jnp.float32) for name, folder in DRAFTERS}
+    drafters = {name: rj.Drafter.load(zoo / name, dtype=jnp.float32) for name in DRAFTERS}
     # The time left from the drafters alone (AR has no pieces of its own to time), compiles counted apart: a
     # drafter of an earlier one's config runs its program.
     configs = [d.config for d in drafters.values()]

@@ -43,8 +43,8 @@ def zoo_label(name: str) -> str:
     return f"{name} ({ZOO_MODELS[name]})"
 
 
-DRAFTERS = (("DSpark", "dspark"), ("DSpark-FT", "dspark_ft"), ("ReaDy", "ready"))  # (label, zoo folder)
-COMPARED = (*DRAFTERS, ("MTP", "mtp"))  # and the target's own kind of MTP head, the baseline engines run
+DRAFTERS = ("dspark", "dspark_ft", "ready")  # the zoo's block drafters, by their folder names
+COMPARED = (*DRAFTERS, "mtp")  # and the target's own kind of MTP head, the baseline engines run
 
 
 def held_out_prompts(target_dir: Path, count: int, prompt_tokens: int, seed: int,

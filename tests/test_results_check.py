@@ -21,14 +21,14 @@ def test_the_readme_quotes_the_zoo_table_of_the_results_json():
 
 def test_a_changed_figure_is_named():
     rerun = copy.deepcopy(RECORDED)
-    rerun["results"]["ReaDy"]["rounds"] += 1
-    rerun["batch1"]["MTP"]["identical_to_ar"] = False
-    del rerun["results"]["DSpark"]
+    rerun["results"]["ready"]["rounds"] += 1
+    rerun["batch1"]["mtp"]["identical_to_ar"] = False
+    del rerun["results"]["dspark"]
     found = results_check.differences(RECORDED, rerun)
     assert len(found) == 3
-    assert any(f.startswith("results.ReaDy.rounds: recorded") for f in found)
-    assert any(f.startswith("batch1.MTP.identical_to_ar") for f in found)
-    assert "results.DSpark: missing in the rerun" in found
+    assert any(f.startswith("results.ready.rounds: recorded") for f in found)
+    assert any(f.startswith("batch1.mtp.identical_to_ar") for f in found)
+    assert "results.dspark: missing in the rerun" in found
     assert results_check.differences(RECORDED, copy.deepcopy(RECORDED)) == []
 
 
@@ -42,16 +42,16 @@ def test_another_cpu_is_held_to_the_quoted_figures_within_the_tolerance():
     between two CPUs of one instruction set): within the tolerance that passes, beyond it is named, and an output
     unequal to AR's is named whatever the tolerance."""
     rerun = copy.deepcopy(RECORDED)
-    rerun["results"]["DSpark"]["tau"] *= 1.017
-    rerun["results"]["DSpark"]["all_drafts_survive"] *= 1.2              # not quoted: compared exactly only
+    rerun["results"]["dspark"]["tau"] *= 1.017
+    rerun["results"]["dspark"]["all_drafts_survive"] *= 1.2              # not quoted: compared exactly only
     assert len(results_check.differences(RECORDED, rerun)) == 2
     assert results_check.differences(RECORDED, rerun, results_check.OTHER_CPU_TOLERANCE) == []
-    rerun["results"]["ReaDy"]["rounds"] = round(RECORDED["results"]["ReaDy"]["rounds"] * 1.1)
-    rerun["batch1"]["ReaDy"]["tau"] *= 0.9
-    rerun["results"]["MTP"]["identical_to_ar"] = False
+    rerun["results"]["ready"]["rounds"] = round(RECORDED["results"]["ready"]["rounds"] * 1.1)
+    rerun["batch1"]["ready"]["tau"] *= 0.9
+    rerun["results"]["mtp"]["identical_to_ar"] = False
     found = results_check.differences(RECORDED, rerun, results_check.OTHER_CPU_TOLERANCE)
-    assert [f.split(":")[0] for f in found] == ["results.MTP.identical_to_ar", "results.ReaDy.rounds",
-                                                "batch1.ReaDy.tau"]
+    assert [f.split(":")[0] for f in found] == ["results.MTP.identical_to_ar", "results.ready.rounds",
+                                                "batch1.ready.tau"]
 
 
 @pytest.mark.slow
