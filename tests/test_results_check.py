@@ -50,7 +50,7 @@ def test_another_cpu_is_held_to_the_quoted_figures_within_the_tolerance():
     rerun["batch1"]["ready"]["tau"] *= 0.9
     rerun["results"]["mtp"]["identical_to_ar"] = False
     found = results_check.differences(RECORDED, rerun, results_check.OTHER_CPU_TOLERANCE)
-    assert [f.split(":")[0] for f in found] == ["results.MTP.identical_to_ar", "results.ready.rounds",
+    assert [f.split(":")[0] for f in found] == ["results.mtp.identical_to_ar", "results.ready.rounds",
                                                 "batch1.ready.tau"]
 
 
