@@ -16,6 +16,7 @@ the text that quotes it (``--tables`` prints the README's table from the JSON, s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,13 @@ def _agrees(old, new, tolerance: float) -> bool:
     if tolerance and isinstance(old, int | float) and not isinstance(old, bool) and isinstance(new, int | float):
         return abs(new - old) <= tolerance * abs(old)
     return old == new
+
+
+def rerun_environment(recorded: dict) -> dict:
+    """This process's environment with ``XLA_FLAGS`` as the recorded run had them: the flags change XLA's code
+    (an optimisation level, say), and with it the rounding of a bf16 result, so a rerun from a shell or a test
+    harness that sets its own flags would otherwise compute other figures."""
+    return dict(os.environ, XLA_FLAGS=recorded["settings"]["runtime"]["xla_flags"])
 
 
 def differences(recorded: dict, rerun: dict, tolerance: float = 0.0) -> list[str]:
@@ -92,7 +100,7 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rerun.json")
-        done = subprocess.run(rerun_command(recorded, out), cwd=cli.repo_root())
+        done = subprocess.run(rerun_command(recorded, out), cwd=cli.repo_root(), env=rerun_environment(recorded))
         if done.returncode:
             raise SystemExit(f"the rerun of {COMPARE_ZOO} failed (exit status {done.returncode})")
         exact = same_kernels(recorded)

@@ -32,9 +32,11 @@ def test_a_changed_figure_is_named():
     assert results_check.differences(RECORDED, copy.deepcopy(RECORDED)) == []
 
 
-def test_the_rerun_command_keeps_what_decides_the_figures():
+def test_the_rerun_command_keeps_what_decides_the_figures(monkeypatch):
     command = results_check.rerun_command(RECORDED, "/tmp/x.json")
     assert "--prompts=16" in command and "--dtype=saved" in command and "--out=/tmp/x.json" in command
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")     # a test harness's: other rounding
+    assert results_check.rerun_environment(RECORDED)["XLA_FLAGS"] == RECORDED["settings"]["runtime"]["xla_flags"]
 
 
 def test_another_cpu_is_held_to_the_quoted_figures_within_the_tolerance():
