@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from .cli import repo_root
 
@@ -63,7 +64,7 @@ def cpu_caches() -> dict[str, str]:
     caches = {}
     for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
         try:
-            level, kind, size = (open(os.path.join(index, name), encoding="utf-8").read().strip()
+            level, kind, size = (Path(index, name).read_text(encoding="utf-8").strip()
                                  for name in ("level", "type", "size"))
         except OSError:
             continue

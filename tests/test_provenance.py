@@ -33,7 +33,8 @@ def test_the_cpu_is_read_from_cpuinfo_where_there_is_one(monkeypatch):
 
 
 def test_the_caches_are_read_from_sysfs(tmp_path, monkeypatch):
-    for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K")]):
+    caches = [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K")]
+    for index, (level, kind, size) in enumerate(caches):
         folder = tmp_path / f"index{index}"
         folder.mkdir()
         for name, value in (("level", level), ("type", kind), ("size", size)):
