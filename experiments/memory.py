@@ -7,7 +7,7 @@ Three sets of figures, written to JSON:
   ReaDy drafter of the paper's shape (5 layers, block 7, sources 30 and 62, rank 8), built abstractly
   (``nnx.eval_shape``: weights are ``ShapeDtypeStruct``s, never allocated) and only compiled;
 * ``Target.init``'s random initialisation of that target: the one program that would make every
-  parameter at once against the pieces ``Target.init`` runs (``ready_jax.target.init_pieces``).
+  parameter at once against the pieces ``Target.init`` runs (``ready_jax.init_programs.init_pieces``).
 
 Per program: XLA's argument, output, temporary and aliased bytes and the peak estimate
 ``argument + output + temp - alias``, next to what the model itself needs (weight bytes, target cache
@@ -37,10 +37,9 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, generation
+from ready_jax import cli, generation, init_programs
 from ready_jax import drafter as drafter_lib
 from ready_jax import sharding as sharding_lib
-from ready_jax import target as target_lib
 
 from .common import write_json
 from .presets import PRESETS
@@ -123,10 +122,10 @@ def init_27b(layers: int) -> dict:
     leaves = jax.tree.leaves(jax.eval_shape(lambda k: nnx.state(build(k)), key))
 
     def compiled_bytes(piece) -> dict:
-        stats = target_lib.init_program(build, piece).lower(key).compile().memory_analysis()
+        stats = init_programs.init_program(build, piece).lower(key).compile().memory_analysis()
         return {"output_bytes": int(stats.output_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes)}
 
-    split = target_lib.init_pieces(leaves)
+    split = init_programs.init_pieces(leaves)
     cli.Progress("27B init").note(f"compiling every parameter as one program, then in {len(split)} pieces")
     one = compiled_bytes(tuple(range(len(leaves))))
     # The ETA from the pieces alone: the one program is several pieces' work.
@@ -138,7 +137,7 @@ def init_27b(layers: int) -> dict:
     progress.close()
     worst = max(pieces, key=lambda p: p["output_bytes"] + p["temp_bytes"])
     out = {"layers": layers, "parameter_bytes": nbytes(leaves), "one_program": one, "pieces": pieces,
-           "max_piece_bytes": target_lib.INIT_PROGRAM_BYTES, "worst_piece": worst}
+           "max_piece_bytes": init_programs.INIT_PROGRAM_BYTES, "worst_piece": worst}
     print(f"27B init, one program: out {one['output_bytes'] / GIB:.2f} GiB + temp {one['temp_bytes'] / GIB:.2f} "
           f"GiB; in {len(pieces)} pieces: the largest needs out {worst['output_bytes'] / GIB:.2f} GiB + temp "
           f"{worst['temp_bytes'] / GIB:.2f} GiB (all parameters: {out['parameter_bytes'] / GIB:.2f} GiB)")

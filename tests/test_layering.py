@@ -16,7 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "ready_jax.compiled_programs", "ready_jax.provenance", "ready_jax.checks", "ready_jax.long_range_task",
      "ready_jax.conversations"),
     ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format", "ready_jax.numerics"),
-    ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read"),
+    ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read", "ready_jax.init_programs"),
     ("ready_jax.checkpoint",),
     ("ready_jax.target", "ready_jax.drafter", "ready_jax.reader", "ready_jax.mtp"),
     ("ready_jax.speculative", "ready_jax.generation_loop"),
