@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random targets built in-process (nothing is downloaded)."""
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 from ready_jax import runtime  # noqa: E402  (imports jax, which reads XLA_FLAGS only when its backend starts)
 
@@ -93,3 +96,16 @@ def applied_decays(monkeypatch):
         return list(decays)
 
     return capture
+
+
+def report_on_eight_devices(script: str) -> dict:
+    """Run the test file ``script`` as a program on 8 simulated CPU devices (XLA reads the device count only when
+    its backend starts, so not in this process) and return the JSON of its last ``REPORT `` line."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.abspath(script)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"device checks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("REPORT "):])

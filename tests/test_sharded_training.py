@@ -7,9 +7,6 @@ executes this file as a script and prints one JSON report (XLA fixes the device 
 """
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -53,14 +50,9 @@ def test_anchor_draws_are_per_sequence_and_independent_of_the_split():
 # ---- on 8 simulated devices ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"device checks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    from conftest import report_on_eight_devices  # here: the file also runs as the devices' script, without it
+
+    return report_on_eight_devices(__file__)
 
 
 @pytest.mark.slow
