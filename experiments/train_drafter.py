@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="parameter dtype of the saved drafter")
     parser.add_argument("--steps", type=cli.positive_int, default=400, help="training steps")
+    parser.add_argument("--stop-after", type=cli.positive_int, default=None,
+                        help="end this run at this step (checkpointed; the schedule still spans --steps, and a rerun "
+                        "continues)")
     parser.add_argument("--seed", type=int, default=0, help="drafter initialisation and batch order")
     parser.add_argument("--impl", default="xla", choices=modes.IMPLS,
                         help="the teacher pass's Gated DeltaNet: XLA or the fused Pallas kernel (for GPUs)")
@@ -440,7 +443,8 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
                                   min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, b2=args.b2,
                                   clip_norm=args.clip_norm)
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every, resume_unverified=args.resume_unverified)
+                      checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
+                      resume_unverified=args.resume_unverified)
     meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
             "optim": dataclasses.asdict(optim), **data_settings,
             "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from, "seed": args.seed,
@@ -459,7 +463,8 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
                                                 micro_batches=args.grad_accum, mesh=args.mesh_layout)
         final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size // args.grad_accum,
                                                   args.impl, loss_weights(args), args.mesh_layout)(trained.params)
-    summary = {"variant": args.variant, "steps": args.steps, "params": num_params,
+    steps_done = min(args.steps, args.stop_after or args.steps)
+    summary = {"variant": args.variant, "steps": steps_done, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
     files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))

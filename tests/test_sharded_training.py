@@ -1,6 +1,7 @@
 """Drafter training on a ``data x model`` mesh: anchors drawn per sequence, gradient accumulation, and on 8
 simulated CPU devices a 2 x 4 mesh run checked against the single-device run, accumulated against whole batches,
-and an interrupted run against an uninterrupted one.
+and an interrupted run against an uninterrupted one; then the same from the command line, a ReaDy drafter trained on
+conversation files rendered with a chat template.
 
 The multi-device checks run once, in a subprocess started with ``--xla_force_host_platform_device_count=8`` that
 executes this file as a script and prints one JSON report (XLA fixes the device count when jax starts).
@@ -75,6 +76,19 @@ def test_interrupted_mesh_run_resumes_exactly(report):
     assert report["resumed"]["val_loss"] == report["mesh"]["val_loss"]
 
 
+@pytest.mark.slow
+def test_command_line_mesh_run_on_conversations_matches_one_device_and_resumes_exactly(report):
+    """``train_drafter --variant ready --data ... --chat-template PATH --mesh 2x4``: the target answers the
+    conversations on the mesh as on one device, the losses are the single-device run's, and a run stopped at step 2
+    and rerun logs the uninterrupted run's losses exactly."""
+    cli = report["cli"]
+    assert cli["answers_equal"] and cli["conversations"] == 11
+    assert len(cli["mesh"]["loss"]) == STEPS and cli["mesh"]["val_loss"]
+    np.testing.assert_allclose(cli["mesh"]["loss"], cli["single"]["loss"], rtol=1e-4)
+    np.testing.assert_allclose(cli["mesh"]["val_loss"], cli["single"]["val_loss"], rtol=1e-4)
+    assert cli["resumed"] == cli["mesh"]
+
+
 # ---- the subprocess ---------------------------------------------------------------------------------------------
 def models():
     """A target whose heads divide a 4-way model axis (2 KV heads replicate) and a ReaDy drafter with a live reader."""
@@ -111,6 +125,58 @@ def _run(target, drafter, sequences, workdir: Path, mesh, micro_batches=1, stop_
             "val_loss": [r["val_loss"] for r in rows if "val_loss" in r]}
 
 
+def chat_target(directory: Path, vocab_size: int) -> Path:
+    """:func:`models`' target geometry with the test conversations' tokenizer, saved in ``directory``."""
+    import dataclasses
+
+    from test_conversations import chat_tokenizer
+
+    import ready_jax as rj
+
+    config = dataclasses.replace(models()[0].config, vocab_size=vocab_size)
+    rj.Target.init(config, seed=0).save(directory)
+    chat_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def command_line_runs(root: Path) -> dict:
+    """A ReaDy drafter trained by ``experiments.train_drafter`` on the test conversation files: on one device, on a
+    2 x 4 mesh, and on the mesh stopped at step 2 then rerun."""
+    from test_conversations import GOOD_FILES, TEMPLATE_CONFIG, VOCAB
+
+    import ready_jax as rj
+    from experiments import train_drafter
+    from ready_jax import data
+    from ready_jax.training import drafter_variants
+
+    target = chat_target(root / "target", VOCAB)
+    config = rj.Target.load(target).config
+    rj.Drafter.init(config, drafter_variants.default_config(config, data.MASK_ID, block_size=4, num_layers=2,
+                                                            markov_rank=8), seed=1).save(root / "dspark")
+
+    def run(name: str, mesh: str | None, regen: str, stop_after: int | None = None) -> dict:
+        argv = ["--variant", "ready", "--target", str(target), "--init-from", str(root / "dspark"),
+                "--workdir", str(root / name), *[arg for path in GOOD_FILES for arg in ("--data", str(path))],
+                "--chat-template", str(TEMPLATE_CONFIG), "--regen-dir", str(root / regen), "--val-conversations", "4",
+                "--batch-size", "4", "--steps", str(STEPS), "--warmup", "1", "--lr", "1e-2", "--checkpoint-every", "2",
+                "--eval-every", "1", "--log-every", "1", "--prompt-len", "40", "--seq-len", "56", "--stride", "4",
+                "--anchors", "2", "--rank", "4", *(["--mesh", mesh] if mesh else []),
+                *(["--stop-after", str(stop_after)] if stop_after else [])]
+        train_drafter.main(argv)
+        rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        return {"loss": [r["loss"] for r in rows if "loss" in r], "val_loss": [r["val_loss"] for r in rows
+                                                                               if "val_loss" in r]}
+
+    out = {"single": run("cli_single", None, "regen_single"), "mesh": run("cli_mesh", "2x4", "regen_mesh")}
+    run("cli_resumed", "2x4", "regen_mesh", stop_after=2)
+    out["resumed"] = run("cli_resumed", "2x4", "regen_mesh")
+    index = json.loads((root / "regen_single" / "index.json").read_text())
+    out["conversations"] = index["settings"]["conversations"]
+    out["answers_equal"] = all((root / "regen_single" / name).read_bytes() == (root / "regen_mesh" / name).read_bytes()
+                               for name in index["shards"])
+    return out
+
+
 def main() -> None:
     import jax
 
@@ -128,6 +194,7 @@ def main() -> None:
                   "accumulated": _run(target, drafter, sequences, root / "accumulated", mesh, micro_batches=2)}
         _run(target, drafter, sequences, root / "resumed", mesh, stop_after=2)
         report["resumed"] = _run(target, drafter, sequences, root / "resumed", mesh)
+        report["cli"] = command_line_runs(root)
     split = lambda params: any(any(a is not None for a in x.sharding.spec) for x in jax.tree.leaves(params))  # noqa: E731
     report["target_split"] = split(rj.shard_target(target, mesh).params)
     report["drafter_split"] = split(rj.shard_drafter(drafter, mesh).params)
