@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, conversations, data, files, modes, provenance, sharding
+from ready_jax import checkpoint, cli, conversations, data, files, modes, processes, provenance, sharding
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
 from ready_jax.mtp import FORMAT as MTP_FORMAT
@@ -326,6 +326,8 @@ def apply_recipe(parser: argparse.ArgumentParser, argv: list[str], args: argpars
         setattr(args, name, value)
     if args.variant == "mtp" and (args.mesh or args.grad_accum > 1 or args.anchors):
         parser.error("--mesh, --grad-accum and --anchors train DSpark and ReaDy drafters, not --variant mtp")
+    if args.coordinator is not None and args.mesh is None:
+        parser.error("--coordinator needs --mesh: the processes of a run train on one mesh of all their devices")
     if args.batch_size % args.grad_accum:
         parser.error(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} micro-batches")
 
@@ -467,14 +469,16 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     summary = {"variant": args.variant, "steps": steps_done, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
-    files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
-    if args.save_dir:
-        exported = type(trained)(nnx.merge(trained.graphdef,
-                                           artifacts.cast(trained.params, jnp.dtype(args.export_dtype))))
+    params = processes.host_copy(trained.params)  # every process takes part; process 0 writes
+    if processes.writes_shared_files():
+        files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
+    if args.save_dir and processes.writes_shared_files():
+        exported = type(trained)(nnx.merge(trained.graphdef, artifacts.cast(params, jnp.dtype(args.export_dtype))))
         files.write_directory(args.save_dir, exported.save, replace=args.replace_save_dir)
         export_command = provenance.command_line("experiments.train_drafter", argv)
         artifacts.record_artifacts(args.save_dir, dict(produced_by, export_command=export_command, summary=summary))
         print(f"wrote {args.save_dir}")
+    processes.wait_for_all("train_drafter: exported")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 ``sharding.initialize_distributed`` with the coordinator on 127.0.0.1, run tensor-parallel generate
 and data-parallel drafter training on meshes spanning both processes and match the same work done
 in this (single-device) test process; a process killed mid-run makes the survivor fail within the
-heartbeat timeout instead of hanging.
+heartbeat timeout instead of hanging; and ``experiments.train_drafter`` run as two processes on one 2 x 4 mesh
+trains a ReaDy drafter from conversation files as one device does, and resumes.
 
 The processes are this file executed as a script (``python tests/test_multiprocess.py ROLE ...``),
 each in its own subprocess with a hard timeout, so a hang fails the test. They load the target and
@@ -137,6 +138,33 @@ def test_data_parallel_training_across_processes_equals_single_process(runs):
           f"vs {reference_losses}")
 
 
+def test_command_line_training_across_processes_matches_one_device_and_resumes(tmp_path):
+    """``train_drafter --mesh 2x4 --coordinator ...`` in two processes of 4 devices (the data axis across them),
+    stopped at step 2 and run again: the losses process 0 logs are the one-device run's, each process claimed the
+    workdir with a lock of its own and resumed from step 2, and the export reads back."""
+    from test_sharded_training import command_line, command_line_setup, logged_losses
+
+    import ready_jax as rj
+    from experiments import train_drafter
+
+    command_line_setup(tmp_path)
+    for attempt, stop in (("stopped", ["--stop-after", "2"]), ("rerun", [])):
+        port = str(_free_port())
+        procs = [_start(tmp_path / f"{attempt}{i}", "train_cli", str(i), port, str(tmp_path), *stop) for i in range(2)]
+        if attempt == "stopped":
+            train_drafter.main(command_line(tmp_path, "single", "regen_single"))  # meanwhile, on this one device
+        results = _finish(procs, 2 * RUN_TIMEOUT_S)  # each process also regenerates the answers
+        for i, (code, stdout, stderr) in enumerate(results):
+            assert code == 0, f"process {i} of the {attempt} run failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    assert all("resumed from step 2" in stdout for _, stdout, _ in results)
+    got, want = logged_losses(tmp_path / "processes"), logged_losses(tmp_path / "single")
+    assert len(got["loss"]) == len(want["loss"]) == 3 and len(got["val_loss"]) == 3
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-4)
+    np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-4)
+    assert not list((tmp_path / "processes").glob("run*.lock"))
+    assert rj.Drafter.load(tmp_path / "exported").config.reader.rank == 4
+
+
 @pytest.mark.parametrize("victim", [1, 0], ids=["peer-killed", "coordinator-killed"])
 def test_killed_process_makes_the_survivor_fail_fast(victim, tmp_path):
     """One process SIGKILLs itself between cross-process collectives; the survivor, running collectives,
@@ -261,6 +289,19 @@ def worker(process_id: str, port: str, out: str) -> dict:
             "losses": losses, "batch_spec": _spec(batch["tokens"])}
 
 
+def train_cli(process_id: str, port: str, root: str, *extra: str) -> None:
+    """One of the two processes of ``experiments.train_drafter`` on a 2 x 4 mesh (4 CPU devices each)."""
+    import jax
+    from test_sharded_training import command_line
+
+    from experiments import train_drafter
+
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    train_drafter.main(command_line(Path(root), "processes", "regen_processes", "--mesh", "2x4", "--coordinator",
+                                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", process_id,
+                                    "--save-dir", str(Path(root) / "exported"), *extra))
+
+
 def die(process_id: str, port: str, victim: str) -> None:
     """Run cross-process reductions until the coordination service ends this process; the ``victim``
     process SIGKILLs itself after its first one. A survivor that outlives 600 reductions says SURVIVED."""
@@ -287,7 +328,7 @@ def main(role: str, *args: str) -> None:
     """Run ``role`` and print its report. Any error ends the process at once (``os._exit``), so that its peer
     is stopped by the heartbeat check rather than left waiting at a collective or the shutdown barrier."""
     try:
-        report = {"worker": worker, "die": die}[role](*args)
+        report = {"worker": worker, "die": die, "train_cli": train_cli}[role](*args)
         if report is not None:
             print("REPORT " + json.dumps(report), flush=True)
     except BaseException:

@@ -139,37 +139,53 @@ def chat_target(directory: Path, vocab_size: int) -> Path:
     return directory
 
 
-def command_line_runs(root: Path) -> dict:
-    """A ReaDy drafter trained by ``experiments.train_drafter`` on the test conversation files: on one device, on a
-    2 x 4 mesh, and on the mesh stopped at step 2 then rerun."""
-    from test_conversations import GOOD_FILES, TEMPLATE_CONFIG, VOCAB
+def command_line_setup(root: Path) -> None:
+    """In ``root``: the chat target (``target``) and a DSpark drafter to start ReaDy from (``dspark``)."""
+    from test_conversations import VOCAB
 
     import ready_jax as rj
-    from experiments import train_drafter
     from ready_jax import data
     from ready_jax.training import drafter_variants
 
-    target = chat_target(root / "target", VOCAB)
-    config = rj.Target.load(target).config
+    config = rj.Target.load(chat_target(root / "target", VOCAB)).config
     rj.Drafter.init(config, drafter_variants.default_config(config, data.MASK_ID, block_size=4, num_layers=2,
                                                             markov_rank=8), seed=1).save(root / "dspark")
 
-    def run(name: str, mesh: str | None, regen: str, stop_after: int | None = None) -> dict:
-        argv = ["--variant", "ready", "--target", str(target), "--init-from", str(root / "dspark"),
-                "--workdir", str(root / name), *[arg for path in GOOD_FILES for arg in ("--data", str(path))],
-                "--chat-template", str(TEMPLATE_CONFIG), "--regen-dir", str(root / regen), "--val-conversations", "4",
-                "--batch-size", "4", "--steps", str(STEPS), "--warmup", "1", "--lr", "1e-2", "--checkpoint-every", "2",
-                "--eval-every", "1", "--log-every", "1", "--prompt-len", "40", "--seq-len", "56", "--stride", "4",
-                "--anchors", "2", "--rank", "4", *(["--mesh", mesh] if mesh else []),
-                *(["--stop-after", str(stop_after)] if stop_after else [])]
-        train_drafter.main(argv)
-        rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-        return {"loss": [r["loss"] for r in rows if "loss" in r], "val_loss": [r["val_loss"] for r in rows
-                                                                               if "val_loss" in r]}
 
-    out = {"single": run("cli_single", None, "regen_single"), "mesh": run("cli_mesh", "2x4", "regen_mesh")}
-    run("cli_resumed", "2x4", "regen_mesh", stop_after=2)
-    out["resumed"] = run("cli_resumed", "2x4", "regen_mesh")
+def command_line(root: Path, workdir: str, regen: str, *extra: str) -> list[str]:
+    """``experiments.train_drafter``'s arguments for a ReaDy drafter of :func:`command_line_setup`'s models, trained
+    in ``root / workdir`` on the test conversation files answered into ``root / regen``."""
+    from test_conversations import GOOD_FILES, TEMPLATE_CONFIG
+
+    return ["--variant", "ready", "--target", str(root / "target"), "--init-from", str(root / "dspark"),
+            "--workdir", str(root / workdir), *[arg for path in GOOD_FILES for arg in ("--data", str(path))],
+            "--chat-template", str(TEMPLATE_CONFIG), "--regen-dir", str(root / regen), "--val-conversations", "4",
+            "--batch-size", "4", "--steps", str(STEPS), "--warmup", "1", "--lr", "1e-2", "--checkpoint-every", "2",
+            "--eval-every", "1", "--log-every", "1", "--prompt-len", "40", "--seq-len", "56", "--stride", "4",
+            "--anchors", "2", "--rank", "4", *extra]
+
+
+def logged_losses(workdir: Path) -> dict:
+    """The training and validation losses a run logged in ``workdir``."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {"loss": [r["loss"] for r in rows if "loss" in r], "val_loss": [r["val_loss"] for r in rows
+                                                                           if "val_loss" in r]}
+
+
+def command_line_runs(root: Path) -> dict:
+    """A ReaDy drafter trained by ``experiments.train_drafter`` on the test conversation files: on one device, on a
+    2 x 4 mesh, and on the mesh stopped at step 2 then rerun."""
+    from experiments import train_drafter
+
+    command_line_setup(root)
+
+    def run(workdir: str, regen: str, *extra: str) -> dict:
+        train_drafter.main(command_line(root, workdir, regen, *extra))
+        return logged_losses(root / workdir)
+
+    out = {"single": run("cli_single", "regen_single"), "mesh": run("cli_mesh", "regen_mesh", "--mesh", "2x4")}
+    run("cli_resumed", "regen_mesh", "--mesh", "2x4", "--stop-after", "2")
+    out["resumed"] = run("cli_resumed", "regen_mesh", "--mesh", "2x4")
     index = json.loads((root / "regen_single" / "index.json").read_text())
     out["conversations"] = index["settings"]["conversations"]
     out["answers_equal"] = all((root / "regen_single" / name).read_bytes() == (root / "regen_mesh" / name).read_bytes()

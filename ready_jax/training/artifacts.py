@@ -12,16 +12,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .. import checkpoint, files, provenance
+from .. import checkpoint, files, processes, provenance
 
 
 def run_provenance(workdir: str | os.PathLike, module: str, argv: Sequence[str]) -> dict:
     """How training in ``workdir`` was started (:func:`ready_jax.provenance.record`), kept from its first run
     (recorded now if this is the first)."""
     path = Path(workdir) / "provenance.json"
-    if not path.exists():
+    if not path.exists() and processes.writes_shared_files():
         path.parent.mkdir(parents=True, exist_ok=True)
         files.write_text(path, json.dumps(provenance.record(module, argv), indent=1))
+    processes.wait_for_all(f"{path}: written")
     return json.loads(path.read_text())
 
 

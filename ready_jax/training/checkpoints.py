@@ -10,6 +10,10 @@ Restoring checks the sidecar first, so a truncated, deleted or altered file is a
 it rather than garbage parameters; :meth:`Checkpointer.restore_latest` deletes such steps (and those whose save was
 cut short), saying why, and falls back to an older one. Nothing else is ever deleted: another run's checkpoint, or
 one whose sidecar is missing, is a :class:`ResumeError` saying what to do.
+
+In a multi-process run every process saves and restores its parts of the arrays through orbax, into one directory
+they share; process 0 alone writes and deletes the markers and hash records, and the others wait for it
+(``ready_jax.processes``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from .. import files
+from .. import files, processes
 from .train_state import TrainState
 
 
@@ -166,7 +170,9 @@ class Checkpointer:
         # dozens of log lines and tracebacks of their own.
         needed = self._room_needed(state)
         files.check_output(self.directory, kind="directory", size=needed, what=f"checkpoint of step {step} in")
-        self._pending_path(step).touch()
+        writes = processes.writes_shared_files()
+        if writes:
+            self._pending_path(step).touch()
         try:
             with _failure_echoes_muted():
                 self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)),
@@ -175,12 +181,14 @@ class Checkpointer:
                 self.manager.wait_until_finished()
         except (OSError, ValueError) as e:  # tensorstore reports a full disk as a ValueError (RESOURCE_EXHAUSTED)
             raise self._save_error(step, needed, e) from e
-        self._write_record(step)
-        self._pending_path(step).unlink()
-        kept = set(self.manager.all_steps())
-        for stale in [*self.hashes.glob("*.json"), *self.hashes.glob("*.pending")]:
-            if int(stale.stem) not in kept:  # orbax pruned old steps: drop their records too
-                stale.unlink()
+        if writes:
+            self._write_record(step)
+            self._pending_path(step).unlink()
+            kept = set(self.manager.all_steps())
+            for stale in [*self.hashes.glob("*.json"), *self.hashes.glob("*.pending")]:
+                if int(stale.stem) not in kept:  # orbax pruned old steps: drop their records too
+                    stale.unlink()
+        processes.wait_for_all(f"checkpoint {step}: hash record written")
 
     def _save_error(self, step: int, needed: int, error: Exception) -> OSError:
         """One line for a save of ``step`` that failed inside orbax: a full disk as the check before saving words it,
@@ -287,8 +295,9 @@ class Checkpointer:
                                                                      meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax / tensorstore raise many types for unreadable data
             raise ResumeError(f"checkpoint {self.step_dir(step)} cannot be restored (it was kept): {e}") from e
-        if not verified:
+        if not verified and processes.writes_shared_files():
             self._write_record(step)
+        processes.wait_for_all(f"checkpoint {step}: restored")
         tree = got["state"]
         state = TrainState(params=jax.tree.unflatten(jax.tree.structure(template.params), tree["params"]),
                            opt_state=jax.tree.unflatten(jax.tree.structure(template.opt_state), tree["opt_state"]),
@@ -308,9 +317,10 @@ class Checkpointer:
                 verified = self.verify(step)
             except CheckpointError as e:
                 log(f"deleting checkpoint step {step}: {e}")
-                self.manager.delete(step)
-                self._record_path(step).unlink(missing_ok=True)
-                self._pending_path(step).unlink(missing_ok=True)
+                self.manager.delete(step)  # every process takes part
+                if processes.writes_shared_files():
+                    self._record_path(step).unlink(missing_ok=True)
+                    self._pending_path(step).unlink(missing_ok=True)
                 continue
             restored = self._restore(step, template, verified, trust_unverified)
             if not verified:

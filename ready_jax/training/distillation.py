@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import cli, data, files
+from .. import cli, data, files, processes
 from ..checkpoint import flat_state
 from ..generation import generate
 from ..long_range_task import LONG_RANGE_POOL, LONG_RANGE_VALUE_TOKENS, long_range_mixture
@@ -71,6 +71,7 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
     path = Path(path)
     key = _distill_key(config, target)
     cached = _read_distilled(path, key, log)
+    processes.check_same(np.asarray(cached is not None), f"whether {path} holds the distilled sequences")
     if cached is not None:
         return cached
     new = config.seq_len - config.prompt_len
@@ -99,7 +100,9 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
         with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a name
             np.savez(f, train=train, validation=validation, config=np.frombuffer(key, np.uint8))
 
-    files.write_file(path, write)
+    if processes.writes_shared_files():  # every process of a multi-process run distils the same sequences
+        files.write_file(path, write)
+    processes.wait_for_all(f"distillation into {path}: written")
     return train, validation
 
 

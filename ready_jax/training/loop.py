@@ -1,7 +1,8 @@
 """The train loop: :func:`train_loop` runs jitted, state-donating steps, prints a plain progress line, appends JSON
 lines to ``<workdir>/metrics.jsonl``, evaluates and checkpoints every so often, and resumes from the latest good
 checkpoint, provided the run's settings (``<workdir>/settings.json``) are the same. One run at a time owns a
-workdir (:func:`claim_workdir`).
+workdir (:func:`claim_workdir`). In a multi-process run every process claims it, and process 0 alone writes its
+settings and metrics (``ready_jax.processes``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import files
+from .. import files, processes
 from .checkpoints import Checkpointer, ResumeError
 from .train_state import TrainState
 
@@ -83,10 +84,11 @@ def claim_workdir(workdir: str | os.PathLike, command: str) -> contextlib.Abstra
     process id. While it is held, another run in the same workdir, whatever its settings, is refused at once with a
     :class:`~ready_jax.files.LockHeld` naming this process and its command, before it changes anything there;
     two runs checkpointing into one workdir would each resume the other's state. A killed run's lock dies with
-    its process."""
+    its process. Each process of a multi-process run holds a lock of its own (``run.<process>.lock``)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    return files.exclusive_lock(workdir / LOCK_FILE, {"command": command}, what=f"workdir {workdir}")
+    return files.exclusive_lock(workdir / processes.lock_name(LOCK_FILE), {"command": command},
+                                what=f"workdir {workdir}")
 
 
 def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Checkpointer) -> None:
@@ -100,14 +102,15 @@ def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Ch
                           + "; ".join(changed) + "). Nothing was deleted. Rerun with the saved settings to resume "
                           "that run, or train in another workdir")
     path = workdir / SETTINGS_FILE
-    if not path.exists():
+    if not path.exists() and processes.writes_shared_files():
         files.write_text(path, json.dumps(settings, indent=1))
+    processes.wait_for_all("train_loop: settings recorded")
 
 
 def _keep_metrics_through(path: Path, step: int) -> None:
     """Drop from the metrics log ``path`` the records of steps after ``step``, which training from ``step``
     writes again, and a last line cut short by a killed process (rewritten atomically)."""
-    if not path.exists():
+    if not path.exists() or not processes.writes_shared_files():
         return
     kept = []
     for line in path.read_text().splitlines():
@@ -161,13 +164,15 @@ def _train(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], Any],
            eval_fn: Callable[[Any], dict] | None, save: Callable[[TrainState], None], metrics_path: Path,
            log: Callable[[str], None]) -> TrainState:
     """The steps of :func:`train_loop` from ``state.step``: log, evaluate and ``save`` as ``loop`` says."""
-    metrics_log = files.open_append(metrics_path)  # closed in the finally below; never through a link
+    # closed in the finally below; never through a link; process 0's alone
+    metrics_log = files.open_append(metrics_path) if processes.writes_shared_files() else None
     start_step, start_time = int(state.step), time.perf_counter()
     end = loop.total_steps if loop.stop_after is None else min(loop.total_steps, loop.stop_after)
 
     def record(row: dict) -> None:
-        metrics_log.write(json.dumps(row) + "\n")
-        metrics_log.flush()
+        if metrics_log is not None:
+            metrics_log.write(json.dumps(row) + "\n")
+            metrics_log.flush()
 
     try:
         # The step count lives on the host too: reading state.step would wait for every step to finish.
@@ -190,5 +195,6 @@ def _train(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], Any],
             if done % loop.checkpoint_every == 0 or done == end:
                 save(state)
     finally:
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
     return state

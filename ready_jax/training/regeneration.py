@@ -12,7 +12,8 @@ directory, each written whole (:func:`ready_jax.files.write_file`) and then reco
 ``index.json`` (rewritten whole after every shard), which also records the settings, the target's weights hash and
 the prompts' hash. A rerun reuses every recorded shard whose bytes still hash to the record and regenerates the
 others (a missing, damaged or altered shard, with a note); an index made with other settings, another target or
-other prompts is started afresh, with a note.
+other prompts is started afresh, with a note. In a multi-process run every process generates (the target may span
+them all) and process 0 alone writes; which shards to reuse must be the same decision in every process.
 
 **Rows** (:func:`training_rows`): prompt + answer cut to ``seq_len`` tokens (right-padded when ``max_new_tokens``
 leaves it short). Every prompt is at most ``prompt_len`` tokens, so the trainer's anchors ``prompt_len + j * stride``
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import cli, files
+from .. import cli, files, processes
 from ..generation import generate
 from ..sharding import Layout
 from ..target import Target, shard_target
@@ -94,22 +95,25 @@ def regenerate(target: Target, prompts: Sequence[np.ndarray], config: RegenConfi
     settings = {"format": FORMAT, **dataclasses.asdict(config), "target_sha256": target_sha256(target),
                 "prompts_sha256": prompts_sha256(prompts), "conversations": len(prompts)}
     index = _read_index(directory, settings, log)
+    chunks = [list(prompts[start:start + config.shard_size]) for start in range(0, len(prompts), config.shard_size)]
+    names = [f"shard-{shard:05d}.npz" for shard in range(len(chunks))]
+    kept = [_read_shard(directory, name, index["shards"].get(name), len(chunk), log)
+            for name, chunk in zip(names, chunks, strict=True)]
+    processes.check_same(np.asarray([k is not None for k in kept]), f"which shards of {directory} to reuse")
     generator = target if mesh is None else shard_target(target, mesh)
-    starts = range(0, len(prompts), config.shard_size)
     answers: list[np.ndarray] = []
     with cli.Progress("regeneration", len(prompts), "conversations") as progress:
-        for shard, start in enumerate(starts):
-            chunk = list(prompts[start:start + config.shard_size])
-            name = f"shard-{shard:05d}.npz"
-            kept = _read_shard(directory, name, index["shards"].get(name), len(chunk), log)
-            if kept is None:
-                kept = _generate_shard(generator, chunk, config, shard)
-                digest = _write_shard(directory / name, *kept)
-                index["shards"][name] = {"sha256": digest, "conversations": len(chunk)}
-                files.write_text(directory / INDEX_FILE, json.dumps(index, indent=1))
-            tokens, lengths = kept
+        for shard, (name, chunk, shard_answers) in enumerate(zip(names, chunks, kept, strict=True)):
+            if shard_answers is None:
+                shard_answers = _generate_shard(generator, chunk, config, shard)
+                if processes.writes_shared_files():
+                    digest = _write_shard(directory / name, *shard_answers)
+                    index["shards"][name] = {"sha256": digest, "conversations": len(chunk)}
+                    files.write_text(directory / INDEX_FILE, json.dumps(index, indent=1))
+            tokens, lengths = shard_answers
             answers += [row[:n] for row, n in zip(tokens, lengths, strict=True)]
             progress.update(len(chunk))
+    processes.wait_for_all(f"regeneration into {directory}: shards written")
     return answers
 
 
