@@ -388,9 +388,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
 
 
 def load_inputs(args) -> tuple[rj.Target, data.Corpus | conversations.Prompts, rj.Drafter | rj.MTPDrafter]:
-    """The target (its shipped weights computed in fp32), its corpus (with ``--data``: the conversation prompts) and
-    the variant's starting drafter."""
-    target = rj.Target.load(args.target, dtype=jnp.float32)
+    """The target (its shipped weights computed in fp32; with ``--mesh`` each weight read straight into its shards),
+    its corpus (with ``--data``: the conversation prompts) and the variant's starting drafter."""
+    target = rj.Target.load(args.target, dtype=jnp.float32, layout=args.mesh_layout)
     if args.data:
         corpus = conversations.prepare_prompts(args.data, args.chat_template, args.target, target.config.vocab_size,
                                                strict=args.strict)

@@ -128,9 +128,10 @@ def _distill_key(config: DistillConfig, target: Target) -> bytes:
 
 
 def target_sha256(target: Target) -> str:
-    """One hash of the target's exact weights, the same whatever its group layout: what generated data depends on."""
+    """One hash of the target's exact weights, the same whatever its group layout and placement (a weight split over
+    processes is gathered one at a time): what generated data depends on."""
     digest = hashlib.sha256()
     for name, value in sorted(flat_state(target.stacked_params()).items()):
         digest.update(name.encode())
-        digest.update(np.asarray(value).tobytes())
+        digest.update(processes.host_copy(value).tobytes())
     return digest.hexdigest()
