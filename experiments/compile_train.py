@@ -26,6 +26,7 @@ for the confidence head's one-column weight gradient (docs/training_at_scale.md)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -44,7 +45,7 @@ from ready_jax.training.optimiser import OptimConfig, make_optimizer
 
 from . import deviceless
 from .common import write_json
-from .presets import PRESETS
+from .presets import PRESETS, Preset
 
 # Per chip: HBM bytes XLA may use (deviceless's), HBM bandwidth bytes/s, dense bf16 peak flops/s (the vendors'
 # spec sheets: TPU v5e 197 TFLOP/s and 819 GB/s, v5p 459 TFLOP/s and 2765 GB/s; H200 SXM 989 TFLOP/s dense and
@@ -67,18 +68,29 @@ class TrainGeometry:
     global_batch: int
 
 
-def train_geometry(preset: str, recipe: str, seq_len: int, prompt_len: int) -> TrainGeometry:
-    """``preset``'s target (``experiments.presets``) with ``recipe``'s drafter, anchors and global batch."""
+def train_geometry(preset: Preset, recipe: str, seq_len: int, prompt_len: int,
+                   anchors: int | None = None) -> TrainGeometry:
+    """``preset``'s target with ``recipe``'s drafter, anchors (``anchors`` per sequence where given) and global
+    batch."""
     settings = recipes.RECIPES[recipe]
-    p = PRESETS[preset]
     reader = rj.ReaderConfig(rank=settings["rank"], inject_layers=tuple(settings["inject_layers"])) \
         if "rank" in settings else None
     drafter = rj.DrafterConfig(block_size=settings["block_size"], num_layers=settings["num_layers"],
                                markov_rank=settings["markov_rank"], reader=reader,
-                               intermediate_size=p.drafter_intermediate_size).resolve(p.target)
-    anchors = drafter_loss.AnchorLayout(prompt_len, seq_len, settings["stride"], drafter.block_size,
-                                        settings["anchors"])
-    return TrainGeometry(p.target, drafter, jnp.dtype(p.dtype), anchors, settings["batch_size"])
+                               intermediate_size=preset.drafter_intermediate_size).resolve(preset.target)
+    layout = drafter_loss.AnchorLayout(prompt_len, seq_len, settings["stride"], drafter.block_size,
+                                       settings["anchors"] if anchors is None else anchors)
+    return TrainGeometry(preset.target, drafter, jnp.dtype(preset.dtype), layout, settings["batch_size"])
+
+
+def target_preset(args: argparse.Namespace) -> Preset:
+    """``--target-config``'s geometry in ``--dtype`` (a drafter as wide as its dense MLP unless
+    ``--drafter-intermediate-size``), else ``--preset``'s."""
+    if args.target_config is None:
+        return PRESETS[args.preset]
+    target = rj.TargetConfig.from_hf(args.target_config)
+    return Preset(target, drafter_layers=recipes.RECIPES[args.recipe]["num_layers"], dtype=args.dtype, batch=1,
+                  prompt=args.prompt_len, max_new_tokens=1, drafter_intermediate_size=args.drafter_intermediate_size)
 
 
 def abstract_step(geo: TrainGeometry, layout: sharding.Layout, batch_size: int, impl: str):
@@ -256,6 +268,16 @@ def main(argv=None) -> dict:
     parser = cli.parser("experiments.compile_train", __doc__)
     parser.add_argument("--preset", choices=sorted(set(PRESETS) - {"cpu"}), default="qwen3.5-27b",
                         help="the target's geometry")
+    parser.add_argument("--target-config", default=None, metavar="PATH",
+                        help="instead of --preset: the target's HF config.json (or its directory), e.g. another "
+                        "Qwen3.5 size")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the --target-config target's weights")
+    parser.add_argument("--drafter-intermediate-size", type=cli.positive_int, default=None,
+                        help="the drafter's MLP width for a --target-config target (default: the target's dense "
+                        "MLP width; an MoE target has none, so give it)")
+    parser.add_argument("--anchors", type=cli.positive_int, default=None,
+                        help="anchors per sequence (default: the recipe's)")
     parser.add_argument("--recipe", choices=sorted(recipes.RECIPES), default="ready-paper",
                         help="the drafter's shape, anchors and global batch")
     parser.add_argument("--slices", type=cli.comma_list(str), default="v5p:2x2x1,v5e:2x4,h200:1x1x8",
@@ -272,8 +294,11 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not deviceless.has_libtpu() and any(s.partition(":")[0] in deviceless.TPU_TOPOLOGIES for s in args.slices):
         raise SystemExit("TPU slices need libtpu: pip install -e '.[tpu]'")
-    geo = train_geometry(args.preset, args.recipe, args.seq_len, args.prompt_len)
-    print(f"{args.preset} with the {args.recipe} drafter ({geo.drafter.num_layers} layers, block "
+    try:
+        geo = train_geometry(target_preset(args), args.recipe, args.seq_len, args.prompt_len, args.anchors)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    print(f"{args.target_config or args.preset} with the {args.recipe} drafter ({geo.drafter.num_layers} layers, block "
           f"{geo.drafter.block_size}, reader {geo.drafter.reader is not None}): {geo.anchors.drawn} anchors of "
           f"{args.seq_len} tokens, global batch {geo.global_batch}; jax {jax.__version__}", flush=True)
     compiles = {name: search(geo, name, args.micro_batch, args.search, args.model, args.impl) for name in args.slices}
