@@ -456,7 +456,7 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     start = time.perf_counter()
     if args.variant == "mtp":
         trained = mtp_training.train_mtp(drafter, target, train_seqs, val_seqs, args.prompt_len, optim, loop, workdir,
-                                         batch_size=args.batch_size, seed=args.seed, meta=meta)
+                                         batch_size=args.batch_size, seed=args.seed, meta=meta, batches=batches)
         final = mtp_training.make_eval(trained, target, val_seqs, args.batch_size, args.prompt_len)(trained.params)
     else:
         trained = drafter_trainer.train_drafter(drafter, target, train_seqs, val_seqs, layout, optim, loop, workdir,

@@ -3,7 +3,6 @@ finished shards, a tampered shard is redone, other settings or another target ne
 put every anchor in an answer; batches are a pure function of the step; and a drafter trains on conversation files
 from the command line, resuming exactly."""
 
-import functools
 import json
 import os
 from types import SimpleNamespace
@@ -15,7 +14,6 @@ from test_conversations import GOOD_FILES, TEMPLATE_CONFIG, make_chat_target
 from experiments import train_drafter
 from ready_jax.training import regeneration
 from ready_jax.training.drafter_loss import AnchorLayout
-from ready_jax.training.loop import LoopConfig
 from ready_jax.training.step_batches import step_batches
 
 CONFIG = regeneration.RegenConfig(prompt_len=6, seq_len=12, shard_size=3)
@@ -135,7 +133,8 @@ def test_batches_are_a_pure_function_of_the_step():
 
 
 @pytest.mark.slow
-def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", ["dspark", pytest.param("mtp", marks=pytest.mark.slow)])
+def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypatch, variant):
     """``--data`` with a chat template PATH on a tiny target: the answers are the target's own greedy answers, a run
     stopped at step 2 and rerun ends with the losses of an uninterrupted run, and a rerun regenerates nothing."""
     target = make_chat_target(tmp_path / "target", template=False)
@@ -145,7 +144,7 @@ def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypat
 
     def argv(workdir):
         data = [arg for path in GOOD_FILES for arg in ("--data", str(path))]
-        return ["--variant", "dspark", "--target", str(target), "--workdir", str(tmp_path / workdir), *data,
+        return ["--variant", variant, "--target", str(target), "--workdir", str(tmp_path / workdir), *data,
                 "--chat-template", str(TEMPLATE_CONFIG), "--regen-dir", str(tmp_path / "regen"),
                 "--val-conversations", "2", "--batch-size", "2", "--steps", "4", "--warmup", "1",
                 "--checkpoint-every", "2", "--eval-every", "0", "--log-every", "1", "--block-size", "3",
@@ -155,9 +154,7 @@ def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypat
     assert len(calls) == 1                                  # 11 conversations: one shard
     index = json.loads((tmp_path / "regen" / "index.json").read_text())
     assert index["settings"]["prompt_len"] == 40 and list(index["shards"]) == ["shard-00000.npz"]
-    with monkeypatch.context() as stopped:
-        stopped.setattr(train_drafter, "LoopConfig", functools.partial(LoopConfig, stop_after=2))
-        train_drafter.main(argv("resumed"))
+    train_drafter.main([*argv("resumed"), "--stop-after", "2"])
     train_drafter.main(argv("resumed"))
     assert len(calls) == 1                                  # the shards were reused
 

@@ -92,15 +92,20 @@ def make_eval(mtp: MTPDrafter, target: Target, sequences: np.ndarray, batch_size
 
 def train_mtp(mtp: MTPDrafter, target: Target, train_seqs: np.ndarray, val_seqs: np.ndarray, prompt_len: int,
               optim: OptimConfig, loop: LoopConfig, workdir, *, batch_size: int, seed: int, meta: dict | None = None,
-              log=print) -> MTPDrafter:
-    """Train all of ``mtp``'s parameters against the frozen ``target`` (resuming from ``workdir``)."""
+              batches=None, log=print) -> MTPDrafter:
+    """Train all of ``mtp``'s parameters against the frozen ``target`` (resuming from ``workdir``). ``batches[step]``:
+    the sequences [batch_size, T] of ``step`` (a :func:`~ready_jax.training.step_batches.step_batches` dataset);
+    default: seeded per-epoch permutations of ``train_seqs``."""
     optimizer = make_optimizer(optim)
     step_fn = make_train_step(make_loss_fn(mtp, target, prompt_len), optimizer)
     shared = SharedWeights.from_target(target)
 
     def batch_fn(step: int) -> dict:
-        rows = data.batch_indices(seed, step * batch_size, batch_size, len(train_seqs))
-        return {"tokens": jnp.asarray(train_seqs[rows]), "target": target.params, "shared": shared}
+        if batches is not None:
+            tokens = np.asarray(batches[step])
+        else:
+            tokens = train_seqs[data.batch_indices(seed, step * batch_size, batch_size, len(train_seqs))]
+        return {"tokens": jnp.asarray(tokens), "target": target.params, "shared": shared}
 
     eval_fn = make_eval(mtp, target, val_seqs, batch_size, prompt_len)
     state = TrainState.create(mtp.params, optimizer, seed)
