@@ -63,7 +63,7 @@ from ready_jax.training import (
     regeneration,
     step_batches,
 )
-from ready_jax.training.loop import LoopConfig, claim_workdir
+from ready_jax.training.loop import LoopConfig, claim_workdir, refuse_other_settings
 
 
 def build_drafter(args, target: rj.Target) -> rj.Drafter | rj.MTPDrafter:
@@ -238,13 +238,31 @@ def regen_dir(args) -> str:
     return args.regen_dir or cli.repo_path("runs", f"regen_{args.data_seed}")
 
 
+def regeneration_config(args) -> regeneration.RegenConfig:
+    return regeneration.RegenConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
+                                    max_new_tokens=args.regen_max_new_tokens, temperature=args.distill_temperature,
+                                    seed=args.data_seed)
+
+
+def distill_config(args) -> distillation.DistillConfig:
+    return distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len, num_sequences=args.sequences,
+                                      temperature=args.distill_temperature, seed=args.data_seed,
+                                      long_range_max_distance=args.long_range_max_distance, **long_range_task(args))
+
+
+def data_settings(args, corpus: data.Corpus | conversations.Prompts) -> dict:
+    """The run settings the training sequences depend on (known before they are made)."""
+    if args.data:
+        return {"regeneration": {**dataclasses.asdict(regeneration_config(args)),
+                                 "conversations_sha256": corpus.sha256, "val_conversations": args.val_conversations}}
+    return {"distill": dataclasses.asdict(distill_config(args)), "corpus_sha256": corpus.sha256()}
+
+
 def conversation_data(args, target: rj.Target, prompts: conversations.Prompts,
-                      log=print) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(train rows, validation rows, the settings they depend on): the conversation prompts answered by the target,
-    laid out as ``--seq-len`` rows whose anchors all fall in the answers."""
-    config = regeneration.RegenConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
-                                      max_new_tokens=args.regen_max_new_tokens, temperature=args.distill_temperature,
-                                      seed=args.data_seed)
+                      log=print) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, validation rows): the conversation prompts answered by the target, laid out as ``--seq-len`` rows
+    whose anchors all fall in the answers."""
+    config = regeneration_config(args)
     fitted, cut = regeneration.fit_prompts(prompts.ids, args.prompt_len)
     if cut:
         log(f"{cut} of {len(fitted)} prompts were longer than --prompt-len {args.prompt_len}: each keeps its last "
@@ -254,9 +272,7 @@ def conversation_data(args, target: rj.Target, prompts: conversations.Prompts,
     if padded:
         log(f"{padded} rows are shorter than --seq-len {args.seq_len} (--regen-max-new-tokens): right-padded")
     train_index, val_index = conversations.held_out(fitted, args.val_conversations)
-    settings = {**dataclasses.asdict(config), "conversations_sha256": prompts.sha256,
-                "val_conversations": args.val_conversations}
-    return rows[train_index], rows[val_index], settings
+    return rows[train_index], rows[val_index]
 
 
 def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -414,19 +430,20 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
           corpus: data.Corpus | conversations.Prompts, drafter: rj.Drafter | rj.MTPDrafter) -> None:
     """Distil, train ``drafter`` in ``workdir`` (resuming) and export it to ``--save-dir``, as the arguments say."""
     produced_by = artifacts.run_provenance(workdir, "experiments.train_drafter", argv)
+    settings = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
+                **data_settings(args, corpus), "batch_size": args.batch_size, "stride": args.stride,
+                "init_from": args.init_from, "seed": args.seed,
+                # by hash: another target, corpus (conversations) or starting drafter at the same path is another run
+                "target_sha256": checkpoint.content_sha256(args.target),
+                "init_from_sha256": args.init_from and checkpoint.content_sha256(args.init_from),
+                **scale_settings(args)}
+    refuse_other_settings(workdir, settings)  # before minutes of generating the data (the schedule is checked later)
     start = time.perf_counter()
     if args.data:
-        train_seqs, val_seqs, regen_settings = conversation_data(args, target, corpus)
-        data_settings = {"regeneration": regen_settings}
+        train_seqs, val_seqs = conversation_data(args, target, corpus)
         batches = step_batches.step_batches(train_seqs, args.batch_size, args.seed)
     else:
-        distill_config = distillation.DistillConfig(prompt_len=args.prompt_len, seq_len=args.seq_len,
-                                                    num_sequences=args.sequences, temperature=args.distill_temperature,
-                                                    seed=args.data_seed,
-                                                    long_range_max_distance=args.long_range_max_distance,
-                                                    **long_range_task(args))
-        train_seqs, val_seqs = distillation.distilled_data(target, corpus, distill_config, distill_cache)
-        data_settings = {"distill": dataclasses.asdict(distill_config), "corpus_sha256": corpus.sha256()}
+        train_seqs, val_seqs = distillation.distilled_data(target, corpus, distill_config(args), distill_cache)
         batches = None
     print(f"{'regenerated conversation' if args.data else 'self-distilled'} data: {train_seqs.shape} train, "
           f"{val_seqs.shape} validation "
@@ -447,12 +464,7 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
                       resume_unverified=args.resume_unverified)
-    meta = {"variant": args.variant, "drafter": json.loads(json.dumps(drafter.config.to_dict())),
-            "optim": dataclasses.asdict(optim), **data_settings,
-            "batch_size": args.batch_size, "stride": args.stride, "init_from": args.init_from, "seed": args.seed,
-            # by hash: another target, corpus (conversations) or starting drafter at the same path is another run
-            "target_sha256": checkpoint.content_sha256(args.target),
-            "init_from_sha256": args.init_from and checkpoint.content_sha256(args.init_from), **scale_settings(args)}
+    meta = {**settings, "optim": dataclasses.asdict(optim)}
     start = time.perf_counter()
     if args.variant == "mtp":
         trained = mtp_training.train_mtp(drafter, target, train_seqs, val_seqs, args.prompt_len, optim, loop, workdir,

@@ -134,9 +134,10 @@ def test_batches_are_a_pure_function_of_the_step():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["dspark", pytest.param("mtp", marks=pytest.mark.slow)])
-def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypatch, variant):
+def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypatch, capsys, variant):
     """``--data`` with a chat template PATH on a tiny target: the answers are the target's own greedy answers, a run
-    stopped at step 2 and rerun ends with the losses of an uninterrupted run, and a rerun regenerates nothing."""
+    stopped at step 2 and rerun ends with the losses of an uninterrupted run, a rerun regenerates nothing, and one
+    with other data settings is refused before it regenerates anything."""
     target = make_chat_target(tmp_path / "target", template=False)
     calls = []
     real_generate = regeneration.generate
@@ -157,6 +158,10 @@ def test_train_drafter_on_conversation_files_resumes_exactly(tmp_path, monkeypat
     train_drafter.main([*argv("resumed"), "--stop-after", "2"])
     train_drafter.main(argv("resumed"))
     assert len(calls) == 1                                  # the shards were reused
+    with pytest.raises(SystemExit) as refused:              # other data settings: refused before regenerating
+        train_drafter.main([*argv("resumed"), "--seq-len", "60"])
+    assert refused.value.code == 2 and len(calls) == 1
+    assert "regeneration.seq_len: 56 -> 60" in capsys.readouterr().err
 
     def losses(workdir):
         rows = [json.loads(line) for line in (tmp_path / workdir / "metrics.jsonl").read_text().splitlines()]

@@ -91,16 +91,32 @@ def claim_workdir(workdir: str | os.PathLike, command: str) -> contextlib.Abstra
                                 what=f"workdir {workdir}")
 
 
-def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Checkpointer) -> None:
-    """Raise :class:`ResumeError` naming every setting that differs from those of the run already in
-    ``workdir``; otherwise record ``settings`` as the run's (``settings.json``) if they are not yet."""
-    workdir = Path(workdir)
-    recorded = _recorded_settings(workdir, checkpointer)
+def _refuse_differences(workdir: Path, recorded: tuple[str, dict] | None, settings: dict) -> None:
+    """Raise :class:`ResumeError` naming every setting of ``settings`` that differs from the ``recorded`` ones
+    (where they were recorded, and what)."""
     changed = _differences(recorded[1], settings) if recorded is not None else []
     if changed:
         raise ResumeError(f"{workdir} holds a run with other settings (recorded in {recorded[0]}; saved -> now: "
                           + "; ".join(changed) + "). Nothing was deleted. Rerun with the saved settings to resume "
                           "that run, or train in another workdir")
+
+
+def refuse_other_settings(workdir: str | os.PathLike, settings: dict) -> None:
+    """Raise :class:`ResumeError` if the run recorded in ``workdir``'s ``settings.json`` has other values for any of
+    ``settings`` (those given only: a script checks what it knows before preparing its data for minutes, and
+    :func:`train_loop` checks every setting again)."""
+    path = Path(workdir) / SETTINGS_FILE
+    if path.exists():
+        now = json.loads(json.dumps(settings))  # as it reads back from JSON
+        recorded = json.loads(path.read_text())
+        _refuse_differences(Path(workdir), (str(path), {k: v for k, v in recorded.items() if k in now}), now)
+
+
+def _check_settings(workdir: str | os.PathLike, settings: dict, checkpointer: Checkpointer) -> None:
+    """Raise :class:`ResumeError` naming every setting that differs from those of the run already in
+    ``workdir``; otherwise record ``settings`` as the run's (``settings.json``) if they are not yet."""
+    workdir = Path(workdir)
+    _refuse_differences(workdir, _recorded_settings(workdir, checkpointer), settings)
     path = workdir / SETTINGS_FILE
     if not path.exists() and processes.writes_shared_files():
         files.write_text(path, json.dumps(settings, indent=1))
