@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import time
 
 import jax
@@ -39,7 +38,7 @@ from ready_jax.modes import ROLLBACKS
 
 from .common import write_json
 from .presets import PRESETS
-from .timing import add_profile_argument, round_breakdown, run_generate
+from .timing import add_profile_argument, round_breakdown, round_pieces, run_generate
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 
@@ -47,32 +46,50 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens: int, variants: dict) -> dict:
     """AR, each drafter of ``variants`` and the scripted drafters (each checked against AR, as a ratio to it); the
     middle scripted drafter again with the checkpoint rollback, and with ``--impls xla,pallas`` AR and it with the
-    Pallas kernels."""
-    run = functools.partial(run_generate, target, prompts, new_tokens, repeats=args.repeats, profile=args.profile)
+    Pallas kernels. A progress line per program timed, its compile counted apart: each compiles its own."""
+    rates = args.error_rates
+    scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
+    programs = 1 + len(variants) + len(rates) + 1 + (2 if "pallas" in args.impls else 0)
+    progress = cli.Progress("bench_generate", programs, "programs timed", compiles=programs)
+
+    def run(drafter=None, *, name: str, **kwargs) -> dict:
+        result = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, profile=args.profile,
+                              name=name, **kwargs)
+        progress.update(detail=name, compile_seconds=result["compile_s"])
+        return result
+
     results = {"ar": run(name="ar")}
     reference = results["ar"].pop("tokens")
-    rates = args.error_rates
     variants = dict(variants)
     for rate in rates:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
                                                                    seed=args.seed)
-    for name, drafter in variants.items():
-        results[name] = run(drafter, name=name)
-        same = bool(np.array_equal(results[name].pop("tokens"), reference))
-        results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
-        results[name]["identical_to_ar"] = same
+    runs = {name: {"drafter": drafter} for name, drafter in variants.items()}
     # generate's default rollback is replay; the middle scripted drafter again with the other strategy:
-    scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
-    name = f"{scripted}_checkpoint"
-    results[name] = run(variants[scripted], rollback="checkpoint", name=name)
-    results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
-    results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+    runs[f"{scripted}_checkpoint"] = {"drafter": variants[scripted], "rollback": "checkpoint"}
     if "pallas" in args.impls:
-        for name, drafter in (("ar_pallas", None), (f"{scripted}_pallas", variants[scripted])):
-            results[name] = run(drafter, impl="pallas", name=name)
-            results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
-            results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+        runs["ar_pallas"] = {"drafter": None, "impl": "pallas"}
+        runs[f"{scripted}_pallas"] = {"drafter": variants[scripted], "impl": "pallas"}
+    for name, kwargs in runs.items():
+        results[name] = run(name=name, **kwargs)
+        results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
+        results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
+    progress.close()
     return results
+
+
+def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, repeats: int) -> dict:
+    """:func:`round_breakdown` of ``drafter``, each piece compiled first with a progress line (compiling is most
+    of the wait; the breakdown then reuses the programs), and the rollbacks' verify + commit compiled for their
+    memory."""
+    pieces, _ = round_pieces(target, drafter, prompts)
+    with cli.Progress("bench_generate: round pieces", len(pieces) + len(ROLLBACKS), "programs compiled") as progress:
+        for name, fn in pieces.items():
+            jax.block_until_ready(fn())
+            progress.update(detail=name)
+        breakdown = round_breakdown(target, drafter, prompts, repeats)
+        progress.update(len(ROLLBACKS), detail="verify + commit memory")
+    return breakdown
 
 
 def print_report(results: dict, breakdown: dict) -> None:
@@ -152,7 +169,7 @@ def main(argv=None) -> None:
     ready = rj.Drafter.init(config, preset.drafter(args.block_size, rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
 
     results = generation_results(args, target, prompts, new_tokens, {"dspark_random": dspark, "ready_random": ready})
-    breakdown = round_breakdown(target, ready, prompts, args.repeats)
+    breakdown = timed_round(target, ready, prompts, args.repeats)
 
     print_report(results, breakdown)
 

@@ -41,6 +41,29 @@ from .presets import PRESETS
 from .timing import interleaved_medians, run_generate
 
 BANDWIDTH_BYTES = 1 << 30  # the bandwidth probe's array: far beyond any last-level cache
+# What jax reports of a program it has not run before: tracing (at the top level only), lowering, and compiling or
+# reading the compiled program from the persistent cache. Their sum is the wait a new program adds.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class CompileClock:
+    """Seconds spent on :data:`COMPILE_EVENTS` since the last :meth:`lap`, whatever compiled (a generation program,
+    a piece, a prefill): a progress estimate counts them apart from the steady work. It listens to
+    ``jax.monitoring`` for the rest of the process."""
+
+    def __init__(self):
+        self.seconds = self._lap_start = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self.seconds += duration
+
+    def lap(self) -> float:
+        """Compile seconds since the previous lap (or since the clock started)."""
+        seconds, self._lap_start = self.seconds - self._lap_start, self.seconds
+        return seconds
 
 
 def last_level_cache_bytes() -> int | None:
@@ -113,10 +136,10 @@ def matmul_bound(counts: dict, matmul: list[dict], rows: int) -> dict:
             "xla_ratio": xla / one, "best_library_ratio": best / one}
 
 
-def target_components(target: rj.Target, prompt: np.ndarray, gammas: list[int], repeats: int) -> dict:
-    """Median seconds of the AR decode step, verify of gamma + 1 tokens for each gamma (generate's replay
-    rollback) and commit, each jitted alone (decode with its cache donated, as in the loop), timed in turn, with
-    the numerics generate uses here (``ready_jax.numerics``)."""
+def target_piece_fns(target: rj.Target, prompt: np.ndarray, gammas: list[int]) -> dict:
+    """Zero-argument functions running the AR decode step (jitted alone, its cache donated as in the loop, so on a
+    fresh ``copy`` of it, timed beside it), verify of gamma + 1 tokens for each gamma (generate's replay rollback)
+    and commit, with the numerics generate uses here (``ready_jax.numerics``)."""
     capacity = prompt.shape[1] + max(gammas) + 2
     pre = target.prefill(target.init_cache(1, capacity), jnp.asarray(prompt))
     token = jnp.argmax(pre.logits[:, -1], axis=-1)[:, None]                 # [1, 1]
@@ -133,7 +156,7 @@ def target_components(target: rj.Target, prompt: np.ndarray, gammas: list[int], 
 
     commit = jax.jit(functools.partial(cache_lib.commit, batch_invariant=invariant), compiler_options=options)
     copies = functools.partial(jax.tree.map, jnp.copy)
-    fns = {"copy": lambda: copies(pre.cache),  # subtracted from the donated decode step's fresh copy
+    fns = {"copy": lambda: copies(pre.cache),
            "ar_step": lambda: decode(target.params, copies(pre.cache), token)}
     for gamma in gammas:
         block = jnp.tile(token, (1, gamma + 1))
@@ -141,13 +164,12 @@ def target_components(target: rj.Target, prompt: np.ndarray, gammas: list[int], 
     candidate = verify(target.params, pre.cache, jnp.tile(token, (1, max(gammas) + 1))).cache
     n = jnp.full((1,), (max(gammas) + 1) // 2, jnp.int32)
     fns["commit"] = lambda: commit(candidate, n)
-    times = interleaved_medians(fns, repeats)
-    times["ar_step"] = max(times["ar_step"] - times.pop("copy"), 0.0)
-    return times
+    return fns
 
 
-def drafter_components(target: rj.Target, drafter: rj.Drafter, prompt: np.ndarray, repeats: int) -> dict:
-    """Median seconds of the drafter's draft, context append and (ReaDy) reader prepare at batch 1."""
+def drafter_piece_fns(target: rj.Target, drafter: rj.Drafter, prompt: np.ndarray) -> dict:
+    """Zero-argument functions running the drafter's draft, context append (on a fresh ``copy`` of the context,
+    timed beside it) and (ReaDy) reader prepare at batch 1."""
     ids = drafter.config.target_layer_ids
     gamma = drafter.config.block_size
     capacity = prompt.shape[1] + 2 * (gamma + 1)
@@ -164,10 +186,53 @@ def drafter_components(target: rj.Target, drafter: rj.Drafter, prompt: np.ndarra
            "append": lambda: drafter.append_context(copies(context), hidden, n)}
     if drafter.config.reader:
         fns["prepare"] = lambda: drafter.prepare_reader(pre.cache)
-    times = interleaved_medians(fns, repeats)
-    copy = times.pop("copy")
-    times["append"] = max(times["append"] - copy, 0.0)
-    return times
+    return fns
+
+
+ON_A_COPY = ("ar_step", "append")  # pieces that run on a fresh copy of what they donate: the copy is taken off
+
+
+def time_pieces(models: dict[str, dict], repeats: int, clock: CompileClock | None = None,
+                label: str = "") -> dict[str, dict]:
+    """Median seconds of each model's pieces (``{model: {piece: zero-argument function}}``), timed in turn with the
+    other pieces of its model (``interleaved_medians``), the ``copy`` taken off the pieces :data:`ON_A_COPY`.
+    With a ``clock``, a progress line per model, ``label model``, counting calls (each piece's first compiles it,
+    counted apart: steady calls of one model cost alike on average, while compiles and other models' calls do
+    not)."""
+    out = {}
+    for model, fns in models.items():
+        if clock is not None:
+            progress = cli.Progress(f"{label} {model}", len(fns) * (repeats + 1), "calls", compiles=len(fns))
+            fns = {name: _counted(fn, progress, clock) for name, fn in fns.items()}
+            clock.lap()
+        times = interleaved_medians(fns, repeats)
+        if clock is not None:
+            progress.close()
+        copy = times.pop("copy")
+        out[model] = {name: max(t - copy, 0.0) if name in ON_A_COPY else t for name, t in times.items()}
+    return out
+
+
+def _counted(fn, progress: cli.Progress, clock: CompileClock):
+    """``fn``, finishing its work and then updating ``progress`` with what the call spent compiling."""
+    def call():
+        result = jax.block_until_ready(fn())
+        progress.update(compile_seconds=clock.lap())
+        return result
+
+    return call
+
+
+def target_components(target: rj.Target, prompt: np.ndarray, gammas: list[int], repeats: int) -> dict:
+    """Median seconds of the AR decode step, verify of gamma + 1 tokens for each gamma and commit
+    (:func:`target_piece_fns`)."""
+    return time_pieces({"target": target_piece_fns(target, prompt, gammas)}, repeats)["target"]
+
+
+def drafter_components(target: rj.Target, drafter: rj.Drafter, prompt: np.ndarray, repeats: int) -> dict:
+    """Median seconds of the drafter's draft, context append and (ReaDy) reader prepare at batch 1
+    (:func:`drafter_piece_fns`)."""
+    return time_pieces({"drafter": drafter_piece_fns(target, drafter, prompt)}, repeats)["drafter"]
 
 
 def round_seconds(target_parts: dict, drafter_parts: dict, gamma: int) -> float:
@@ -178,6 +243,12 @@ def round_seconds(target_parts: dict, drafter_parts: dict, gamma: int) -> float:
 
 def predicted_speedup(tau: float, ar_step: float, round_s: float) -> float:
     return tau * ar_step / round_s
+
+
+def expected_tau(error_rate: float, gamma: int) -> float:
+    """The tokens a round commits when each of ``gamma`` drafts is wrong with probability ``error_rate`` on its
+    own (``ScriptedDrafter``): the accepted prefix plus the target's own token."""
+    return sum((1.0 - error_rate) ** i for i in range(gamma + 1))
 
 
 # A scripted drafter reads its drafts from a reference inside the loop: no draft, append or prepare to pay.
@@ -192,7 +263,7 @@ def print_components(label: str, target_parts: dict, drafter_parts: dict, gamma:
           + f"; round at gamma {gamma}: {round_seconds(target_parts, drafter_parts, gamma) / ar:.2f}")
 
 
-def preset_section(args) -> dict:
+def preset_section(args, clock: CompileClock) -> dict:
     preset = PRESETS[args.preset]
     config, gamma = preset.target, args.block_size
     target = rj.Target.init(config, seed=args.seed, dtype=jnp.dtype(preset.dtype))
@@ -223,15 +294,13 @@ def preset_section(args) -> dict:
     print(f"matmuls of one step, summed: {gamma + 1} rows cost {bound['xla_ratio']:.2f}x one row through XLA, "
           f"{bound['best_library_ratio']:.2f}x with the faster library per shape (XLA or numpy's BLAS)")
     gammas = sorted(set(args.gammas) | {gamma})
-    pieces = cli.Progress(f"loop_efficiency: {args.preset} round pieces", 3, "models timed", every_s=0)
-    parts = target_components(target, prompt, gammas, args.repeats)
-    pieces.update(detail="target")
     ready = rj.Drafter.init(config, preset.drafter(gamma, rj.ReaderConfig(rank=8)), seed=1, dtype=target.dtype)
     dspark = rj.Drafter.init(config, preset.drafter(gamma), seed=1, dtype=target.dtype)
-    drafters = {}
-    for name, drafter in (("dspark", dspark), ("ready", ready)):
-        drafters[name] = drafter_components(target, drafter, prompt, args.repeats)
-        pieces.update(detail=name)
+    started.note(f"prefilling for the {args.preset} round pieces")
+    models = {"target": target_piece_fns(target, prompt, gammas),
+              "dspark": drafter_piece_fns(target, dspark, prompt), "ready": drafter_piece_fns(target, ready, prompt)}
+    drafters = time_pieces(models, args.repeats, clock, f"loop_efficiency: {args.preset} round pieces,")
+    parts = drafters.pop("target")
     ar = parts["ar_step"]
     print(f"AR step {ar * 1e3:.2f} ms: the weight-read roofline step is {roofline_step / ar:.0%} of it")
     for name, d in drafters.items():
@@ -243,70 +312,86 @@ def preset_section(args) -> dict:
                     for t in taus if t <= gamma + 1))
 
     prompts = np.asarray(prompt)
+    rates = (0.0, 0.25, 0.5)
+    # AR and the scripted drafters (one program for every error rate) compile a program each, counted apart; each
+    # generation weighs what the components predict it costs against AR's.
+    scripted_round = round_seconds(parts, SCRIPTED_COMPONENTS, gamma) / ar
+    weights = (1.0, *(scripted_round / expected_tau(rate, gamma) for rate in rates))
+    progress = cli.Progress(f"loop_efficiency: {args.preset} generation", 1 + len(rates), "generations timed",
+                            compiles=2, weights=weights)
     ar_run = run_generate(target, prompts, args.max_new_tokens, repeats=args.repeats_generate, name="ar")
+    progress.update(detail="ar", compile_seconds=ar_run["compile_s"])
     reference = ar_run.pop("tokens")
     ar_token_s = ar_run["run_s"] / args.max_new_tokens
     measured = {"ar": ar_run}
-    for rate in (0.0, 0.25, 0.5):
+    for rate in rates:
+        name = f"scripted_error_{rate:g}"
         drafter = rj.ScriptedDrafter(np.maximum(reference, 0), gamma, rate, seed=args.seed)
-        run = run_generate(target, prompts, args.max_new_tokens, drafter, repeats=args.repeats_generate,
-                           name=f"scripted_error_{rate:g}")
+        run = run_generate(target, prompts, args.max_new_tokens, drafter, repeats=args.repeats_generate, name=name)
+        progress.update(detail=name, compile_seconds=run["compile_s"])
         same = bool(np.array_equal(run.pop("tokens"), reference))
         speedup = ar_run["run_s"] / run["run_s"]
         predicted = predicted_speedup(run["tau"], ar, round_seconds(parts, SCRIPTED_COMPONENTS, gamma))
-        measured[f"scripted_error_{rate:g}"] = {**run, "speedup": speedup, "predicted_speedup": predicted,
-                                                "identical_to_ar": same}
+        measured[name] = {**run, "speedup": speedup, "predicted_speedup": predicted, "identical_to_ar": same}
         print(f"  scripted error {rate:g}: tau {run['tau']:.2f}, speedup {speedup:.2f}x measured, "
               f"{predicted:.2f}x predicted (measured/predicted {speedup / predicted:.2f})"
               + ("" if same else "  OUTPUT DIFFERS FROM AR"))
+    progress.close()
     print(f"AR inside the loop: {ar_token_s * 1e3:.2f} ms per token (the step alone: {ar * 1e3:.2f} ms)")
     return {"preset": args.preset, "block_size": gamma, "prompt": args.prompt, "limits": limits,
             "roofline_step_s": roofline_step, "target_components_s": parts, "drafter_components_s": drafters,
             "generation": measured, "ar_in_loop_token_s": ar_token_s}
 
 
-def zoo_section(args) -> dict:
+def zoo_section(args, clock: CompileClock) -> dict:
     """The zoo's drafters at batch 1 on held-out prompts: components, tau, predicted and measured speedup."""
     from .zoo_runs import DRAFTERS, held_out_prompts
 
     zoo = Path(args.zoo)
     started = cli.Progress("loop_efficiency: zoo")
-    started.note("timing the zoo target's pieces")
+    started.note("prefilling for the zoo target's pieces")
     target = rj.Target.load(zoo / "target", dtype=jnp.float32)
     prompts = held_out_prompts(zoo / "target", args.zoo_prompts, args.prompt_tokens, args.seed)
     ids = [np.asarray([p["ids"]], np.int32) for p in prompts]                 # batch 1 each
-    parts = target_components(target, ids[0], sorted(set(args.gammas)), args.repeats)
+    models = {"target": target_piece_fns(target, ids[0], sorted(set(args.gammas)))}
+    parts = time_pieces(models, args.repeats, clock, "loop_efficiency: zoo round pieces,")["target"]
     ar = parts["ar_step"]
     print(f"zoo target: AR step {ar * 1e3:.2f} ms; {len(ids)} held-out prompts at batch 1, "
           f"{args.max_new_tokens} new tokens each; {provenance.load_note()}")
 
-    def total_seconds(drafter) -> tuple[list, float]:
-        """Each prompt's fastest timed run, and the seconds its programs took to compile."""
-        outs, compile_seconds = [], 0.0
+    def fastest_runs(drafter, progress: cli.Progress | None = None) -> list:
+        """Each prompt's fastest timed run (the first run of each compiles, when its shapes are new), a ``progress``
+        update per prompt."""
+        outs = []
         for x in ids:
             runs = [rj.generate(target, x, args.max_new_tokens, drafter=drafter)
                     for _ in range(args.repeats_generate + 1)]
-            outs.append(min(runs[1:], key=lambda o: o.run_seconds))  # the first run compiles
-            compile_seconds += runs[0].compile_seconds
-        return outs, compile_seconds
+            outs.append(min(runs[1:], key=lambda o: o.run_seconds))
+            if progress:
+                progress.update(compile_seconds=clock.lap())
+        return outs
 
-    ar_outs, _ = total_seconds(None)
+    # The held-out prompts have one length: AR compiles one program, for the first.
+    clock.lap()
+    with cli.Progress("loop_efficiency: zoo AR", len(ids), "prompts timed", compiles=1) as progress:
+        ar_outs = fastest_runs(None, progress)
     ar_seconds = sum(o.run_seconds for o in ar_outs)
-    started.note("autoregressive timed")
     drafters = {name: rj.Drafter.load(zoo / name, dtype=jnp.float32) for name in DRAFTERS}
-    # The time left from the drafters alone (AR has no pieces of its own to time), compiles counted apart: a
-    # drafter of an earlier one's config runs its program.
     configs = [d.config for d in drafters.values()]
+    new_configs = [c not in configs[:i] for i, c in enumerate(configs)]
     progress = cli.Progress("loop_efficiency: zoo", len(drafters), "drafters timed", every_s=0,
-                            compiles=len([c for i, c in enumerate(configs) if c not in configs[:i]]))
+                            compiles=sum(new_configs))
     result = {"ar_step_s": ar, "target_components_s": parts, "prompts": len(ids), "drafters": {}}
-    for name, drafter in drafters.items():
+    clock.lap()
+    for (name, drafter), new_config in zip(drafters.items(), new_configs, strict=True):
         gamma = drafter.config.block_size
         if f"verify_{gamma + 1}" not in parts:
             parts.update(target_components(target, ids[0], [gamma], args.repeats))
         d_parts = drafter_components(target, drafter, ids[0], args.repeats)
-        outs, compile_seconds = total_seconds(drafter)
-        progress.update(detail=name, compile_seconds=compile_seconds)
+        outs = fastest_runs(drafter)
+        compile_seconds = clock.lap()
+        # A drafter of an earlier one's config runs that one's programs: the little it traces counts as its run.
+        progress.update(detail=name, compile_seconds=compile_seconds if new_config else 0.0)
         same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(outs, ar_outs, strict=True))
         committed = sum(float(o.accept_lengths[o.accept_lengths > 0].sum()) for o in outs)
         rounds = sum(int((o.accept_lengths > 0).sum()) for o in outs)
@@ -345,9 +430,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    summary = {"settings": vars(args), "preset": preset_section(args)}
+    clock = CompileClock()
+    summary = {"settings": vars(args), "preset": preset_section(args, clock)}
     if args.zoo:
-        summary["zoo"] = zoo_section(args)
+        summary["zoo"] = zoo_section(args, clock)
     summary["wall_seconds"] = time.perf_counter() - start
     print(f"at the end: {provenance.load_note()}")
     write_json(args.out, summary)

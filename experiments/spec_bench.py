@@ -473,14 +473,17 @@ def load_models(args, dtype) -> tuple[rj.Target, rj.Drafter | rj.MTPDrafter | No
 def answer_all(target: rj.Target, tokenizer: Tokenizer, template: ChatTemplate, questions: list[dict],
                methods: list[Method], args, stops) -> tuple[list[list[dict]], list, list[str]]:
     """(each method's answers, the skipped question ids, the prompt notes), after ``--warmup`` untimed runs of the
-    first question; one progress line per question."""
+    first question; a line per question, and progress lines (:func:`progress_of`)."""
+    progress = progress_of(tokenizer, template, questions, args)
     for _ in range(args.warmup):
+        compiled = sum(m.compile_seconds for m in methods)
         answer_question(target, tokenizer, template, questions[0], methods, args, stops)
+        progress.update(detail="warm-up", compile_seconds=sum(m.compile_seconds for m in methods) - compiled)
     answers, skipped, notes = [[] for _ in methods], [], []
-    progress = cli.Progress("spec-bench", len(questions), "questions")
     for number, question in enumerate(questions, 1):
+        compiled = sum(m.compile_seconds for m in methods)
         result, messages = answer_question(target, tokenizer, template, question, methods, args, stops)
-        progress.update()
+        progress.update(compile_seconds=sum(m.compile_seconds for m in methods) - compiled)
         notes += messages
         for message in messages:
             print(message)
@@ -497,6 +500,20 @@ def answer_all(target: rj.Target, tokenizer: Tokenizer, template: ChatTemplate, 
     if not answers[0]:
         raise SystemExit("every selected question was skipped: raise --max-prompt-tokens or use --too-long truncate")
     return answers, skipped, notes
+
+
+def progress_of(tokenizer: Tokenizer, template: ChatTemplate, questions: list[dict], args) -> cli.Progress:
+    """Progress over the warm-up runs and the questions, weighed by their turns (a turn generates up to
+    ``--max-new-tokens`` with every method), compiles counted apart: the first question of each prompt bucket
+    compiles every method's program for it, the buckets estimated from the first turns' prompts (a later turn's
+    longer prompt may open another)."""
+    buckets = set()
+    for question in questions:
+        ids = tokenizer.encode(template.render([(question["turns"][0], None)]), add_special_tokens=False).ids
+        buckets.add(-(-min(len(ids), args.max_prompt_tokens) // args.prompt_bucket))
+    plan = [questions[0]] * args.warmup + questions
+    return cli.Progress("spec-bench", len(plan), "questions (warm-up included)",
+                        compiles=len(buckets), weights=tuple(len(q["turns"]) for q in plan))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,3 +69,30 @@ def test_results_name_no_machine_paths(tmp_path):
     data = json.loads(out.read_text())
     assert data["zoo"] == "zoo" and data["other"] == "/elsewhere"
     assert data["cache"] == ("~/.cache/x" if home not in ("", "/") else os.path.join(home, ".cache", "x"))
+
+
+def test_expected_tau_counts_the_accepted_prefix_and_the_targets_token():
+    assert le.expected_tau(0.0, 7) == 8.0 and le.expected_tau(1.0, 7) == 1.0
+    assert le.expected_tau(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_compile_clock_laps_a_new_programs_compile_and_not_a_cached_call():
+    import jax
+
+    clock = le.CompileClock()
+    square = jax.jit(lambda x: x * x + 1)
+    clock.lap()
+    jax.block_until_ready(square(jnp.arange(7.0)))
+    assert clock.lap() > 0
+    jax.block_until_ready(square(jnp.arange(7.0)))
+    assert clock.lap() == 0
+
+
+def test_piece_progress_counts_every_call_and_the_copy_comes_off(capsys):
+    """The progress total is the calls interleaved_medians makes (a warm-up and the repeats of each piece), so its
+    line ends at the total; a piece run on a copy is timed without the copy."""
+    x = jnp.ones((64, 64))
+    models = {"model": {"copy": lambda: jnp.copy(x), "ar_step": lambda: jnp.copy(x) @ x, "verify_2": lambda: x @ x}}
+    times = le.time_pieces(models, repeats=3, clock=le.CompileClock(), label="pieces,")["model"]
+    assert set(times) == {"ar_step", "verify_2"} and all(t >= 0 for t in times.values())
+    assert "pieces, model: 12/12 calls" in capsys.readouterr().err

@@ -365,3 +365,18 @@ def test_mtp_k_without_a_head_to_read_is_refused_with_what_to_pass(tmp_path, arg
 def test_with_ar_takes_mtp_as_the_method(tmp_path):
     args = spec_bench.parse_args(["--target", str(MTP_FIXTURE), "--mtp", "3", "--with-ar"])
     assert args.mtp == 3 and args.drafter is None
+
+
+def test_progress_weighs_questions_by_turns_and_counts_a_compile_per_prompt_bucket():
+    import types
+
+    tokenizer = Tokenizer.from_file(str(ZOO / "target" / "tokenizer.json"))
+    template = spec_bench.ChatTemplate("none", tokenizer, ZOO / "target")
+    args = types.SimpleNamespace(warmup=1, max_prompt_tokens=4096, prompt_bucket=4096)
+    progress = spec_bench.progress_of(tokenizer, template, QUESTIONS, args)
+    assert progress.total == 4 and progress.weights == (1, 1, 2, 1)  # the warm-up runs the first question
+    assert progress.compiles == 1  # every prompt in one bucket
+    lengths = {len(tokenizer.encode(template.render([(q["turns"][0], None)]), add_special_tokens=False).ids)
+               for q in QUESTIONS}
+    args = types.SimpleNamespace(warmup=0, max_prompt_tokens=4096, prompt_bucket=1)
+    assert spec_bench.progress_of(tokenizer, template, QUESTIONS, args).compiles == len(lengths)

@@ -11,7 +11,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import data
+from ready_jax import cli, data
 from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_range_settings
 
 from ..common import pyplot, save_figure, write_json
@@ -31,12 +31,15 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
     # One prompt width for every distance, so each drafter compiles one program rather than one per distance.
     width = max(len(p["ids"]) for prompts in prompts_by_distance.values() for p in prompts)
     open_id = LongRangeTask.for_tokenizer(tokenizer, **task).open_id
+    # The first distance compiles AR's and every drafter's generation program, counted apart.
+    progress = cli.Progress("long_range evaluate", len(prompts_by_distance), "distances", compiles=1 + len(drafters))
     per_distance = {}
     for distance, prompts in prompts_by_distance.items():
         ids = np.asarray([p["ids"] for p in prompts], np.int32)
         reference = np.asarray([p["reference"] for p in prompts], np.int32)
         new_tokens = reference.shape[1]
         ar = rj.generate(target, ids, new_tokens, prompt_bucket=width)
+        compile_seconds = ar.compile_seconds
         correct = ar.tokens == reference
         row = {"prompt_tokens": int(ids.shape[1]), "answer_tokens": new_tokens,
                "target_token_accuracy": float(correct.mean()),
@@ -50,6 +53,7 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
             row["rank_retrieval"] = retrieval_by_basis(target, ids, reference, open_id, readers)
         for name, drafter in drafters.items():
             out = rj.generate(target, ids, new_tokens, drafter=drafter, prompt_bucket=width)
+            compile_seconds += out.compile_seconds
             if not np.array_equal(out.tokens, ar.tokens):
                 raise SystemExit(f"{name}, D={distance}: speculative output differs from autoregressive decoding")
             row["tau"][name] = out.tau
@@ -65,6 +69,8 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
                 f"{n} {max(max(h) for h in found):.2f}" for n, found in row["rank_retrieval"]["found"].items()),
                 flush=True)
         per_distance[str(distance)] = row
+        progress.update(detail=f"D={distance}", compile_seconds=compile_seconds)
+    progress.close()
     return per_distance
 
 
