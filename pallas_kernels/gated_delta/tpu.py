@@ -66,8 +66,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import tpu_common
 from ..config_fields import check_fields, multiple_of
-from ..tpu_common import LANES, SUBLANES, VmemFootprint, round_up
-from .reference import L2NORM_EPS, check_shapes, check_state_options, gated_delta_chunked
+from ..gradient import with_reference_gradient
+from ..sizes import round_up
+from ..tpu_common import LANES, SUBLANES, VmemFootprint
+from .reference import check_shapes, check_state_options, gated_delta_chunked, l2norm
 
 MAX_RECURRENT_TOKENS = 64  # the recurrent kernel unrolls its time loop; longer sequences belong to gdn_chunked
 _HIGHEST = lax.Precision.HIGHEST
@@ -181,12 +183,6 @@ def gdn_recurrent(
                                  block_v=_fitted_block_v(config.block_v, round_up(v_dim, LANES)))
 
 
-def _l2norm_rows(x: jax.Array) -> jax.Array:
-    """Rows of x [rows, d] L2-normalised in fp32, as the reference's _l2norm (a lane reduction per row)."""
-    x = x.astype(_F32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
-
-
 def _recurrent_kernel(*refs, seq_len: int, scale: float, has_state: bool, all_states: bool, first: int):
     """One program: value head h of sequence b, value columns [j * bv, (j + 1) * bv).
 
@@ -203,8 +199,8 @@ def _recurrent_kernel(*refs, seq_len: int, scale: float, has_state: bool, all_st
         s0_ref = None
 
     # Columns [T, d_k, 1]: the update k u^T and the reads S^T k, S^T q broadcast k and q along the state's lanes.
-    q_cols = (_l2norm_rows(q_ref[...]) * scale)[:, :, None]
-    k_cols = _l2norm_rows(k_ref[...])[:, :, None]
+    q_cols = (l2norm(q_ref[...]) * scale)[:, :, None]
+    k_cols = l2norm(k_ref[...])[:, :, None]
     state_ref[...] = s0_ref[...] if has_state else jnp.zeros(state_ref.shape, _F32)
     if first:
         s_ref[0] = state_ref[...]
@@ -334,11 +330,6 @@ class GDNChunkedConfig:
         check_fields(self, block_v=BLOCK_V, generation=tpu_common.GENERATION)
 
 
-def _kernel_chunk(chunk_size: int, seq_len: int) -> int:
-    """Tokens per kernel chunk: chunk_size, or T rounded up to a whole sublane tile (8) when that is shorter."""
-    return min(chunk_size, round_up(seq_len, SUBLANES))
-
-
 def chunked_footprint(q_dtype, v_dtype, *, chunk: int, k_dim: int, v_dim: int, block_v: int,
                       has_state: bool) -> VmemFootprint:
     """VMEM of one :func:`gdn_chunked` program: its pipelined blocks (two buffers each) and state scratch."""
@@ -390,33 +381,16 @@ def gdn_chunked(
         raise ValueError(f"the TPU kernel needs a chunk_size that is a positive multiple of {SUBLANES} "
                          f"(a chunk's rows tile the sublanes); got {chunk_size!r}")
     check_shapes(q, k, v, g, beta, initial_state)
-    chunk = _kernel_chunk(chunk_size, q.shape[1])
+    chunk = min(chunk_size, round_up(q.shape[1], SUBLANES))  # a short sequence: one chunk of whole sublane tiles
     sizes = dict(chunk=chunk, k_dim=q.shape[3], v_dim=v.shape[3], has_state=initial_state is not None)
     if config is None:
         config = chunked_config(q.dtype, v.dtype, **sizes)
     chunked_footprint(q.dtype, v.dtype, block_v=config.block_v, **sizes).check(
         config.generation, f"gdn_chunked {config} with {chunk}-token chunks")
     block_v = _fitted_block_v(config.block_v, round_up(v.shape[3], LANES))
-    return _differentiable(q, k, v, g, beta, initial_state, chunk_size, chunk, interpret, block_v)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _differentiable(q, k, v, g, beta, initial_state, chunk_size, chunk, interpret, block_v):
-    return _gdn_chunked_pallas(q, k, v, g, beta, initial_state, chunk=chunk, interpret=interpret, block_v=block_v)
-
-
-def _differentiable_fwd(q, k, v, g, beta, initial_state, chunk_size, chunk, interpret, block_v):
-    out = _differentiable(q, k, v, g, beta, initial_state, chunk_size, chunk, interpret, block_v)
-    return out, (q, k, v, g, beta, initial_state)
-
-
-def _differentiable_bwd(chunk_size, chunk, interpret, block_v, residuals, cotangents):
-    """The reference's pullback at the same inputs, cotangents and chunk_size: exactly the XLA path's gradient."""
-    _, pullback = jax.vjp(functools.partial(gated_delta_chunked, chunk_size=chunk_size), *residuals)
-    return pullback(cotangents)
-
-
-_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+    kernel = functools.partial(_gdn_chunked_pallas, chunk=chunk, interpret=interpret, block_v=block_v)
+    return with_reference_gradient(kernel, functools.partial(gated_delta_chunked, chunk_size=chunk_size),
+                                   q, k, v, g, beta, initial_state)
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int] = (1, 0)) -> jax.Array:
@@ -468,8 +442,8 @@ def _chunked_kernel(*refs, scale: float, has_state: bool, num_chunks: int):
     def _load_state():
         state_ref[...] = s0_ref[...] if has_state else jnp.zeros(state_ref.shape, _F32)
 
-    q = _l2norm_rows(q_ref[...]) * scale  # [C, d_k]
-    k = _l2norm_rows(k_ref[...])  # [C, d_k]
+    q = l2norm(q_ref[...]) * scale  # [C, d_k]
+    k = l2norm(k_ref[...])  # [C, d_k]
     g_col, beta = gates_ref[0], gates_ref[1]  # [C, 1]
     g_row = g_row_ref[...]  # [1, C]
     size = g_row.shape[1]

@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config_fields import POSITIVE, POWER_OF_2, check_fields, is_power_of_2, power_of_2_at_least
+from ..gradient import with_reference_gradient
+from ..sizes import round_up
 from ..triton_common import (
     MIN_DOT_DIM,
     largest_power_of_2_divisor,
@@ -39,7 +41,7 @@ from ..triton_common import (
     next_power_of_2,
     triton_compiler_params,
 )
-from .reference import L2NORM_EPS, check_shapes, check_state_options, gated_delta_chunked
+from .reference import check_shapes, check_state_options, gated_delta_chunked, l2norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +111,6 @@ def _gdn_kernel(*refs, seq_len: int, scale: float, has_state: bool, all_states: 
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s_ref = refs
     k_dim, block_v = q_ref.shape[-1], v_ref.shape[-1]
-
-    def l2norm(x):  # x [d_k] fp32; as the reference's _l2norm
-        return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
 
     # Issue every load before any arithmetic or store: one memory latency for the whole call, not one per token.
     state = s0_ref[...].astype(jnp.float32) if has_state else jnp.zeros((k_dim, block_v), jnp.float32)
@@ -244,56 +243,21 @@ def gdn_chunked(
         raise ValueError(f"the Pallas kernel needs a power-of-2 chunk_size >= {MIN_DOT_DIM}; got {chunk_size!r}")
     check_shapes(q, k, v, g, beta, initial_state)
     config = GDNChunkedConfig() if config is None else config
+    batch, seq_len, num_v_heads, v_dim = v.shape
+    chunk = min(chunk_size, max(MIN_DOT_DIM, next_power_of_2(seq_len)))  # a short sequence: one chunk, padded
     if not interpret:  # Triton computes element offsets in int32
-        batch, seq_len, num_v_heads, v_dim = v.shape
-        chunk = _kernel_chunk(chunk_size, seq_len)
-        padded_len = -(-seq_len // chunk) * chunk
         widest = max(next_power_of_2(q.shape[-1]), next_power_of_2(v_dim), chunk)
-        if batch * padded_len * num_v_heads * widest >= 2**31:
+        if batch * round_up(seq_len, chunk) * num_v_heads * widest >= 2**31:
             raise ValueError("the chunk intermediates would have >= 2**31 elements, more than the Triton kernels "
                              "can index; split the batch")
-    return _differentiable(q, k, v, g, beta, initial_state, chunk_size, interpret, config)
-
-
-def _kernel_chunk(chunk_size: int, seq_len: int) -> int:
-    """Tokens per kernel chunk: chunk_size, or the smallest power of 2 >= 16 holding a shorter sequence."""
-    return min(chunk_size, max(MIN_DOT_DIM, next_power_of_2(seq_len)))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Differentiation: the fused forward, the reference's backward
-# --------------------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _differentiable(q, k, v, g, beta, initial_state, chunk_size, interpret, config):
-    chunk = _kernel_chunk(chunk_size, q.shape[1])
-    return _gdn_chunked_pallas(q, k, v, g, beta, initial_state, chunk=chunk, interpret=interpret, config=config)
-
-
-def _differentiable_fwd(q, k, v, g, beta, initial_state, chunk_size, interpret, config):
-    out = _differentiable(q, k, v, g, beta, initial_state, chunk_size, interpret, config)
-    return out, (q, k, v, g, beta, initial_state)
-
-
-def _differentiable_bwd(chunk_size, interpret, config, residuals, cotangents):
-    """The reference's pullback at the same inputs, cotangents and chunk_size: exactly the XLA path's gradient."""
-    _, pullback = jax.vjp(functools.partial(gated_delta_chunked, chunk_size=chunk_size), *residuals)
-    return pullback(cotangents)
-
-
-_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+    kernel = functools.partial(_gdn_chunked_pallas, chunk=chunk, interpret=interpret, config=config)
+    return with_reference_gradient(kernel, functools.partial(gated_delta_chunked, chunk_size=chunk_size),
+                                   q, k, v, g, beta, initial_state)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _l2norm_rows(x):
-    """Rows of x [C, d] L2-normalised in fp32, as the reference's _l2norm."""
-    x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)[:, None]
 
 
 def _decay_sums(g):
@@ -339,8 +303,8 @@ def _unit_lower_inverse(a):
 
 def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, attn_ref, *, scale: float):
     """One chunk of one value head: u [C, d_v], w [C, d_k] and attn [C, C] (block refs, grid axes squeezed)."""
-    q = _l2norm_rows(q_ref[...]) * scale  # [C, d_k]
-    k = _l2norm_rows(k_ref[...])  # [C, d_k]
+    q = l2norm(q_ref[...]) * scale  # [C, d_k]
+    k = l2norm(k_ref[...])  # [C, d_k]
     g = g_ref[...].astype(jnp.float32)  # [C]
     beta = beta_ref[...].astype(jnp.float32)  # [C]
     gc, later = _decay_sums(g)
@@ -372,8 +336,8 @@ def _scan_kernel(*refs, num_chunks: int, chunk: int, scale: float, has_state: bo
         rows = pl.ds(pl.multiple_of(n * chunk, chunk), chunk)
         g = g_ref[rows].astype(jnp.float32)  # [C]
         gc, later = _decay_sums(g)
-        q_read = _l2norm_rows(q_ref[rows, :]) * (scale * jnp.exp(gc))[:, None]  # reads the entering state
-        k_write = _l2norm_rows(k_ref[rows, :]) * jnp.exp(jnp.sum(later, axis=0))[:, None]  # decayed to chunk end
+        q_read = l2norm(q_ref[rows, :]) * (scale * jnp.exp(gc))[:, None]  # reads the entering state
+        k_write = l2norm(k_ref[rows, :]) * jnp.exp(jnp.sum(later, axis=0))[:, None]  # decayed to chunk end
         u = u_ref[rows, :] - matmul(w_ref[rows, :], state)  # delta vs the entering state  [C, BV]
         o = matmul(q_read, state) + matmul(attn_ref[rows, :], u)  # [C, BV]
         o_ref[rows, :] = o.astype(o_ref.dtype)
