@@ -55,7 +55,7 @@ def kernels(family: str):
 @functools.cache
 def interpreted(family: str):
     """``family``'s gdn_chunked, jitted, in this CPU's interpreter for it."""
-    return jax.jit(functools.partial(kernels(family).gdn_chunked, interpret=interpret_mode(family)),
+    return jax.jit(functools.partial(kernels(family).gated_delta_chunked, interpret=interpret_mode(family)),
                    static_argnames=("chunk_size", "config"))
 
 
@@ -182,7 +182,7 @@ def test_gradient_is_the_references(family, with_state):
     """The backward pass is the reference's pullback at the same inputs: bit for bit the XLA path's gradient."""
     heads, chunk = (GQA, 16) if family == "triton" else ((1, 2), 8)
     inputs = gdn_inputs(2 if family == "triton" else 1, 20, *heads, 16, 16, with_state=with_state)
-    kernel = functools.partial(kernels(family).gdn_chunked, chunk_size=chunk, interpret=interpret_mode(family))
+    kernel = functools.partial(kernels(family).gated_delta_chunked, chunk_size=chunk, interpret=interpret_mode(family))
     grads = run_checked(_gradients, kernel, inputs)
     want = _gradients(functools.partial(gated_delta_chunked, chunk_size=chunk), inputs)
     for name, got, expected in zip(["q", "k", "v", "g", "beta", "state"], grads, want, strict=True):
@@ -218,7 +218,7 @@ def test_column_blocks_and_donation(family):
     if family == "triton":
         inputs = gdn_inputs(1, 20, *GQA, 32, 32, with_state=True)
         o_ref, state_ref = interpreted(family)(*inputs)
-        donated = jax.jit(functools.partial(triton.gdn_chunked, interpret=True), donate_argnums=5)
+        donated = jax.jit(functools.partial(triton.gated_delta_chunked, interpret=True), donate_argnums=5)
         o, state = donated(*inputs[:5], jnp.array(inputs[5]))
         np.testing.assert_array_equal(o, o_ref)
         np.testing.assert_array_equal(state, state_ref)
@@ -295,7 +295,7 @@ def test_target_training_step_pallas_matches_xla():
 @pytest.mark.parametrize("family", [pytest.param("triton", marks=[pytest.mark.slow, interpret]), "tpu"])
 def test_errors(family):
     q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
-    kernel = functools.partial(kernels(family).gdn_chunked, interpret=interpret_mode(family))
+    kernel = functools.partial(kernels(family).gated_delta_chunked, interpret=interpret_mode(family))
     with pytest.raises(ValueError, match="only the final state"):
         kernel(q, k, v, g, beta, state, output_all_states=True)
     with pytest.raises(ValueError, match="multiple of H_k"):
@@ -335,7 +335,7 @@ def test_the_switch_checks_impl_and_state_options():
 @pytest.mark.slow
 def test_triton_refuses_more_elements_than_int32_offsets_reach():
     """Triton indexes with int32 offsets: 64 sequences of 8,192 tokens x 48 heads x 128 reach 3.2e9."""
-    run = functools.partial(triton.gdn_chunked, interpret=False)
+    run = functools.partial(triton.gated_delta_chunked, interpret=False)
     for batch, ok in ((4, True), (64, False)):
         args = gdn_specs(batch, 8192, with_state=False)[:5]
         if ok:
@@ -360,12 +360,12 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, dtype):
     """Both Triton kernels lower to Triton custom calls for an abstract NVIDIA H200 (triton_common.lower_for_gpu),
     and every dot in their Triton IR has M, N, K >= 16 and runs as IEEE fp32 (no TF32)."""
     args = gdn_specs(batch, seq_len, dims, dtype, with_state)
-    text = lower_for_gpu(triton.gdn_chunked, *args, interpret=False)
+    text = lower_for_gpu(triton.gated_delta_chunked, *args, interpret=False)
     assert text.count("__gpu$xla.gpu.triton") == 2
     for warps in (TRITON_DEFAULT.prepare_warps, TRITON_DEFAULT.scan_warps):
         assert f"num_warps = {warps} " in text
     assert ("output_operand_alias" in text) == with_state  # the final state is written into initial_state's buffer
-    dots = triton_dots(triton.gdn_chunked, *args, interpret=False)
+    dots = triton_dots(triton.gated_delta_chunked, *args, interpret=False)
     assert dots, "the chunk matrices should be computed with tt.dot"
     assert [problem for dot in dots for problem in dot.problems()] == []
 
@@ -374,12 +374,12 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, dtype):
 def test_lowers_for_tpu_at_qwen35_27b_shapes(options):
     """One Mosaic kernel for a 512-token prefill at Qwen3.5-27B's shapes, the final state written into
     initial_state's buffer."""
-    text = tpu_common.lower_for_tpu(tpu.gdn_chunked, *gdn_specs(1, 512), interpret=False, **options)
+    text = tpu_common.lower_for_tpu(tpu.gated_delta_chunked, *gdn_specs(1, 512), interpret=False, **options)
     assert tpu_common.count_tpu_kernels(text) == 1 and "output_operand_alias" in text
 
 
 def test_lowers_for_tpu_without_a_state():
-    text = tpu_common.lower_for_tpu(tpu.gdn_chunked, *gdn_specs(2, 100, dtype=F32, with_state=False),
+    text = tpu_common.lower_for_tpu(tpu.gated_delta_chunked, *gdn_specs(2, 100, dtype=F32, with_state=False),
                                     interpret=False)
     assert tpu_common.count_tpu_kernels(text) == 1 and "output_operand_alias" not in text
 
@@ -401,6 +401,6 @@ def test_tpu_explicit_configs_must_fit():
     args = [S((1, 64, 1, 4096), F32)] * 2 + [S((1, 64, 1, 1024), F32)] + [S((1, 64, 1), F32)] * 2
     args += [S((1, 1, 4096, 1024), F32)]
     with pytest.raises(ValueError, match="exceeds the 16 MiB budget"):
-        jax.eval_shape(functools.partial(tpu.gdn_chunked, interpret=False,
+        jax.eval_shape(functools.partial(tpu.gated_delta_chunked, interpret=False,
                                          config=tpu.GDNChunkedConfig(block_v=1024)), *args)
-    assert jax.eval_shape(functools.partial(tpu.gdn_chunked, interpret=False), *args)[1].shape == (1, 1, 4096, 1024)
+    assert jax.eval_shape(functools.partial(tpu.gated_delta_chunked, interpret=False), *args)[1].shape == (1, 1, 4096, 1024)

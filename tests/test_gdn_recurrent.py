@@ -53,7 +53,7 @@ def kernels(family: str):
 @functools.cache
 def interpreted(family: str):
     """``family``'s gdn_recurrent, jitted, in this CPU's interpreter for it."""
-    return jax.jit(functools.partial(kernels(family).gdn_recurrent, interpret=interpret_mode(family)),
+    return jax.jit(functools.partial(kernels(family).gated_delta_recurrent, interpret=interpret_mode(family)),
                    static_argnames=("output_all_states", "include_initial_state", "config"))
 
 
@@ -185,7 +185,7 @@ def test_final_state_in_place(family):
     else:
         inputs = gdn_inputs(1, 1, 1, 2, 128, 128, with_state=True, dtype=BF16)
         o_ref, state_ref = _naive(*upcast(inputs))
-    donated = jax.jit(functools.partial(kernels(family).gdn_recurrent, interpret=interpret_mode(family)),
+    donated = jax.jit(functools.partial(kernels(family).gated_delta_recurrent, interpret=interpret_mode(family)),
                       donate_argnums=5)
     o, state = run_checked(donated, *inputs[:5], jnp.array(inputs[5]))
     assert o.dtype == inputs[2].dtype and state.shape == inputs[5].shape
@@ -254,7 +254,7 @@ def test_impl_switch_runs_the_tpu_kernel():
 @pytest.mark.parametrize("family", [pytest.param("triton", marks=[pytest.mark.slow, interpret]), "tpu"])
 def test_errors(family):
     q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
-    kernel = functools.partial(kernels(family).gdn_recurrent, interpret=interpret_mode(family))
+    kernel = functools.partial(kernels(family).gated_delta_recurrent, interpret=interpret_mode(family))
     with pytest.raises(ValueError, match="needs output_all_states"):
         kernel(q, k, v, g, beta, state, include_initial_state=True)
     with pytest.raises(ValueError, match="multiple of H_k"):
@@ -272,7 +272,7 @@ def test_errors(family):
             kernels(family).GDNRecurrentConfig(**bad)
     if family == "tpu":
         long = [S((1, tpu.MAX_RECURRENT_TOKENS + 1, *x.shape[2:]), x.dtype) for x in (q, k, v, g, beta)]
-        with pytest.raises(ValueError, match="use gdn_chunked"):
+        with pytest.raises(ValueError, match="use gated_delta_chunked"):
             jax.eval_shape(kernel, *long)
 
 
@@ -291,7 +291,7 @@ def test_the_switch_checks_impl_and_state_options():
 def test_triton_refuses_more_states_than_int32_offsets_reach():
     """Triton indexes with int32 offsets: 256 x 16 per-token 48 x 128 x 128 states are 3.2e9 elements."""
     args = [S((256, 16, 16, 128), BF16)] * 2 + [S((256, 16, 48, 128), BF16)] + [S((256, 16, 48), F32)] * 2
-    run = functools.partial(triton.gdn_recurrent, interpret=False)
+    run = functools.partial(triton.gated_delta_recurrent, interpret=False)
     assert jax.eval_shape(run, *args)[1].shape == (256, 48, 128, 128)  # the final state alone is fine
     with pytest.raises(ValueError, match="2\\*\\*31"):
         jax.eval_shape(functools.partial(run, output_all_states=True), *args)
@@ -318,7 +318,7 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, output_all_states, dt
     """The Triton kernel lowers to one Triton custom call for an abstract NVIDIA H200 (triton_common.lower_for_gpu),
     which rejects what the GPU cannot compile (non-power-of-2 tensors, unsupported ops) with no GPU attached."""
     args = gdn_specs(batch, seq_len, dims, dtype, with_state)
-    text = lower_for_gpu(triton.gdn_recurrent, *args, output_all_states=bool(output_all_states),
+    text = lower_for_gpu(triton.gated_delta_recurrent, *args, output_all_states=bool(output_all_states),
                          include_initial_state=output_all_states == "first", interpret=False)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert f"num_warps = {TRITON_DEFAULT.num_warps} " in text and f"num_stages = {TRITON_DEFAULT.num_stages} " in text
@@ -331,7 +331,7 @@ def test_no_triton_dots():
     """The recurrence is rank-1 updates and mat-vecs done as multiply-and-sum: no tt.dot (which would need
     M, N, K >= 16 and default to TF32) may appear in the kernel's Triton IR."""
     args = gdn_specs(1, 8)
-    assert triton_dots(triton.gdn_recurrent, *args, output_all_states=True, interpret=False) == []
+    assert triton_dots(triton.gated_delta_recurrent, *args, output_all_states=True, interpret=False) == []
 
 
 @pytest.mark.parametrize("options", [{}, dict(output_all_states=True),
@@ -341,7 +341,7 @@ def test_lowers_for_tpu_at_qwen35_27b_shapes(options):
     """One Mosaic kernel per call at Qwen3.5-27B's shapes (B = 1, H_k = 16, H_v = 48, d = 128): decode, an 8-token
     verify with every state (and the entering one), lowered for a TPU on the CPU. The final state is written into
     initial_state's buffer; per-token states alias nothing."""
-    text = tpu_common.lower_for_tpu(tpu.gdn_recurrent, *gdn_specs(1, 8 if options else 1), interpret=False,
+    text = tpu_common.lower_for_tpu(tpu.gated_delta_recurrent, *gdn_specs(1, 8 if options else 1), interpret=False,
                                     **options)
     assert tpu_common.count_tpu_kernels(text) == 1
     assert ("output_operand_alias" in text) == (not options)
@@ -349,7 +349,7 @@ def test_lowers_for_tpu_at_qwen35_27b_shapes(options):
 
 def test_lowers_for_tpu_under_vmap():
     stacked = [S((3, *x.shape), x.dtype) for x in gdn_specs(2, 4)]  # [L, B, ...]: a group's layers
-    text = tpu_common.lower_for_tpu(jax.vmap(functools.partial(tpu.gdn_recurrent, interpret=False,
+    text = tpu_common.lower_for_tpu(jax.vmap(functools.partial(tpu.gated_delta_recurrent, interpret=False,
                                                                output_all_states=True)), *stacked)
     assert tpu_common.count_tpu_kernels(text) == 1
 
@@ -384,7 +384,7 @@ def test_tpu_heuristic_narrows_block_v_and_explicit_configs_must_fit():
     v6e's 32 MiB holds it."""
     args = [S((1, 16, 1, 128), F32)] * 2 + [S((1, 16, 1, 1024), F32)] + [S((1, 16, 1), F32)] * 2
     args += [S((1, 1, 128, 1024), F32)]
-    run = functools.partial(tpu.gdn_recurrent, output_all_states=True, include_initial_state=True, interpret=False)
+    run = functools.partial(tpu.gated_delta_recurrent, output_all_states=True, include_initial_state=True, interpret=False)
     sizes = dict(seq_len=16, k_dim=128, v_dim=1024, has_state=True, output_all_states=True,
                  include_initial_state=True)
     assert tpu.recurrent_config(F32, F32, **sizes).block_v == 512

@@ -1,7 +1,7 @@
-"""Gated DeltaNet's decode / verify kernel for Mosaic GPU: ``gdn_recurrent``.
+"""Gated DeltaNet's decode / verify kernel for Mosaic GPU: :func:`gated_delta_recurrent`.
 
 Reference: ``pallas_kernels.gated_delta.reference.gated_delta_recurrent``; the kernel takes its arguments and
-returns its results, with the signature of ``gated_delta.triton.gdn_recurrent``. q, k ``[B, T, H_k, d_k]`` not
+returns its results, with the signature of ``gated_delta.triton.gated_delta_recurrent``. q, k ``[B, T, H_k, d_k]`` not
 yet normalised, v ``[B, T, H_v, d_v]``, g, beta ``[B, T, H_v]``, initial_state ``[B, H_v, d_k, d_v]`` fp32 or
 None (zeros) -> o ``[B, T, H_v, d_v]`` in v's dtype and fp32 states: the final state ``[B, H_v, d_k, d_v]``, or
 with ``output_all_states`` the state after every token ``[B, T, H_v, d_k, d_v]``, with ``include_initial_state``
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..mosaic_gpu_common import launch
-from ..sizes import round_up
-from .reference import check_shapes, check_state_options, normalized_query_key
+from ...mosaic_gpu_common import launch
+from ...sizes import round_up
+from ..reference import check_shapes, check_state_options, normalized_query_key
 
 KEY_TILE = 64  # rows of a WGMMA register tile: d_k is padded to a multiple of it
 VALUE_TILE = 8  # columns of a WGMMA register tile: block_v is a multiple of it
@@ -50,7 +50,7 @@ class GDNRecurrentConfig:
                              f"(a WGMMA register tile's width); got {self.block_v!r}")
 
 
-def gdn_recurrent(
+def gated_delta_recurrent(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
