@@ -28,7 +28,7 @@ from .common import (
     gates_head_major,
     head_major,
     padded_state,
-    widest_fitting_block_v,
+    widest_fitting_config,
 )
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -66,12 +66,9 @@ def chunked_config(q_dtype, v_dtype, *, chunk: int, k_dim: int, v_dim: int, has_
                    generation: str = tpu_common.DEFAULT_GENERATION) -> GDNChunkedConfig:
     """The config ``config=None`` uses: the widest block_v whose footprint fits ``generation`` (each chunk's
     inverse computed once per head at d_v = 128)."""
-    def footprint_for(width):
-        return chunked_footprint(q_dtype, v_dtype, chunk=chunk, k_dim=k_dim, v_dim=v_dim, block_v=width,
-                                 has_state=has_state)
-
-    block_v = widest_fitting_block_v(footprint_for, round_up(v_dim, LANES), generation, "gated_delta_chunked")
-    return GDNChunkedConfig(block_v=block_v, generation=generation)
+    footprint = functools.partial(chunked_footprint, q_dtype, v_dtype, chunk=chunk, k_dim=k_dim, v_dim=v_dim,
+                                  has_state=has_state)
+    return widest_fitting_config(GDNChunkedConfig, footprint, v_dim, generation, "gated_delta_chunked")
 
 
 def gated_delta_chunked(

@@ -5,12 +5,15 @@ the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from ... import tpu_common
 from ...config_fields import multiple_of
-from ...tpu_common import LANES
+from ...sizes import round_up
+from ...tpu_common import LANES, VmemFootprint
 
 F32 = jnp.float32
 BLOCK_V = multiple_of(LANES, "the lane width")  # the rule of the configs' block_v
@@ -24,14 +27,18 @@ def fitted_block_v(block_v: int, v_dim_padded: int) -> int:
     return width
 
 
-def widest_fitting_block_v(footprint_for, v_dim_padded: int, generation: str, what: str) -> int:
-    """The widest block_v dividing the padded d_v whose footprint fits ``generation``; a ValueError naming the
-    narrowest block's numbers when none does."""
+def widest_fitting_config(config_type: type, footprint: Callable[..., VmemFootprint], v_dim: int, generation: str,
+                          what: str):
+    """``config_type(block_v, generation)`` with the widest block_v dividing the padded d_v whose
+    ``footprint(block_v=...)`` fits ``generation``; a ValueError naming ``what`` and the narrowest block's numbers
+    when none does."""
+    v_dim_padded = round_up(v_dim, LANES)
     widths = [width for width in range(v_dim_padded, 0, -LANES) if v_dim_padded % width == 0]
-    fitting = [width for width in widths if footprint_for(width).bytes <= tpu_common.vmem_budget_bytes(generation)]
+    budget = tpu_common.vmem_budget_bytes(generation)
+    fitting = [width for width in widths if footprint(block_v=width).bytes <= budget]
     if not fitting:
-        footprint_for(LANES).check(generation, what)
-    return fitting[0]
+        footprint(block_v=LANES).check(generation, what)
+    return config_type(block_v=fitting[0], generation=generation)
 
 
 def head_major(x: jax.Array, last_pad: int) -> jax.Array:

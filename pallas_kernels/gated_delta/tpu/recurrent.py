@@ -26,7 +26,7 @@ from .common import (
     gates_head_major,
     head_major,
     padded_state,
-    widest_fitting_block_v,
+    widest_fitting_config,
 )
 
 MAX_RECURRENT_TOKENS = 64  # the recurrent kernel unrolls its time loop; longer sequences belong to gated_delta_chunked
@@ -67,13 +67,10 @@ def recurrent_config(q_dtype, v_dtype, *, seq_len: int, k_dim: int, v_dim: int, 
                      generation: str = tpu_common.DEFAULT_GENERATION) -> GDNRecurrentConfig:
     """The config ``config=None`` uses: the widest block_v whose footprint fits ``generation`` (fewest grid
     steps, each a whole head at d_v = 128)."""
-    def footprint_for(width):
-        return recurrent_footprint(q_dtype, v_dtype, seq_len=seq_len, k_dim=k_dim, v_dim=v_dim, block_v=width,
-                                   has_state=has_state, output_all_states=output_all_states,
-                                   include_initial_state=include_initial_state)
-
-    block_v = widest_fitting_block_v(footprint_for, round_up(v_dim, LANES), generation, "gated_delta_recurrent")
-    return GDNRecurrentConfig(block_v=block_v, generation=generation)
+    footprint = functools.partial(recurrent_footprint, q_dtype, v_dtype, seq_len=seq_len, k_dim=k_dim, v_dim=v_dim,
+                                  has_state=has_state, output_all_states=output_all_states,
+                                  include_initial_state=include_initial_state)
+    return widest_fitting_config(GDNRecurrentConfig, footprint, v_dim, generation, "gated_delta_recurrent")
 
 
 def gated_delta_recurrent(
