@@ -216,7 +216,8 @@ def test_vmap_with_an_unmapped_argument():
     cases = [gdn_inputs(1, 3, 1, 2, 16, 16, seed=seed) for seed in range(2)]
     stacked = [jnp.stack(xs) for xs in zip(*cases, strict=True)]
     shared_state = stacked[5][0]
-    o, final = run_checked(jax.vmap(interpreted("tpu"), in_axes=(0, 0, 0, 0, 0, None)), *stacked[:5], shared_state)
+    mapped = jax.vmap(interpreted(CHUNKED, "tpu"), in_axes=(0, 0, 0, 0, 0, None))
+    o, final = run_checked(mapped, *stacked[:5], shared_state)
     for layer, inputs in enumerate(cases):
         o_ref, final_ref = _naive(*inputs[:5], shared_state)
         assert_close(f"o[{layer}]", o[layer], o_ref, F32, "chunked")
