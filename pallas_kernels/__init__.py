@@ -5,8 +5,9 @@
 * ``state_reader/``: the ReaDy reader's once-per-round gather (``state_gather``) and per-position read
   (``state_reader``, and ``content_reader`` for queries in the full key space).
 
-Each folder holds ``reference.py`` (pure jnp, the oracle and the XLA path), one module per kernel family
-(``triton.py`` for GPUs, ``tpu.py`` or a ``tpu/`` package for TPUs) and an ``__init__`` whose functions take the
-reference's arguments plus ``impl`` ("xla" | "pallas") and run one of them. ``backend`` picks the family for the
-machine.
+Each folder holds ``reference.py`` (pure jnp, the oracle and the XLA path), one package per kernel family
+(``triton/`` for GPUs, ``tpu/`` for TPUs, ``mosaic_gpu/`` for the decode-critical ops on Mosaic GPU) with one module
+per op, and an ``__init__`` whose functions take the reference's arguments plus ``impl`` ("xla" | "pallas") and run
+one of them. ``backend`` picks the family for the machine; the helpers a family shares across op folders are
+``triton_common``, ``tpu_common`` and ``mosaic_gpu_common``.
 """

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .config_fields import one_of
+from .sizes import round_up
 
 MIB = 1 << 20
 SUBLANES, LANES = 8, 128  # a vreg is [8, 128] x 32 bit: the last two block dims tile by (8, 128) or are whole
@@ -26,11 +27,6 @@ SUBLANES, LANES = 8, 128  # a vreg is [8, 128] x 32 bit: the last two block dims
 DEFAULT_SCOPED_VMEM: dict[str, int] = {"v4": 16 * MIB, "v5e": 16 * MIB, "v5p": 16 * MIB, "v6e": 32 * MIB}
 DEFAULT_GENERATION = "v5e"  # the smallest default budget of the generations above that serve inference today
 GENERATION = one_of(tuple(DEFAULT_SCOPED_VMEM), "a TPU generation")  # the rule of a config's generation field
-
-
-def round_up(x: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is at least ``x``."""
-    return -(-x // multiple) * multiple
 
 
 def vmem_capacity_bytes(generation: str) -> int:
@@ -52,20 +48,22 @@ def _check_generation(generation: str) -> None:
         raise ValueError(f"unknown TPU generation {generation!r}; known: {sorted(DEFAULT_SCOPED_VMEM)}")
 
 
+def sublane_tile(dtype: Any) -> int:
+    """Rows of one (sublane, lane) tile of ``dtype``: sublanes pack 32 / bits rows, 8 for fp32, 16 for bf16."""
+    return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
 def padded_tile_bytes(shape: tuple[int, ...], dtype: Any) -> int:
-    """Bytes ``shape`` takes in VMEM: the last two dims rounded up to the (sublane, lane) tile of ``dtype``
-    (sublanes pack 32 / bits rows: 8 for fp32, 16 for bf16)."""
-    itemsize = jnp.dtype(dtype).itemsize
+    """Bytes ``shape`` takes in VMEM: the last two dims rounded up to the (sublane, lane) tile of ``dtype``."""
     dims = list(shape) if shape else [1]
     if len(dims) == 1:
         dims = [1, *dims]
-    sublane_tile = SUBLANES * max(1, 4 // itemsize)
-    dims[-2] = -(-dims[-2] // sublane_tile) * sublane_tile
-    dims[-1] = -(-dims[-1] // LANES) * LANES
+    dims[-2] = round_up(dims[-2], sublane_tile(dtype))
+    dims[-1] = round_up(dims[-1], LANES)
     count = 1
     for d in dims:
         count *= d
-    return count * itemsize
+    return count * jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,26 +1,34 @@
 """What the kernel tests share: their inputs (Gated DeltaNet's q, k, v, g, beta and state; the reader's states,
 bases, hidden states, weights and queries), the tolerances each check holds per dtype, one comparison that names the
-tensor it compares, and the TPU interpreter with every check on.
+tensor it compares, the TPU interpreter with every check on, and each family's kernels as this CPU interprets them.
 
 Inputs come from numpy (eager jax.random would compile a program per shape: seconds per test here).
 """
 
 import contextlib
+import functools
+import inspect
 import io
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import backend
+from pallas_kernels import backend, tpu_common
+from pallas_kernels.triton_common import lower_for_gpu, triton_dots
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
 EPS = 1e-6  # the reader's RMSNorm epsilon
 QWEN35_27B = (16, 48, 128, 128)  # (H_k, H_v, d_k, d_v) of a Qwen3.5-27B Gated DeltaNet layer
 TINY = (2, 4, 8, 8)  # the tiny test target of conftest.py
+MHA, GQA = (2, 2), (2, 4)  # (H_k, H_v): one value head per key head, two
+GENERATIONS = tuple(tpu_common.DEFAULT_SCOPED_VMEM)  # the TPU generations whose VMEM budgets the kernels check
+interpret = pytest.mark.interpret
+slow = pytest.mark.slow
 
 # Max error relative to the largest reference magnitude, per check and per dtype of the compared tensor.
 # "xla": the reference forms against the naive oracle (fp32 errors observed <= ~5e-7); their bf16 outputs round
@@ -74,6 +82,19 @@ def gdn_inputs(batch, seq_len, h_k, h_v, k_dim, v_dim, *, with_state=True, dtype
     beta = jax.nn.sigmoid(normal(batch, seq_len, h_v))
     state = normal(batch, h_v, k_dim, v_dim) if with_state else None
     return q, k, v, g, beta, state
+
+
+def gdn_case(family, d_k, d_v, batch, seq_len, heads, with_state, option, dtype, config=None, slow=False):
+    """A parity case of a Gated DeltaNet kernel: ``pytest.param(family, (d_k, d_v, B, T, heads, with_state, option,
+    dtype, config))``, ``option`` the recurrent form's states ("final", "all", "first": every state, the entering one
+    first) or the chunked form's chunk size. Triton's cases (a slow interpreter) and ``slow`` ones are ``slow``."""
+    marks = [pytest.mark.slow] if slow or family == "triton" else []
+    option_id = option if isinstance(option, str) else f"C{option}"
+    config_id = "" if config is None else f"-bv{config.block_v}" + (
+        f"w{config.num_warps}" if hasattr(config, "num_warps") else "")
+    return pytest.param(family, (d_k, d_v, batch, seq_len, heads, with_state, option, dtype, config), marks=marks,
+                        id=f"{family}-dk{d_k}-dv{d_v}-B{batch}-T{seq_len}-Hk{heads[0]}Hv{heads[1]}"
+                           f"-{'state' if with_state else 'zeros'}-{option_id}-{jnp.dtype(dtype).name}{config_id}")
 
 
 def upcast(inputs):
@@ -163,6 +184,38 @@ TPU_INTERPRET = backend.tpu_interpret_params()  # race detection on two simulate
 def interpret_mode(family: str):
     """How ``family``'s kernels are interpreted here: Pallas' generic interpreter, or the TPU one."""
     return True if family == "triton" else TPU_INTERPRET
+
+
+def kernel_of(op: backend.KernelOp, family: str):
+    """``op``'s kernel in ``family`` (``op.kernel`` of the family's module)."""
+    return getattr(op.module(family), op.kernel)
+
+
+@functools.cache
+def interpreted(op: backend.KernelOp, family: str):
+    """``op``'s kernel in ``family``, jitted, in this CPU's interpreter for the family (its keyword options
+    static)."""
+    kernel = kernel_of(op, family)
+    static = [name for name, parameter in inspect.signature(kernel).parameters.items()
+              if parameter.kind is parameter.KEYWORD_ONLY and name != "interpret"]
+    return jax.jit(functools.partial(kernel, interpret=interpret_mode(family)), static_argnames=static)
+
+
+def traced(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` traced, not run (``jax.eval_shape``): argument checks raise at trace time."""
+    return jax.eval_shape(functools.partial(fn, **kwargs), *args)
+
+
+def lowers_for_h200(kernel, specs, names, **kwargs) -> list:
+    """``kernel`` lowered for an abstract H200 (``interpret=False``, ``kwargs`` static): one Triton custom call per
+    launch in ``names``, each named, with the explicit compiler params (4 warps) reaching them, and no dot in their
+    Triton IR that Triton cannot take (M, N or K < 16) or that runs an f32 product as TF32. -> the dots."""
+    text = lower_for_gpu(kernel, *specs, interpret=False, **kwargs)
+    assert text.count("__gpu$xla.gpu.triton") == len(names) and all(name in text for name in names)
+    assert "num_warps = 4" in text  # the explicit compiler params reach the kernel calls
+    dots = triton_dots(kernel, *specs, interpret=False, **kwargs)
+    assert [problem for dot in dots for problem in dot.problems()] == []
+    return dots
 
 
 class RaceDetected(AssertionError):

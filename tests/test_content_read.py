@@ -7,13 +7,12 @@ Parity runs the Triton kernels in Pallas' generic interpreter and the TPU kernel
 axes are sampled, not crossed: d_k in {8, 16, 128}, M with Q < M (key heads shared by value heads),
 r in {4, 8, 16, 128}, G in {1, 3, 5, 7}, fp32 and bf16;
 Qwen3.5-27B-sized cases are ``slow``. Lowering for an abstract H200 and for a TPU at Qwen3.5-27B shapes needs no
-interpreter. Last, ``generate(impl="pallas")`` with a content reader and a tied one gives the XLA path's tokens.
+interpreter. Last, ``generate(impl="pallas")`` with a content reader and a tied one gives the XLA path's tokens. The
+impl switch and the errors every op shares: tests/test_kernel_contract.py.
 """
 
 import functools
-import importlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,23 +26,23 @@ from kernel_cases import (
     assert_close,
     assert_update_close,
     content_inputs,
+    interpret,
     interpret_mode,
+    lowers_for_h200,
+    traced,
 )
 
 import ready_jax as rj
 from pallas_kernels import backend, tpu_common
-from pallas_kernels import state_reader as dispatch
-from pallas_kernels.state_reader import reference
-from pallas_kernels.triton_common import lower_for_gpu, triton_dots
+from pallas_kernels.state_reader import CONTENT_READER, reference
+from pallas_kernels.triton_common import lower_for_gpu
 from ready_jax.drafter_config import ReaderConfig
 from ready_jax.training import drafter_variants
-
-interpret = pytest.mark.interpret
 
 
 def _family(name):
     """``name``'s kernel module and how this CPU interprets it."""
-    return importlib.import_module(f"pallas_kernels.state_reader.{name}"), interpret_mode(name)
+    return CONTENT_READER.module(name), interpret_mode(name)
 
 
 # ---- the content read --------------------------------------------------------------------------------------
@@ -123,74 +122,27 @@ def test_blocks_that_split_key_heads(family):
         assert_update_close(f"h + read, {config}", actual, expected, args[0], F32)
 
 
-@interpret
-@pytest.mark.parametrize("family", FAMILIES)
-def test_impl_switch_runs_the_kernels(family, monkeypatch):
-    """impl="pallas" runs this family's kernels for both content paths (the CPU family from the environment)."""
-    monkeypatch.setenv(backend.INTERPRET_ENV, {"triton": "gpu", "tpu": "tpu"}[family])
-    kernels, mode = _family(family)
-    args = content_inputs(3, 7, 128, 4, 2, 16, 8, F32, seed=5)
-    np.testing.assert_array_equal(dispatch.content_reader(*args, EPS, impl="pallas"),
-                                  kernels.content_reader(*args, EPS, interpret=mode))
-    np.testing.assert_array_equal(dispatch.content_reader(*args, EPS, impl="xla"),
-                                  reference.read_by_content(*args, EPS))
-    with pytest.raises(ValueError, match="not for the kernels that run here"):
-        dispatch.content_reader(*args, EPS, impl="pallas", config=kernels.GatherConfig())
-    np.testing.assert_array_equal(dispatch.content_read(args[1], args[2], impl="pallas"),
-                                  kernels.content_read(args[1], args[2], interpret=mode))
-
-
-def _eval(fn, *args, **kwargs):
-    """Trace ``fn`` without running it: argument checks raise at trace time."""
-    return jax.eval_shape(functools.partial(fn, **kwargs), *args)
-
-
-@pytest.mark.parametrize("family", ["reference", *FAMILIES])
-def test_the_contract_is_one_for_every_path(family):
-    """The reference and both kernels reject the same inputs with the same message
-    (reference.check_content_shapes)."""
-    if family == "reference":
-        reader, read = reference.read_by_content, reference.content_read
-    else:
-        kernels, _ = _family(family)
-        reader = functools.partial(kernels.content_reader, interpret=False)
-        read = functools.partial(kernels.content_read, interpret=False)
-    h, q, values, w_o, w = content_inputs(2, 3, 128, 6, 2, 16, 8, F32)
-    with pytest.raises(ValueError, match="content_reader: .*Q dividing"):
-        _eval(reader, h, q[:, :, :1].repeat(4, axis=2), values, w_o, w, eps=EPS)
-    with pytest.raises(ValueError, match="content_reader: w_o .* must be"):
-        _eval(reader, h, q, values, w_o[:8], w, eps=EPS)
-    with pytest.raises(ValueError, match=r"content_read: queries .* Q dividing M = 6"):
-        _eval(read, q[:, :, :1].repeat(4, axis=2), values)
-    with pytest.raises(ValueError, match=r"content_read: values \(1, 6, 16, 8\) must be \[B, M, d_k, r\] with B = 2"):
-        _eval(read, q, values[:1])
-
-
 def test_tpu_content_paths_reject_what_they_do_not_support():
     tpu, _ = _family("tpu")
     h, q, values, w_o, w = content_inputs(1, 2, 256, 32, 8, 128, 8, F32)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        _eval(tpu.content_reader, h, q.astype(np.float16), values, w_o, w, eps=EPS, interpret=False)
+        traced(tpu.content_reader, h, q.astype(np.float16), values, w_o, w, eps=EPS, interpret=False)
     with pytest.raises(ValueError, match=r"block_q = 64 must be one of \[256, 128\]"):
-        _eval(tpu.content_reader, h, q, values, w_o, w, eps=EPS, interpret=False,
+        traced(tpu.content_reader, h, q, values, w_o, w, eps=EPS, interpret=False,
               config=tpu.ContentReaderConfig(block_q=64))
-    with pytest.raises(ValueError, match="block_out must be a positive int"):
-        tpu.ContentReaderConfig(block_out=0)
     with pytest.raises(ValueError, match="content_read: the TPU kernel takes float32 or bfloat16"):
-        _eval(tpu.content_read, q, values.astype(np.float16), interpret=False)
+        traced(tpu.content_read, q, values.astype(np.float16), interpret=False)
     with pytest.raises(ValueError, match=r"content_read: block_q = 64 must be one of \[256, 128\]"):
-        _eval(tpu.content_read, q, values, interpret=False, config=tpu.ContentReaderConfig(block_q=64))
+        traced(tpu.content_read, q, values, interpret=False, config=tpu.ContentReaderConfig(block_q=64))
 
 
 def test_triton_content_paths_reject_non_power_of_2_tiles():
     triton, _ = _family("triton")
     h, q, values, w_o, w = content_inputs(2, 3, 128, 4, 2, 12, 8, F32)
     with pytest.raises(ValueError, match=r"power-of-2 Triton tiles; got d_k = 12.*impl='xla'"):
-        _eval(triton.content_reader, h, q, values, w_o, w, eps=EPS, interpret=True)
+        traced(triton.content_reader, h, q, values, w_o, w, eps=EPS, interpret=True)
     with pytest.raises(ValueError, match=r"content_read needs power-of-2 Triton tiles; got d_k = 12"):
-        _eval(triton.content_read, q, values, interpret=True)
-    with pytest.raises(ValueError, match="block_k must be a power of 2"):
-        triton.ContentReaderConfig(block_k=24)
+        traced(triton.content_read, q, values, interpret=True)
 
 
 # ---- lowering at Qwen3.5-27B shapes: 2 source layers x 48 value heads (M = 96), 16 key heads per layer (Q = 32),
@@ -217,11 +169,7 @@ def test_triton_content_kernels_lower_for_h200(batch, rank):
             (triton.content_reader, _qwen_content_specs(batch, rank, F32), ["reader_content", "reader_out"],
              dict(eps=EPS)),
             (triton.content_read, _qwen_tied_read_specs(batch), ["content_read"], {})):
-        text = lower_for_gpu(fn, *specs, interpret=False, **kwargs)
-        assert text.count("__gpu$xla.gpu.triton") == len(names) and all(name in text for name in names)
-        assert "num_warps = 4" in text  # the explicit compiler params reach the kernel call
-        dots = triton_dots(fn, *specs, interpret=False, **kwargs)
-        assert [p for d in dots for p in d.problems()] == []
+        dots = lowers_for_h200(fn, specs, names, **kwargs)
         if rank < 16 and fn is not triton.content_read:
             assert {d.kernel for d in dots} <= {"reader_out"}  # nothing contracts over the rank with a dot
 
@@ -259,7 +207,7 @@ def test_tpu_content_vmem_budget(generation):
         config, footprint = tpu.resolve_content_read_config(tpu.ContentReaderConfig(generation=generation), shapes)
         assert footprint.bytes <= budget and footprint == tpu.content_read_footprint(config.block_q, shapes)
         assert shapes.key_heads(config.block_q) * shapes.draft_padded <= 128
-    lossless = functools.partial(_eval, tpu.content_reader, *_qwen_content_specs(16, 128), eps=EPS,
+    lossless = functools.partial(traced, tpu.content_reader, *_qwen_content_specs(16, 128), eps=EPS,
                                  interpret=False, config=tpu.ContentReaderConfig(generation=generation))
     if budget < 32 * tpu_common.MIB:
         with pytest.raises(ValueError, match="split the batch"):

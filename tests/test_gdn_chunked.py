@@ -1,14 +1,14 @@
 """``gated_delta_chunked``'s kernels (prefill, training), both families, against the naive oracle: the Triton
 kernels in Pallas' generic interpreter, the Mosaic TPU kernel in the TPU interpreter (race detection, NaN for memory
-never written); their gradient (the reference's); the impl switch and their use in the model; their errors;
-lowering for an H200 (Triton IR) and for a TPU from the CPU; the TPU kernel's VMEM budgets.
+never written); their gradient (the reference's), also through the impl switch; their use in the model; the chunk
+sizes each family refuses; lowering for an H200 (Triton IR) and for a TPU from the CPU; the TPU kernel's VMEM
+budgets. The impl switch and the errors every op shares: tests/test_kernel_contract.py.
 
 The parity cases sample the factors (head widths, T below, at and across chunk boundaries, GQA, initial state,
 dtype, chunking) rather than enumerating them; the Triton ones and the larger TPU ones are ``slow``.
 """
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -18,51 +18,43 @@ from conftest import ATTN, GDN, tiny_config
 from kernel_cases import (
     BF16,
     F32,
+    GENERATIONS,
+    GQA,
+    MHA,
     QWEN35_27B,
     TINY,
     S,
     assert_close,
+    gdn_case,
     gdn_inputs,
     gdn_specs,
+    interpret,
     interpret_mode,
+    interpreted,
+    kernel_of,
     run_checked,
+    traced,
     upcast,
 )
 
 import ready_jax as rj
-from pallas_kernels import backend, tpu_common
 from pallas_kernels import gated_delta as dispatch
-from pallas_kernels.gated_delta import tpu, triton
+from pallas_kernels import tpu_common
+from pallas_kernels.gated_delta import CHUNKED, tpu, triton
 from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_naive
 from pallas_kernels.triton_common import lower_for_gpu, triton_dots
-from ready_jax.modes import IMPLS
 from ready_jax.training import target_recipe
 
 TRITON_DEFAULT = triton.GDNChunkedConfig()  # block_v = 32: the launch the GPU uses
 TRITON_NARROW = triton.GDNChunkedConfig(block_v=16, scan_warps=2)
-GENERATIONS = tuple(tpu_common.DEFAULT_SCOPED_VMEM)
-interpret = pytest.mark.interpret
-slow_triton = pytest.param("triton", marks=pytest.mark.slow)
-MHA, GQA = (2, 2), (2, 4)
 
 _naive = jax.jit(gated_delta_naive)
-
-
-def kernels(family: str):
-    return importlib.import_module(f"pallas_kernels.gated_delta.{family}")
-
-
-@functools.cache
-def interpreted(family: str):
-    """``family``'s gdn_chunked, jitted, in this CPU's interpreter for it."""
-    return jax.jit(functools.partial(kernels(family).gdn_chunked, interpret=interpret_mode(family)),
-                   static_argnames=("chunk_size", "config"))
 
 
 def check_chunked(family, inputs, *, chunk_size=64, config=None):
     """The kernel's o and final state against the oracle run in fp32 on the same inputs."""
     q, k, v, g, beta, state = inputs
-    o, final = run_checked(interpreted(family), *inputs, chunk_size=chunk_size, config=config)
+    o, final = run_checked(interpreted(CHUNKED, family), *inputs, chunk_size=chunk_size, config=config)
     o_ref, final_ref = _naive(*upcast(inputs))
     assert o.shape == v.shape and o.dtype == v.dtype
     assert final.shape == (q.shape[0], v.shape[2], q.shape[3], v.shape[3]) and final.dtype == jnp.float32
@@ -71,47 +63,38 @@ def check_chunked(family, inputs, *, chunk_size=64, config=None):
 
 
 # ---- parity in the interpreters ----------------------------------------------------------------------------
-def _case(family, d_k, d_v, batch, seq_len, heads, with_state, dtype, chunk_size, config=None, slow=False):
-    marks = [pytest.mark.slow] if slow or family == "triton" else []
-    return pytest.param(family, (d_k, d_v, batch, seq_len, heads, with_state, dtype, chunk_size, config),
-                        marks=marks,
-                        id=f"{family}-dk{d_k}-dv{d_v}-B{batch}-T{seq_len}-Hk{heads[0]}Hv{heads[1]}"
-                           f"-{'state' if with_state else 'zeros'}-{jnp.dtype(dtype).name}-C{chunk_size}"
-                           + (f"-bv{config.block_v}" if config else ""))
-
-
 # Triton: T crosses chunk boundaries (16, 64, 70, 130) and stays below them (1, 5: one chunk padded to 16 tokens);
 # d_k = 48, d_v = 24 are zero-padded to 64 and 32, the tiny models' d = 8 contracts by multiply-and-sum.
 # TPU: chunks of min(chunk_size, T rounded up to 8), any multiple of 8.
 CASES = [
-    _case("triton", 32, 32, 1, 1, MHA, True, F32, 64, TRITON_DEFAULT),
-    _case("triton", 32, 32, 4, 70, GQA, False, BF16, 64, TRITON_DEFAULT),
-    _case("triton", 32, 32, 1, 130, GQA, True, F32, 16, TRITON_NARROW),
-    _case("triton", 32, 32, 4, 5, MHA, True, BF16, 16, TRITON_DEFAULT),
-    _case("triton", 128, 128, 1, 16, GQA, False, F32, 16, TRITON_DEFAULT),
-    _case("triton", 128, 128, 1, 130, MHA, True, BF16, 64, TRITON_NARROW),
-    _case("triton", 128, 128, 4, 64, GQA, True, F32, 64, TRITON_DEFAULT),
-    _case("triton", 128, 128, 1, 70, MHA, False, F32, 32, TRITON_DEFAULT),
-    _case("triton", 48, 24, 2, 21, (1, 3), True, F32, 64),
-    _case("triton", 8, 8, 2, 40, TINY[:2], True, BF16, 64),  # conftest's tiny target
-    _case("tpu", 128, 128, 1, 1, (1, 2), True, F32, 64),
-    _case("tpu", 128, 128, 1, 65, (1, 2), False, BF16, 64),
-    _case("tpu", 128, 128, 1, 130, MHA, True, F32, 64),
-    _case("tpu", 64, 64, 1, 63, (1, 2), True, F32, 16),
-    _case("tpu", 128, 128, 2, 130, GQA, True, BF16, 64, slow=True),
-    _case("tpu", 128, 128, 1, 63, (1, 2), False, F32, 64, slow=True),
-    _case("tpu", 128, 128, 1, 64, (1, 2), True, BF16, 32, slow=True),
-    _case("tpu", 32, 32, 2, 40, (1, 1), True, F32, 8, slow=True),
-    _case("tpu", 48, 24, 1, 21, (1, 3), True, F32, 64, slow=True),
-    _case("tpu", 8, 8, 2, 37, TINY[:2], False, BF16, 16, slow=True),  # conftest's tiny target
-    _case("tpu", 128, 128, 1, 20, (1, 1), True, F32, 24, slow=True),  # a chunk of 24: not a power of 2
+    gdn_case("triton", 32, 32, 1, 1, MHA, True, 64, F32, TRITON_DEFAULT),
+    gdn_case("triton", 32, 32, 4, 70, GQA, False, 64, BF16, TRITON_DEFAULT),
+    gdn_case("triton", 32, 32, 1, 130, GQA, True, 16, F32, TRITON_NARROW),
+    gdn_case("triton", 32, 32, 4, 5, MHA, True, 16, BF16, TRITON_DEFAULT),
+    gdn_case("triton", 128, 128, 1, 16, GQA, False, 16, F32, TRITON_DEFAULT),
+    gdn_case("triton", 128, 128, 1, 130, MHA, True, 64, BF16, TRITON_NARROW),
+    gdn_case("triton", 128, 128, 4, 64, GQA, True, 64, F32, TRITON_DEFAULT),
+    gdn_case("triton", 128, 128, 1, 70, MHA, False, 32, F32, TRITON_DEFAULT),
+    gdn_case("triton", 48, 24, 2, 21, (1, 3), True, 64, F32),
+    gdn_case("triton", 8, 8, 2, 40, TINY[:2], True, 64, BF16),  # conftest's tiny target
+    gdn_case("tpu", 128, 128, 1, 1, (1, 2), True, 64, F32),
+    gdn_case("tpu", 128, 128, 1, 65, (1, 2), False, 64, BF16),
+    gdn_case("tpu", 128, 128, 1, 130, MHA, True, 64, F32),
+    gdn_case("tpu", 64, 64, 1, 63, (1, 2), True, 16, F32),
+    gdn_case("tpu", 128, 128, 2, 130, GQA, True, 64, BF16, slow=True),
+    gdn_case("tpu", 128, 128, 1, 63, (1, 2), False, 64, F32, slow=True),
+    gdn_case("tpu", 128, 128, 1, 64, (1, 2), True, 32, BF16, slow=True),
+    gdn_case("tpu", 32, 32, 2, 40, (1, 1), True, 8, F32, slow=True),
+    gdn_case("tpu", 48, 24, 1, 21, (1, 3), True, 64, F32, slow=True),
+    gdn_case("tpu", 8, 8, 2, 37, TINY[:2], False, 16, BF16, slow=True),  # conftest's tiny target
+    gdn_case("tpu", 128, 128, 1, 20, (1, 1), True, 24, F32, slow=True),  # a chunk of 24: not a power of 2
 ]
 
 
 @interpret
 @pytest.mark.parametrize(("family", "case"), CASES)
 def test_matches_naive(family, case):
-    d_k, d_v, batch, seq_len, heads, with_state, dtype, chunk_size, config = case
+    d_k, d_v, batch, seq_len, heads, with_state, chunk_size, dtype, config = case
     check_chunked(family, gdn_inputs(batch, seq_len, *heads, d_k, d_v, with_state=with_state, dtype=dtype),
                   chunk_size=chunk_size, config=config)
 
@@ -119,8 +102,8 @@ def test_matches_naive(family, case):
 def test_triton_cases_cover_every_value():
     grid = [p.values[1] for p in CASES[:8]]
     factors = list(zip(*grid, strict=True))
-    wanted = [{32, 128}, {32, 128}, {1, 4}, {1, 5, 16, 64, 70, 130}, {MHA, GQA}, {True, False}, {F32, BF16},
-              {16, 32, 64}, {TRITON_DEFAULT, TRITON_NARROW}]
+    wanted = [{32, 128}, {32, 128}, {1, 4}, {1, 5, 16, 64, 70, 130}, {MHA, GQA}, {True, False}, {16, 32, 64},
+              {F32, BF16}, {TRITON_DEFAULT, TRITON_NARROW}]
     for values, want in zip(factors, wanted, strict=True):
         assert set(values) == want
 
@@ -153,7 +136,7 @@ def test_right_padding_leaves_the_state_unchanged(family):
     """Tokens with g = beta = 0 after the real ones (ragged prefill) do not move the state."""
     batch, h_k, h_v, d = PADDED[family]
     q, k, v, g, beta, state = gdn_inputs(batch, 40, h_k, h_v, d, d, with_state=True)
-    run = functools.partial(interpreted(family), chunk_size=16)
+    run = functools.partial(interpreted(CHUNKED, family), chunk_size=16)
     _, prefix = run_checked(run, q[:, :23], k[:, :23], v[:, :23], g[:, :23], beta[:, :23], state)
     g, beta = g.at[:, 23:].set(0.0), beta.at[:, 23:].set(0.0)
     _, padded = run_checked(run, q, k, v, g, beta, state)
@@ -182,7 +165,7 @@ def test_gradient_is_the_references(family, with_state):
     """The backward pass is the reference's pullback at the same inputs: bit for bit the XLA path's gradient."""
     heads, chunk = (GQA, 16) if family == "triton" else ((1, 2), 8)
     inputs = gdn_inputs(2 if family == "triton" else 1, 20, *heads, 16, 16, with_state=with_state)
-    kernel = functools.partial(kernels(family).gdn_chunked, chunk_size=chunk, interpret=interpret_mode(family))
+    kernel = functools.partial(kernel_of(CHUNKED, family), chunk_size=chunk, interpret=interpret_mode(family))
     grads = run_checked(_gradients, kernel, inputs)
     want = _gradients(functools.partial(gated_delta_chunked, chunk_size=chunk), inputs)
     for name, got, expected in zip(["q", "k", "v", "g", "beta", "state"], grads, want, strict=True):
@@ -217,8 +200,8 @@ def test_column_blocks_and_donation(family):
     TPU: d_v = 256 in two 128-column programs per head, each recomputing the chunk's inverse."""
     if family == "triton":
         inputs = gdn_inputs(1, 20, *GQA, 32, 32, with_state=True)
-        o_ref, state_ref = interpreted(family)(*inputs)
-        donated = jax.jit(functools.partial(triton.gdn_chunked, interpret=True), donate_argnums=5)
+        o_ref, state_ref = interpreted(CHUNKED, family)(*inputs)
+        donated = jax.jit(functools.partial(triton.gated_delta_chunked, interpret=True), donate_argnums=5)
         o, state = donated(*inputs[:5], jnp.array(inputs[5]))
         np.testing.assert_array_equal(o, o_ref)
         np.testing.assert_array_equal(state, state_ref)
@@ -233,31 +216,12 @@ def test_vmap_with_an_unmapped_argument():
     cases = [gdn_inputs(1, 3, 1, 2, 16, 16, seed=seed) for seed in range(2)]
     stacked = [jnp.stack(xs) for xs in zip(*cases, strict=True)]
     shared_state = stacked[5][0]
-    o, final = run_checked(jax.vmap(interpreted("tpu"), in_axes=(0, 0, 0, 0, 0, None)), *stacked[:5], shared_state)
+    mapped = jax.vmap(interpreted(CHUNKED, "tpu"), in_axes=(0, 0, 0, 0, 0, None))
+    o, final = run_checked(mapped, *stacked[:5], shared_state)
     for layer, inputs in enumerate(cases):
         o_ref, final_ref = _naive(*inputs[:5], shared_state)
         assert_close(f"o[{layer}]", o[layer], o_ref, F32, "chunked")
         assert_close(f"final[{layer}]", final[layer], final_ref, F32, "chunked")
-
-
-@pytest.mark.slow
-def test_xla_impl_is_the_reference():
-    inputs = gdn_inputs(1, 20, *GQA, 16, 16, with_state=True)
-    for got, want in zip(dispatch.gated_delta_chunked(*inputs, chunk_size=16),
-                         gated_delta_chunked(*inputs, chunk_size=16), strict=True):
-        np.testing.assert_array_equal(got, want)
-
-
-def test_impl_switch_runs_the_tpu_kernel():
-    """With the TPU family interpreted, ``impl="pallas"`` traces the TPU kernel (eval_shape, not run)."""
-    inputs = gdn_inputs(1, 3, 1, 2, 16, 16, with_state=True)
-    backend.set_interpret_family("tpu")
-    try:
-        _, final = jax.eval_shape(functools.partial(dispatch.gated_delta_chunked, impl="pallas",
-                                                    config=tpu.GDNChunkedConfig()), *inputs)
-        assert final.shape == (1, 2, 16, 16)
-    finally:
-        backend.set_interpret_family(None)
 
 
 # ---- in the model ------------------------------------------------------------------------------------------
@@ -292,50 +256,19 @@ def test_target_training_step_pallas_matches_xla():
 
 
 # ---- errors ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", [pytest.param("triton", marks=[pytest.mark.slow, interpret]), "tpu"])
-def test_errors(family):
-    q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
-    kernel = functools.partial(kernels(family).gdn_chunked, interpret=interpret_mode(family))
-    with pytest.raises(ValueError, match="only the final state"):
-        kernel(q, k, v, g, beta, state, output_all_states=True)
-    with pytest.raises(ValueError, match="multiple of H_k"):
-        kernel(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
-    with pytest.raises(ValueError, match="initial_state must be"):
-        kernel(q, k, v, g, beta, state[:, :2])
-    if family == "triton":
-        bad_chunks, chunk_error = (8, 48, 64.0), "power-of-2 chunk_size"
-        bad_configs = (dict(block_v=8), dict(block_v=48), dict(scan_warps=3), dict(prepare_warps=6),
-                       dict(num_stages=0))
-    else:
-        bad_chunks, chunk_error = (0, 12, 4, 64.0), "multiple of 8"
-        bad_configs = (dict(block_v=64), dict(block_v=200), dict(block_v=0), dict(generation="v9"))
-        with pytest.raises(ValueError, match="g must be"):
-            kernel(q, k, v, g[:, :1], beta, state)
-        with pytest.raises(ValueError, match="at least 1"):
-            kernel(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], state)
+@pytest.mark.parametrize(("family", "bad_chunks", "message"), [("triton", (8, 48, 64.0), "power-of-2 chunk_size"),
+                                                               ("tpu", (0, 12, 4, 64.0), "multiple of 8")])
+def test_each_family_refuses_chunks_it_cannot_tile(family, bad_chunks, message):
+    inputs = gdn_inputs(1, 2, 2, 4, 8, 8)
     for bad in bad_chunks:
-        with pytest.raises(ValueError, match=chunk_error):
-            kernel(q, k, v, g, beta, state, chunk_size=bad)
-    for bad in bad_configs:
-        with pytest.raises(ValueError, match="invalid GDNChunkedConfig"):
-            kernels(family).GDNChunkedConfig(**bad)
-
-
-@interpret
-@pytest.mark.slow
-def test_the_switch_checks_impl_and_state_options():
-    q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
-    with pytest.raises(ValueError, match="impl must be one of"):
-        dispatch.gated_delta_chunked(q, k, v, g, beta, state, impl="triton")
-    for impl in IMPLS:
-        with pytest.raises(ValueError, match="only the final state"):
-            dispatch.gated_delta_chunked(q, k, v, g, beta, state, output_all_states=True, impl=impl)
+        with pytest.raises(ValueError, match=message):
+            traced(kernel_of(CHUNKED, family), *inputs, chunk_size=bad, interpret=False)
 
 
 @pytest.mark.slow
 def test_triton_refuses_more_elements_than_int32_offsets_reach():
     """Triton indexes with int32 offsets: 64 sequences of 8,192 tokens x 48 heads x 128 reach 3.2e9."""
-    run = functools.partial(triton.gdn_chunked, interpret=False)
+    run = functools.partial(triton.gated_delta_chunked, interpret=False)
     for batch, ok in ((4, True), (64, False)):
         args = gdn_specs(batch, 8192, with_state=False)[:5]
         if ok:
@@ -360,12 +293,12 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, dtype):
     """Both Triton kernels lower to Triton custom calls for an abstract NVIDIA H200 (triton_common.lower_for_gpu),
     and every dot in their Triton IR has M, N, K >= 16 and runs as IEEE fp32 (no TF32)."""
     args = gdn_specs(batch, seq_len, dims, dtype, with_state)
-    text = lower_for_gpu(triton.gdn_chunked, *args, interpret=False)
+    text = lower_for_gpu(triton.gated_delta_chunked, *args, interpret=False)
     assert text.count("__gpu$xla.gpu.triton") == 2
     for warps in (TRITON_DEFAULT.prepare_warps, TRITON_DEFAULT.scan_warps):
         assert f"num_warps = {warps} " in text
     assert ("output_operand_alias" in text) == with_state  # the final state is written into initial_state's buffer
-    dots = triton_dots(triton.gdn_chunked, *args, interpret=False)
+    dots = triton_dots(triton.gated_delta_chunked, *args, interpret=False)
     assert dots, "the chunk matrices should be computed with tt.dot"
     assert [problem for dot in dots for problem in dot.problems()] == []
 
@@ -374,12 +307,12 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, dtype):
 def test_lowers_for_tpu_at_qwen35_27b_shapes(options):
     """One Mosaic kernel for a 512-token prefill at Qwen3.5-27B's shapes, the final state written into
     initial_state's buffer."""
-    text = tpu_common.lower_for_tpu(tpu.gdn_chunked, *gdn_specs(1, 512), interpret=False, **options)
+    text = tpu_common.lower_for_tpu(tpu.gated_delta_chunked, *gdn_specs(1, 512), interpret=False, **options)
     assert tpu_common.count_tpu_kernels(text) == 1 and "output_operand_alias" in text
 
 
 def test_lowers_for_tpu_without_a_state():
-    text = tpu_common.lower_for_tpu(tpu.gdn_chunked, *gdn_specs(2, 100, dtype=F32, with_state=False),
+    text = tpu_common.lower_for_tpu(tpu.gated_delta_chunked, *gdn_specs(2, 100, dtype=F32, with_state=False),
                                     interpret=False)
     assert tpu_common.count_tpu_kernels(text) == 1 and "output_operand_alias" not in text
 
@@ -401,6 +334,6 @@ def test_tpu_explicit_configs_must_fit():
     args = [S((1, 64, 1, 4096), F32)] * 2 + [S((1, 64, 1, 1024), F32)] + [S((1, 64, 1), F32)] * 2
     args += [S((1, 1, 4096, 1024), F32)]
     with pytest.raises(ValueError, match="exceeds the 16 MiB budget"):
-        jax.eval_shape(functools.partial(tpu.gdn_chunked, interpret=False,
+        jax.eval_shape(functools.partial(tpu.gated_delta_chunked, interpret=False,
                                          config=tpu.GDNChunkedConfig(block_v=1024)), *args)
-    assert jax.eval_shape(functools.partial(tpu.gdn_chunked, interpret=False), *args)[1].shape == (1, 1, 4096, 1024)
+    assert traced(tpu.gated_delta_chunked, *args, interpret=False)[1].shape == (1, 1, 4096, 1024)

@@ -1,7 +1,8 @@
 """``gated_delta_recurrent``'s kernels (decode / verify), both families, against the naive oracle: the Triton kernel
 in Pallas' generic interpreter, the Mosaic TPU kernel in the TPU interpreter (race detection on two simulated
-cores, memory never written read as NaN, out-of-bounds reads raising); the impl switch; their errors; lowering for
-an H200 (Triton IR) and for a TPU from the CPU; the TPU kernel's VMEM budgets.
+cores, memory never written read as NaN, out-of-bounds reads raising); what only the TPU kernel refuses; lowering for
+an H200 (Triton IR) and for a TPU from the CPU; the TPU kernel's VMEM budgets. The impl switch and the errors every
+op shares: tests/test_kernel_contract.py.
 
 Interpreters run the grid point by point, so the parity cases sample the cross product of the listed values (every
 value of every factor appears, most pairs of factors too) rather than enumerating it; the Triton ones and the
@@ -10,7 +11,6 @@ kernel with the fault.
 """
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -19,42 +19,35 @@ import pytest
 from kernel_cases import (
     BF16,
     F32,
+    GENERATIONS,
+    GQA,
+    MHA,
     QWEN35_27B,
     TINY,
     S,
     assert_close,
+    gdn_case,
     gdn_inputs,
     gdn_specs,
+    interpret,
     interpret_mode,
+    interpreted,
+    kernel_of,
     run_checked,
+    traced,
     upcast,
 )
 
-from pallas_kernels import backend, tpu_common
 from pallas_kernels import gated_delta as dispatch
-from pallas_kernels.gated_delta import tpu, triton
-from pallas_kernels.gated_delta.reference import gated_delta_naive, gated_delta_recurrent
+from pallas_kernels import tpu_common
+from pallas_kernels.gated_delta import RECURRENT, tpu, triton
+from pallas_kernels.gated_delta.reference import gated_delta_naive
 from pallas_kernels.triton_common import lower_for_gpu, triton_dots
-from ready_jax.modes import IMPLS
 
 TRITON_DEFAULT = triton.GDNRecurrentConfig()  # block_v = 8, one warp: the launch the GPU uses
 TRITON_WIDE = triton.GDNRecurrentConfig(block_v=64, num_warps=4)  # fewer, wider programs (a faster interpreter)
-GENERATIONS = tuple(tpu_common.DEFAULT_SCOPED_VMEM)
-interpret = pytest.mark.interpret
-MHA, GQA = (2, 2), (2, 4)
 
 _naive = jax.jit(gated_delta_naive, static_argnames=("output_all_states",))
-
-
-def kernels(family: str):
-    return importlib.import_module(f"pallas_kernels.gated_delta.{family}")
-
-
-@functools.cache
-def interpreted(family: str):
-    """``family``'s gdn_recurrent, jitted, in this CPU's interpreter for it."""
-    return jax.jit(functools.partial(kernels(family).gdn_recurrent, interpret=interpret_mode(family)),
-                   static_argnames=("output_all_states", "include_initial_state", "config"))
 
 
 def check_recurrent(family, inputs, states, *, config=None):
@@ -62,8 +55,8 @@ def check_recurrent(family, inputs, states, *, config=None):
     oracle run in fp32 on the same inputs; the entering state exactly."""
     q, k, v, g, beta, state = inputs
     all_states, first = states != "final", states == "first"
-    o, got = run_checked(interpreted(family), *inputs, output_all_states=all_states, include_initial_state=first,
-                         config=config)
+    o, got = run_checked(interpreted(RECURRENT, family), *inputs, output_all_states=all_states,
+                         include_initial_state=first, config=config)
     o_ref, want = _naive(*upcast(inputs), output_all_states=all_states)
     batch, seq_len, h_v, v_dim = v.shape
     k_dim = q.shape[-1]
@@ -79,42 +72,34 @@ def check_recurrent(family, inputs, states, *, config=None):
 
 
 # ---- parity in the interpreters ----------------------------------------------------------------------------
-def _case(family, d_k, d_v, batch, seq_len, heads, with_state, states, dtype, config=None, slow=False):
-    marks = [pytest.mark.slow] if slow or family == "triton" else []
-    return pytest.param(family, (d_k, d_v, batch, seq_len, heads, with_state, states, dtype, config), marks=marks,
-                        id=f"{family}-dk{d_k}-dv{d_v}-B{batch}-T{seq_len}-Hk{heads[0]}Hv{heads[1]}"
-                           f"-{'state' if with_state else 'zeros'}-{states}-{jnp.dtype(dtype).name}"
-                           + (f"-bv{config.block_v}w{config.num_warps}" if config else ""))
-
-
 # Triton: (d_k = d_v, B, T, heads, with_state, states, dtype, config), d in {32, 128}, B in {1, 4}, T in
 # {1, 2, 7, 16}. TPU: decode (T = 1, final state in place) is test_final_state_in_place.
 CASES = [
-    _case("triton", 32, 32, 1, 1, MHA, True, "final", F32, TRITON_DEFAULT),
-    _case("triton", 32, 32, 4, 2, GQA, False, "all", BF16, TRITON_DEFAULT),
-    _case("triton", 32, 32, 1, 7, GQA, True, "all", F32, TRITON_DEFAULT),
-    _case("triton", 32, 32, 4, 16, MHA, True, "final", BF16, TRITON_DEFAULT),
-    _case("triton", 32, 32, 4, 7, MHA, False, "final", F32, TRITON_WIDE),
-    _case("triton", 32, 32, 1, 16, GQA, False, "all", BF16, TRITON_WIDE),
-    _case("triton", 128, 128, 1, 1, GQA, False, "all", F32, TRITON_DEFAULT),
-    _case("triton", 128, 128, 1, 7, MHA, False, "final", BF16, TRITON_DEFAULT),
-    _case("triton", 128, 128, 1, 16, GQA, True, "final", F32, TRITON_DEFAULT),
-    _case("triton", 128, 128, 4, 2, MHA, True, "all", F32, TRITON_WIDE),
-    _case("triton", 128, 128, 4, 1, GQA, True, "final", BF16, TRITON_WIDE),
-    _case("triton", 128, 128, 4, 16, GQA, True, "all", BF16, TRITON_WIDE),
-    _case("triton", 48, 24, 2, 5, (1, 3), True, "final", F32),  # d_k zero-padded to 64, d_v in 8-wide blocks
-    _case("triton", 48, 24, 2, 5, (1, 3), True, "all", F32),
-    _case("triton", 8, 8, 2, 3, TINY[:2], True, "all", BF16),  # conftest's tiny target
-    _case("tpu", 128, 128, 1, 7, MHA, False, "first", F32),
-    _case("tpu", 128, 128, 1, 16, (1, 2), True, "all", BF16),
-    _case("tpu", 64, 64, 2, 16, (1, 2), True, "first", F32),
-    _case("tpu", 128, 128, 2, 16, GQA, True, "first", BF16, slow=True),
-    _case("tpu", 128, 128, 1, 7, (1, 2), True, "final", F32, slow=True),
-    _case("tpu", 128, 128, 1, 1, MHA, True, "first", F32, slow=True),
-    _case("tpu", 128, 128, 1, 1, GQA, False, "all", F32, slow=True),
-    _case("tpu", 32, 32, 2, 7, GQA, False, "final", BF16, slow=True),
-    _case("tpu", 48, 24, 2, 5, (1, 3), True, "all", F32, slow=True),
-    _case("tpu", 8, 8, 2, 3, TINY[:2], True, "first", BF16, slow=True),  # conftest's tiny target
+    gdn_case("triton", 32, 32, 1, 1, MHA, True, "final", F32, TRITON_DEFAULT),
+    gdn_case("triton", 32, 32, 4, 2, GQA, False, "all", BF16, TRITON_DEFAULT),
+    gdn_case("triton", 32, 32, 1, 7, GQA, True, "all", F32, TRITON_DEFAULT),
+    gdn_case("triton", 32, 32, 4, 16, MHA, True, "final", BF16, TRITON_DEFAULT),
+    gdn_case("triton", 32, 32, 4, 7, MHA, False, "final", F32, TRITON_WIDE),
+    gdn_case("triton", 32, 32, 1, 16, GQA, False, "all", BF16, TRITON_WIDE),
+    gdn_case("triton", 128, 128, 1, 1, GQA, False, "all", F32, TRITON_DEFAULT),
+    gdn_case("triton", 128, 128, 1, 7, MHA, False, "final", BF16, TRITON_DEFAULT),
+    gdn_case("triton", 128, 128, 1, 16, GQA, True, "final", F32, TRITON_DEFAULT),
+    gdn_case("triton", 128, 128, 4, 2, MHA, True, "all", F32, TRITON_WIDE),
+    gdn_case("triton", 128, 128, 4, 1, GQA, True, "final", BF16, TRITON_WIDE),
+    gdn_case("triton", 128, 128, 4, 16, GQA, True, "all", BF16, TRITON_WIDE),
+    gdn_case("triton", 48, 24, 2, 5, (1, 3), True, "final", F32),  # d_k zero-padded to 64, d_v in 8-wide blocks
+    gdn_case("triton", 48, 24, 2, 5, (1, 3), True, "all", F32),
+    gdn_case("triton", 8, 8, 2, 3, TINY[:2], True, "all", BF16),  # conftest's tiny target
+    gdn_case("tpu", 128, 128, 1, 7, MHA, False, "first", F32),
+    gdn_case("tpu", 128, 128, 1, 16, (1, 2), True, "all", BF16),
+    gdn_case("tpu", 64, 64, 2, 16, (1, 2), True, "first", F32),
+    gdn_case("tpu", 128, 128, 2, 16, GQA, True, "first", BF16, slow=True),
+    gdn_case("tpu", 128, 128, 1, 7, (1, 2), True, "final", F32, slow=True),
+    gdn_case("tpu", 128, 128, 1, 1, MHA, True, "first", F32, slow=True),
+    gdn_case("tpu", 128, 128, 1, 1, GQA, False, "all", F32, slow=True),
+    gdn_case("tpu", 32, 32, 2, 7, GQA, False, "final", BF16, slow=True),
+    gdn_case("tpu", 48, 24, 2, 5, (1, 3), True, "all", F32, slow=True),
+    gdn_case("tpu", 8, 8, 2, 3, TINY[:2], True, "first", BF16, slow=True),  # conftest's tiny target
 ]
 
 
@@ -149,7 +134,7 @@ def test_padding_tokens_leave_the_state_exactly_unchanged(family):
     batch, seq_len, heads, d = SMALL[family]
     q, k, v, g, beta, state = gdn_inputs(batch, seq_len, *heads, d, d, with_state=True)
     g, beta = g.at[:, 2:].set(0.0), beta.at[:, 2:].set(0.0)
-    run = interpreted(family)
+    run = interpreted(RECURRENT, family)
     _, states = run_checked(run, q, k, v, g, beta, state, output_all_states=True)
     np.testing.assert_array_equal(states[:, 3], states[:, 1])
     _, final = run_checked(run, q, k, v, g, beta, state)
@@ -166,7 +151,8 @@ def test_vmap_over_layers(family):
     batch, seq_len, heads, d = VMAPPED[family]
     cases = [gdn_inputs(batch, seq_len, *heads, d, d, seed=seed) for seed in range(2 if family == "tpu" else 3)]
     stacked = [jnp.stack(xs) for xs in zip(*cases, strict=True)]  # [L, ...] each
-    o, states = run_checked(jax.vmap(functools.partial(interpreted(family), output_all_states=True)), *stacked)
+    run = functools.partial(interpreted(RECURRENT, family), output_all_states=True)
+    o, states = run_checked(jax.vmap(run), *stacked)
     for layer, inputs in enumerate(cases):
         o_ref, states_ref = _naive(*inputs, output_all_states=True)
         assert_close(f"o[{layer}]", o[layer], o_ref, F32, "recurrent")
@@ -181,11 +167,11 @@ def test_final_state_in_place(family):
     match the oracle (the TPU's bf16 GQA decode)."""
     if family == "triton":
         inputs = gdn_inputs(1, 3, *GQA, 32, 32, with_state=True)
-        o_ref, state_ref = interpreted(family)(*inputs)
+        o_ref, state_ref = interpreted(RECURRENT, family)(*inputs)
     else:
         inputs = gdn_inputs(1, 1, 1, 2, 128, 128, with_state=True, dtype=BF16)
         o_ref, state_ref = _naive(*upcast(inputs))
-    donated = jax.jit(functools.partial(kernels(family).gdn_recurrent, interpret=interpret_mode(family)),
+    donated = jax.jit(functools.partial(kernel_of(RECURRENT, family), interpret=interpret_mode(family)),
                       donate_argnums=5)
     o, state = run_checked(donated, *inputs[:5], jnp.array(inputs[5]))
     assert o.dtype == inputs[2].dtype and state.shape == inputs[5].shape
@@ -212,7 +198,7 @@ def test_triton_include_initial_state(with_state):
     """[B, T + 1, ...] with the entering state first: what GatedDeltaNet's candidate states are; the XLA path
     writes the same layout."""
     inputs = gdn_inputs(2, 3, *GQA, 16, 16, with_state=with_state)
-    o, states = interpreted("triton")(*inputs, output_all_states=True, include_initial_state=True)
+    o, states = interpreted(RECURRENT, "triton")(*inputs, output_all_states=True, include_initial_state=True)
     o_ref, states_ref = dispatch.gated_delta_recurrent(*inputs, output_all_states=True, include_initial_state=True,
                                                        impl="xla")
     assert states.shape == (2, 4, 4, 16, 16) == states_ref.shape
@@ -223,75 +209,17 @@ def test_triton_include_initial_state(with_state):
     assert_close("states", states, states_ref, F32, "recurrent")
 
 
-@interpret
-@pytest.mark.slow
-@pytest.mark.parametrize("output_all_states", [False, True])
-def test_xla_impl_is_the_reference(output_all_states):
-    inputs = gdn_inputs(1, 3, *GQA, 16, 16, with_state=True)
-    o, states = dispatch.gated_delta_recurrent(*inputs, output_all_states=output_all_states, impl="xla")
-    o_ref, states_ref = gated_delta_recurrent(*inputs, output_all_states=output_all_states)
-    np.testing.assert_array_equal(o, o_ref)
-    np.testing.assert_array_equal(states, states_ref)
-
-
-def test_impl_switch_runs_the_tpu_kernel():
-    """With the TPU family interpreted, ``impl="pallas"`` traces the TPU kernel with the interpreter's checks on
-    (traced with eval_shape, not run), and refuses the other family's config."""
-    inputs = gdn_inputs(1, 3, 1, 2, 16, 16, with_state=True)
-    backend.set_interpret_family("tpu")
-    try:
-        o, states = jax.eval_shape(functools.partial(
-            dispatch.gated_delta_recurrent, output_all_states=True, include_initial_state=True, impl="pallas",
-            config=tpu.GDNRecurrentConfig()), *inputs)
-        assert states.shape == (1, 4, 2, 16, 16) and o.shape == inputs[2].shape
-        with pytest.raises(ValueError, match="not for the kernels that run here"):
-            dispatch.gated_delta_recurrent(*inputs, impl="pallas", config=triton.GDNRecurrentConfig())
-    finally:
-        backend.set_interpret_family(None)
-
-
-# ---- errors ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", [pytest.param("triton", marks=[pytest.mark.slow, interpret]), "tpu"])
-def test_errors(family):
-    q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
-    kernel = functools.partial(kernels(family).gdn_recurrent, interpret=interpret_mode(family))
-    with pytest.raises(ValueError, match="needs output_all_states"):
-        kernel(q, k, v, g, beta, state, include_initial_state=True)
-    with pytest.raises(ValueError, match="multiple of H_k"):
-        kernel(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
-    with pytest.raises(ValueError, match="initial_state must be"):
-        kernel(q, k, v, g, beta, state[:, :2])
-    with pytest.raises(ValueError, match="g must be"):
-        kernel(q, k, v, g[:, :1], beta, state)
-    with pytest.raises(ValueError, match="at least 1"):
-        kernel(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], state)
-    bad_configs = ((dict(block_v=12), dict(num_warps=3), dict(num_stages=0)) if family == "triton" else
-                   (dict(block_v=64), dict(block_v=200), dict(block_v=0), dict(generation="v9")))
-    for bad in bad_configs:
-        with pytest.raises(ValueError, match="invalid GDNRecurrentConfig"):
-            kernels(family).GDNRecurrentConfig(**bad)
-    if family == "tpu":
-        long = [S((1, tpu.MAX_RECURRENT_TOKENS + 1, *x.shape[2:]), x.dtype) for x in (q, k, v, g, beta)]
-        with pytest.raises(ValueError, match="use gdn_chunked"):
-            jax.eval_shape(kernel, *long)
-
-
-@interpret
-@pytest.mark.slow
-def test_the_switch_checks_impl_and_state_options():
-    q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
-    with pytest.raises(ValueError, match="impl must be one of"):
-        dispatch.gated_delta_recurrent(q, k, v, g, beta, state, impl="triton")
-    for impl in IMPLS:
-        with pytest.raises(ValueError, match="needs output_all_states"):
-            dispatch.gated_delta_recurrent(q, k, v, g, beta, state, include_initial_state=True, impl=impl)
+def test_tpu_refuses_more_tokens_than_it_unrolls():
+    args = [S((1, tpu.MAX_RECURRENT_TOKENS + 1, *x.shape[2:]), x.dtype) for x in gdn_inputs(1, 2, 2, 4, 8, 8)[:5]]
+    with pytest.raises(ValueError, match="use gated_delta_chunked"):
+        traced(tpu.gated_delta_recurrent, *args, interpret=False)
 
 
 @pytest.mark.slow
 def test_triton_refuses_more_states_than_int32_offsets_reach():
     """Triton indexes with int32 offsets: 256 x 16 per-token 48 x 128 x 128 states are 3.2e9 elements."""
     args = [S((256, 16, 16, 128), BF16)] * 2 + [S((256, 16, 48, 128), BF16)] + [S((256, 16, 48), F32)] * 2
-    run = functools.partial(triton.gdn_recurrent, interpret=False)
+    run = functools.partial(triton.gated_delta_recurrent, interpret=False)
     assert jax.eval_shape(run, *args)[1].shape == (256, 48, 128, 128)  # the final state alone is fine
     with pytest.raises(ValueError, match="2\\*\\*31"):
         jax.eval_shape(functools.partial(run, output_all_states=True), *args)
@@ -318,7 +246,7 @@ def test_lowers_for_h200(dims, batch, seq_len, with_state, output_all_states, dt
     """The Triton kernel lowers to one Triton custom call for an abstract NVIDIA H200 (triton_common.lower_for_gpu),
     which rejects what the GPU cannot compile (non-power-of-2 tensors, unsupported ops) with no GPU attached."""
     args = gdn_specs(batch, seq_len, dims, dtype, with_state)
-    text = lower_for_gpu(triton.gdn_recurrent, *args, output_all_states=bool(output_all_states),
+    text = lower_for_gpu(triton.gated_delta_recurrent, *args, output_all_states=bool(output_all_states),
                          include_initial_state=output_all_states == "first", interpret=False)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert f"num_warps = {TRITON_DEFAULT.num_warps} " in text and f"num_stages = {TRITON_DEFAULT.num_stages} " in text
@@ -331,7 +259,7 @@ def test_no_triton_dots():
     """The recurrence is rank-1 updates and mat-vecs done as multiply-and-sum: no tt.dot (which would need
     M, N, K >= 16 and default to TF32) may appear in the kernel's Triton IR."""
     args = gdn_specs(1, 8)
-    assert triton_dots(triton.gdn_recurrent, *args, output_all_states=True, interpret=False) == []
+    assert triton_dots(triton.gated_delta_recurrent, *args, output_all_states=True, interpret=False) == []
 
 
 @pytest.mark.parametrize("options", [{}, dict(output_all_states=True),
@@ -341,7 +269,7 @@ def test_lowers_for_tpu_at_qwen35_27b_shapes(options):
     """One Mosaic kernel per call at Qwen3.5-27B's shapes (B = 1, H_k = 16, H_v = 48, d = 128): decode, an 8-token
     verify with every state (and the entering one), lowered for a TPU on the CPU. The final state is written into
     initial_state's buffer; per-token states alias nothing."""
-    text = tpu_common.lower_for_tpu(tpu.gdn_recurrent, *gdn_specs(1, 8 if options else 1), interpret=False,
+    text = tpu_common.lower_for_tpu(tpu.gated_delta_recurrent, *gdn_specs(1, 8 if options else 1), interpret=False,
                                     **options)
     assert tpu_common.count_tpu_kernels(text) == 1
     assert ("output_operand_alias" in text) == (not options)
@@ -349,7 +277,7 @@ def test_lowers_for_tpu_at_qwen35_27b_shapes(options):
 
 def test_lowers_for_tpu_under_vmap():
     stacked = [S((3, *x.shape), x.dtype) for x in gdn_specs(2, 4)]  # [L, B, ...]: a group's layers
-    text = tpu_common.lower_for_tpu(jax.vmap(functools.partial(tpu.gdn_recurrent, interpret=False,
+    text = tpu_common.lower_for_tpu(jax.vmap(functools.partial(tpu.gated_delta_recurrent, interpret=False,
                                                                output_all_states=True)), *stacked)
     assert tpu_common.count_tpu_kernels(text) == 1
 
@@ -384,7 +312,8 @@ def test_tpu_heuristic_narrows_block_v_and_explicit_configs_must_fit():
     v6e's 32 MiB holds it."""
     args = [S((1, 16, 1, 128), F32)] * 2 + [S((1, 16, 1, 1024), F32)] + [S((1, 16, 1), F32)] * 2
     args += [S((1, 1, 128, 1024), F32)]
-    run = functools.partial(tpu.gdn_recurrent, output_all_states=True, include_initial_state=True, interpret=False)
+    run = functools.partial(tpu.gated_delta_recurrent, output_all_states=True, include_initial_state=True,
+                            interpret=False)
     sizes = dict(seq_len=16, k_dim=128, v_dim=1024, has_state=True, output_all_states=True,
                  include_initial_state=True)
     assert tpu.recurrent_config(F32, F32, **sizes).block_v == 512

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernels (``gated_delta/mosaic_gpu.py: gdn_recurrent``, ``state_reader/mosaic_gpu.py:
+"""The Mosaic GPU kernels (``gated_delta/mosaic_gpu/: gated_delta_recurrent``, ``state_reader/mosaic_gpu/:
 state_gather``) against their references, in jax's Mosaic GPU interpreter with race detection on, and compiled for
 an H200 with no GPU attached (needs the CUDA plugin).
 
@@ -46,7 +46,7 @@ def _gdn_inputs(batch, seq_len, h_k, h_v, k_dim, v_dim, dtype, with_state, seed=
 
 def _check_gdn(batch, seq_len, heads, dims, dtype, with_state, all_states, first, config=None):
     q, k, v, g, beta, state = _gdn_inputs(batch, seq_len, *heads, *dims, dtype, with_state)
-    o, states = gdn_mosaic.gdn_recurrent(q, k, v, g, beta, state, output_all_states=all_states,
+    o, states = gdn_mosaic.gated_delta_recurrent(q, k, v, g, beta, state, output_all_states=all_states,
                                          include_initial_state=first, interpret=True, config=config)
     o_ref, states_ref = gated_delta_recurrent(q, k, v, g, beta, state, output_all_states=all_states)
     if first:
@@ -152,9 +152,9 @@ def test_state_gather_rejects_what_the_reference_contract_rejects():
 def test_gdn_recurrent_rejects_bad_arguments():
     q, k, v, g, beta, state = _gdn_inputs(1, 2, 1, 2, 64, 8, jnp.float32, True)
     with pytest.raises(ValueError, match="include_initial_state=True needs output_all_states=True"):
-        gdn_mosaic.gdn_recurrent(q, k, v, g, beta, state, include_initial_state=True, interpret=True)
+        gdn_mosaic.gated_delta_recurrent(q, k, v, g, beta, state, include_initial_state=True, interpret=True)
     with pytest.raises(ValueError, match="g must be"):
-        gdn_mosaic.gdn_recurrent(q, k, v, g[:, :1], beta, state, interpret=True)
+        gdn_mosaic.gated_delta_recurrent(q, k, v, g[:, :1], beta, state, interpret=True)
 
 
 @pytest.mark.parametrize("make", [lambda: gdn_mosaic.GDNRecurrentConfig(block_v=12),
@@ -170,7 +170,7 @@ def test_configs_name_their_bad_field(make):
 def test_a_jax_without_what_the_kernels_need_says_so():
     q, k, v, g, beta, state = _gdn_inputs(1, 1, 1, 1, 64, 8, jnp.float32, True)
     with pytest.raises(ValueError, match="cannot run the Mosaic GPU kernels"):
-        gdn_mosaic.gdn_recurrent(q, k, v, g, beta, state, interpret=True)
+        gdn_mosaic.gated_delta_recurrent(q, k, v, g, beta, state, interpret=True)
 
 
 def _cuda_plugin() -> bool:
@@ -192,7 +192,7 @@ def test_kernels_compile_for_h200_without_a_gpu():
     gdn_args = (spec((batch, tokens, 16, 128), jnp.bfloat16),) * 2 + (
         spec((batch, tokens, heads, 128), jnp.bfloat16), spec((batch, tokens, heads), jnp.float32),
         spec((batch, tokens, heads), jnp.float32), spec((batch, heads, 128, 128), jnp.float32))
-    gdn = jax.jit(lambda *a: gdn_mosaic.gdn_recurrent(*a, output_all_states=True, include_initial_state=True))
+    gdn = jax.jit(lambda *a: gdn_mosaic.gated_delta_recurrent(*a, output_all_states=True, include_initial_state=True))
     gather_args = (spec((2, batch, tokens + 1, heads, 128, 128), jnp.float32), spec((batch,), jnp.int32),
                    spec((2 * heads, 128, 8), jnp.float32), spec((2 * heads, 128, 8), jnp.float32))
     gather = jax.jit(gather_mosaic.state_gather)

@@ -1,17 +1,14 @@
 """``state_gather``'s kernels (the reader's once-per-round gather), both families, against ``gather_prepare``: with
 both bases (C = U^T S V), without a key basis (a content read's S V) and without bases (the states whole), from
-one array, a list, the target cache's buffer or two of them; the impl switch; their errors; lowering for an H200
-and for a TPU at Qwen3.5-27B and tiny shapes; the TPU kernel's VMEM budgets.
+one array, a list, the target cache's buffer or two of them; what each family refuses; lowering for an H200 and for a
+TPU at Qwen3.5-27B and tiny shapes; the TPU kernel's VMEM budgets. The impl switch and the errors every op shares:
+tests/test_kernel_contract.py.
 
 Parity runs the Triton kernel in Pallas' generic interpreter (``slow``) and the TPU kernel in the TPU interpreter
 (race detection, NaN for memory never written, raising out-of-bounds reads). The shape axes are sampled, not
 crossed: every value of every axis appears in some case, the Qwen3.5-27B-sized ones under ``slow``.
 """
 
-import functools
-import importlib
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,36 +16,35 @@ from kernel_cases import (
     BF16,
     F32,
     FAMILIES,
+    GENERATIONS,
     S,
     assert_close,
     gather_inputs,
+    interpret,
     interpret_mode,
+    kernel_of,
+    lowers_for_h200,
     run_checked,
+    slow,
     source_layouts,
+    traced,
 )
 
-from pallas_kernels import backend, tpu_common
 from pallas_kernels import state_reader as dispatch
-from pallas_kernels.state_reader import reference, tpu, triton
-from pallas_kernels.triton_common import lower_for_gpu, triton_dots
+from pallas_kernels import tpu_common
+from pallas_kernels.state_reader import GATHER, reference, tpu, triton
+from pallas_kernels.triton_common import lower_for_gpu
 from ready_jax.cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
 from ready_jax.reader import committed_states, gather_sources
 
-interpret = pytest.mark.interpret
-slow = pytest.mark.slow
-GENERATIONS = tuple(tpu_common.DEFAULT_SCOPED_VMEM)
 # Qwen3.5-27B: 64 layers in groups of 4 (3 GDN + attention); source layers 30 and 62 both sit at group position 2,
 # so the target cache passes one [16, B, 9, 48, 128, 128] buffer (gamma 7: T+1 = 9) with layers (0, 7), (0, 15).
 QWEN_LAYERS = ((0, 7), (0, 15))
 
 
-def kernels(family: str):
-    return importlib.import_module(f"pallas_kernels.state_reader.{family}")
-
-
 def gather(family, *args, **kwargs):
     """``family``'s state_gather in this CPU's interpreter for it."""
-    return run_checked(kernels(family).state_gather, *args, interpret=interpret_mode(family), **kwargs)
+    return run_checked(kernel_of(GATHER, family), *args, interpret=interpret_mode(family), **kwargs)
 
 
 def _family_params(*cases, slow_families=("triton",)):
@@ -220,72 +216,17 @@ def test_values_in_explicit_blocks(family):
                  reference.gather_prepare(states, n, None, v), F32, "reader")
 
 
-# ---- the impl switch -----------------------------------------------------------------------------------------
-@interpret
-@pytest.mark.parametrize("family", FAMILIES)
-def test_impl_switch_runs_the_kernels(family, monkeypatch):
-    """impl="pallas" runs this family's kernel (the CPU family from the environment) in every mode."""
-    monkeypatch.setenv(backend.INTERPRET_ENV, {"triton": "gpu", "tpu": "tpu"}[family])
-    states, n, u, v = gather_inputs(4, 2, 3, 5, 16, 8, F32, sources=2, seed=4)
-    layers = ((0, 1), (0, 3))
-    np.testing.assert_array_equal(dispatch.state_gather(states, n, None, v, layers=layers, impl="pallas"),
-                                  gather(family, states, n, None, v, layers=layers))
-    np.testing.assert_array_equal(dispatch.state_gather(states, n, None, None, layers=((0, 2),), impl="pallas"),
-                                  reference.gather_prepare(states, n, None, None, layers=((0, 2),)))
-    if family == "tpu":
-        expected = reference.gather_prepare(states, n, u, v, layers=layers)
-        assert_close("C", dispatch.state_gather(states, n, u, v, layers=layers, impl="pallas",
-                                                config=tpu.GatherConfig()), expected, F32, "reader")
-        with pytest.raises(ValueError, match="not for the kernels that run here"):
-            dispatch.state_gather(states, n, u, v, impl="pallas", config=tpu.ReaderKernelConfig())
-
-
 # ---- errors ------------------------------------------------------------------------------------------------
-def _eval(fn, *args, **kwargs):
-    """Trace ``fn`` without running it: argument checks raise at trace time."""
-    return jax.eval_shape(functools.partial(fn, **kwargs), *args)
-
-
-@pytest.mark.parametrize("fn", ["reference", *FAMILIES])
-def test_the_contract_is_one_for_every_path(fn):
-    """The reference and both kernels reject the same inputs with the same message (reference.check_gather_shapes)."""
-    run = (reference.gather_prepare if fn == "reference"
-           else functools.partial(kernels(fn).state_gather, interpret=False))
-    states, n, u, v = gather_inputs(2, 3, 3, 2, 16, 8, F32)
-    with pytest.raises(ValueError, match=r"state_gather: bases U \(2, 16, 8\)"):
-        _eval(run, states, n, u[:2], v[:2])
-    with pytest.raises(ValueError, match=r"state_gather: value basis V \(2, 16, 8\)"):
-        _eval(run, states, n, None, v[:2])
-    with pytest.raises(ValueError, match="state_gather: a key basis needs a value basis"):
-        _eval(run, states, n, v, None)
-    with pytest.raises(ValueError, match=r"n_committed shape \(2,\) must be \[B\]"):
-        _eval(run, states, n[:2], u, v)
-    with pytest.raises(ValueError, match="does not match"):
-        _eval(run, [states[:1], states[1:, :, :1]], n, u[:3], v[:3])
-
-
-def test_impl_is_checked():
-    states, n, u, v = gather_inputs(1, 2, 1, 2, 16, 8, F32)
-    with pytest.raises(ValueError, match="impl must be one of"):
-        dispatch.state_gather(states, n, u, v, impl="triton")
-
-
 def test_what_each_family_does_not_support():
     states, n, u, v = gather_inputs(2, 3, 3, 2, 16, 8, F32)
     with pytest.raises(ValueError, match=r"power-of-2 Triton tiles; got rank = 6.*impl='xla'"):
-        _eval(triton.state_gather, states, n, u[..., :6], v[..., :6], interpret=True)
+        traced(triton.state_gather, states, n, u[..., :6], v[..., :6], interpret=True)
     with pytest.raises(ValueError, match=r"power-of-2 Triton tiles; got d_v = 12\."):
-        _eval(triton.state_gather, states[..., :12], n, None, None, interpret=True)
-    with pytest.raises(ValueError, match="invalid GatherConfig: block_k must be a power of 2"):
-        triton.GatherConfig(block_k=12)
+        traced(triton.state_gather, states[..., :12], n, None, None, interpret=True)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        _eval(tpu.state_gather, states.astype(np.float16), n, u, v, interpret=False)
+        traced(tpu.state_gather, states.astype(np.float16), n, u, v, interpret=False)
     with pytest.raises(ValueError, match="block_heads = 2 must divide H_v = 3"):
-        _eval(tpu.state_gather, states, n, u, v, interpret=False, config=tpu.GatherConfig(block_heads=2))
-    with pytest.raises(ValueError, match="block_heads must be a positive int"):
-        tpu.GatherConfig(block_heads=0)
-    with pytest.raises(ValueError, match="generation must be a TPU generation"):
-        tpu.GatherConfig(generation="v3")
+        traced(tpu.state_gather, states, n, u, v, interpret=False, config=tpu.GatherConfig(block_heads=2))
 
 
 # ---- lowering for an H200 and a TPU, on the CPU --------------------------------------------------------------
@@ -297,12 +238,7 @@ def _specs(groups, batch, positions, heads, head_dim, rank, state_dtype=F32, bas
 
 
 def _lowers_for_h200(specs, **kwargs):
-    text = lower_for_gpu(triton.state_gather, *specs, interpret=False, **kwargs)
-    assert text.count("__gpu$xla.gpu.triton") == 1 and "state_gather" in text
-    assert "num_warps = 4" in text  # the explicit compiler params reach the kernel call
-    dots = triton_dots(triton.state_gather, *specs, interpret=False, **kwargs)
-    assert [p for d in dots for p in d.problems()] == []
-    return dots
+    return lowers_for_h200(triton.state_gather, specs, ["state_gather"], **kwargs)
 
 
 @slow
@@ -368,6 +304,6 @@ def test_tpu_vmem_budget(generation):
     specs = _specs(16, 1, 9, 48, 128, 8, basis_dtype=BF16)
     if tpu.gather_footprint(48, state_dtypes=[F32], **dims).bytes > budget:
         with pytest.raises(ValueError, match=f"exceeds the .* budget of TPU {generation}"):
-            _eval(tpu.state_gather, *specs, layers=QWEN_LAYERS, interpret=False, config=whole)
+            traced(tpu.state_gather, *specs, layers=QWEN_LAYERS, interpret=False, config=whole)
     else:
-        _eval(tpu.state_gather, *specs, layers=QWEN_LAYERS, interpret=False, config=whole)
+        traced(tpu.state_gather, *specs, layers=QWEN_LAYERS, interpret=False, config=whole)

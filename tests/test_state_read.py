@@ -1,6 +1,7 @@
-"""``state_reader``'s kernels (the reader's per-position read), both families, against ``reference.read``; the impl
-switch; their errors; lowering for an H200 (Triton IR read back for dots Triton cannot take) and for a TPU at
-Qwen3.5-27B and tiny shapes; the TPU kernel's VMEM budgets.
+"""``state_reader``'s kernels (the reader's per-position read), both families, against ``reference.read``; what each
+family refuses; lowering for an H200 (Triton IR read back for dots Triton cannot take) and for a TPU at Qwen3.5-27B
+and tiny shapes; the TPU kernel's VMEM budgets. The impl switch and the errors every op shares:
+tests/test_kernel_contract.py.
 
 Parity runs the Triton kernels in Pallas' generic interpreter (``slow``) and the TPU kernel in the TPU interpreter
 (race detection, NaN for memory never written). The shape axes are sampled, not crossed: every value of every axis
@@ -8,9 +9,7 @@ appears in some case, the Qwen3.5-27B-sized ones under ``slow``.
 """
 
 import functools
-import importlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,31 +18,28 @@ from kernel_cases import (
     BF16,
     EPS,
     F32,
-    FAMILIES,
+    GENERATIONS,
     S,
     assert_update_close,
+    interpret,
     interpret_mode,
+    kernel_of,
+    lowers_for_h200,
     reader_inputs,
     run_checked,
+    slow,
+    traced,
 )
 
 from pallas_kernels import state_reader as dispatch
 from pallas_kernels import tpu_common
-from pallas_kernels.state_reader import reference, tpu, triton
-from pallas_kernels.triton_common import lower_for_gpu, triton_compiler_params, triton_dots
-
-interpret = pytest.mark.interpret
-slow = pytest.mark.slow
-GENERATIONS = tuple(tpu_common.DEFAULT_SCOPED_VMEM)
-
-
-def kernels(family: str):
-    return importlib.import_module(f"pallas_kernels.state_reader.{family}")
+from pallas_kernels.state_reader import READ, reference, tpu, triton
+from pallas_kernels.triton_common import triton_compiler_params, triton_dots
 
 
 def read(family, *args, **kwargs):
     """``family``'s state_reader in this CPU's interpreter for it."""
-    return run_checked(kernels(family).state_reader, *args, interpret=interpret_mode(family), **kwargs)
+    return run_checked(kernel_of(READ, family), *args, interpret=interpret_mode(family), **kwargs)
 
 
 # (family, B, G, d, M, r, dtype, config): M in {2, 3, 8, 32, 64, 96}, B in {1, 3, 4}, r in {4, 8, 16, 128},
@@ -101,43 +97,17 @@ def test_zero_w_o_is_identity_and_mixed_dtypes(family):
 
 
 # ---- errors ------------------------------------------------------------------------------------------------
-def _eval(fn, *args, **kwargs):
-    """Trace ``fn`` without running it: argument checks raise at trace time."""
-    return jax.eval_shape(functools.partial(fn, **kwargs), *args)
-
-
-@pytest.mark.parametrize("fn", ["reference", *FAMILIES])
-def test_the_contract_is_one_for_every_path(fn):
-    """The reference and both kernels reject the same inputs with the same message (reference.check_read_shapes)."""
-    run = reference.read if fn == "reference" else functools.partial(kernels(fn).state_reader, interpret=False)
-    h, c, w_q, w_o, w = reader_inputs(1, 2, 256, 32, 8, F32)
-    with pytest.raises(ValueError, match=r"state_reader: w_q \(256, 8\), w_o .* must be \[256, 256\]"):
-        _eval(run, h, c, w_q[:, :8], w_o, w, eps=EPS)
-    with pytest.raises(ValueError, match=r"state_reader: compressed \(2, 32, 8, 8\) must be \[B, M, r, r\]"):
-        _eval(run, h, np.concatenate([c, c]), w_q, w_o, w, eps=EPS)
-
-
-def test_impl_is_checked():
-    args = reader_inputs(1, 2, 32, 2, 8, F32)
-    with pytest.raises(ValueError, match="impl must be one of"):
-        dispatch.state_reader(*args, EPS, impl="cuda")
-
-
 def test_what_each_family_does_not_support():
     h, c, w_q, w_o, w = reader_inputs(1, 2, 32, 2, 6, F32)
     with pytest.raises(ValueError, match="power-of-2 rank"):
-        _eval(triton.state_reader, h, c, w_q, w_o, w, eps=EPS, interpret=True)
-    with pytest.raises(ValueError, match="invalid ReaderKernelConfig: block_d must be a power of 2"):
-        triton.ReaderKernelConfig(block_d=24)
+        traced(triton.state_reader, h, c, w_q, w_o, w, eps=EPS, interpret=True)
     args = reader_inputs(1, 2, 256, 32, 8, F32)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        _eval(tpu.state_reader, args[0].astype(np.float16), *args[1:], eps=EPS, interpret=False)
+        traced(tpu.state_reader, args[0].astype(np.float16), *args[1:], eps=EPS, interpret=False)
     with pytest.raises(ValueError, match=r"block_q = 64 must be one of \[256, 128\]"):
-        _eval(tpu.state_reader, *args, eps=EPS, interpret=False, config=tpu.ReaderKernelConfig(block_q=64))
+        traced(tpu.state_reader, *args, eps=EPS, interpret=False, config=tpu.ReaderKernelConfig(block_q=64))
     with pytest.raises(ValueError, match=r"block_out = 96 must be one of \[256, 128\]"):
-        _eval(tpu.state_reader, *args, eps=EPS, interpret=False, config=tpu.ReaderKernelConfig(block_out=96))
-    with pytest.raises(ValueError, match="block_out must be a positive int"):
-        tpu.ReaderKernelConfig(block_out=-128)
+        traced(tpu.state_reader, *args, eps=EPS, interpret=False, config=tpu.ReaderKernelConfig(block_out=96))
 
 
 # ---- lowering for an H200 and a TPU, on the CPU --------------------------------------------------------------
@@ -148,12 +118,7 @@ def _specs(batch, block, hidden, pairs, rank, dtype=BF16):
 
 
 def _lowers_for_h200(specs):
-    text = lower_for_gpu(triton.state_reader, *specs, eps=EPS, interpret=False)
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "reader_query" in text and "reader_out" in text
-    assert "num_warps = 4" in text  # the explicit compiler params reach the kernel calls
-    dots = triton_dots(triton.state_reader, *specs, eps=EPS, interpret=False)
-    assert [p for d in dots for p in d.problems()] == []
-    return dots
+    return lowers_for_h200(triton.state_reader, specs, ["reader_query", "reader_out"], eps=EPS)
 
 
 @slow
@@ -214,8 +179,8 @@ def test_tpu_vmem_budget(generation):
     whole = tpu.ReaderKernelConfig(block_q=768, block_out=5120, generation=generation)
     if tpu.reader_footprint(768, 5120, shapes).bytes > budget:
         with pytest.raises(ValueError, match=f"exceeds the .* budget of TPU {generation}"):
-            _eval(tpu.state_reader, *_specs(16, 7, 5120, 96, 8), eps=EPS, interpret=False, config=whole)
-    lossless = functools.partial(_eval, tpu.state_reader, *_specs(16, 7, 5120, 96, 128), eps=EPS, interpret=False,
+            traced(tpu.state_reader, *_specs(16, 7, 5120, 96, 8), eps=EPS, interpret=False, config=whole)
+    lossless = functools.partial(traced, tpu.state_reader, *_specs(16, 7, 5120, 96, 128), eps=EPS, interpret=False,
                                  config=tpu.ReaderKernelConfig(generation=generation))
     if budget < 32 * tpu_common.MIB:
         with pytest.raises(ValueError, match="split the batch"):

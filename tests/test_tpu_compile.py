@@ -93,7 +93,7 @@ RECURRENT_SHAPES = [(128, 128, 1, 1, (1, 2), BF16), (128, 128, 1, 8, (1, 2), BF1
 @pytest.mark.parametrize("states", ["final", "all"])
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_gdn_recurrent_compiles(d_k, d_v, batch, seq_len, heads, dtype, states, generation):
-    _compiles(gdn_tpu.gdn_recurrent, *gdn_specs(batch, seq_len, (*heads, d_k, d_v), dtype),
+    _compiles(gdn_tpu.gated_delta_recurrent, *gdn_specs(batch, seq_len, (*heads, d_k, d_v), dtype),
               output_all_states=states == "all", include_initial_state=states == "all", generation=generation)
 
 
@@ -105,7 +105,7 @@ CHUNKED_SHAPES = [(128, 128, 1, 65, (1, 2), BF16, 64), (64, 64, 1, 63, (1, 2), F
 @pytest.mark.parametrize("d_k,d_v,batch,seq_len,heads,dtype,chunk", CHUNKED_SHAPES)
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_gdn_chunked_compiles(d_k, d_v, batch, seq_len, heads, dtype, chunk, generation):
-    _compiles(gdn_tpu.gdn_chunked, *gdn_specs(batch, seq_len, (*heads, d_k, d_v), dtype), chunk_size=chunk,
+    _compiles(gdn_tpu.gated_delta_chunked, *gdn_specs(batch, seq_len, (*heads, d_k, d_v), dtype), chunk_size=chunk,
               generation=generation)
 
 

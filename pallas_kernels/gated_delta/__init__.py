@@ -1,6 +1,6 @@
 """Gated DeltaNet, one function per fused op: ``gated_delta_recurrent`` (decode / verify) and
 ``gated_delta_chunked`` (prefill, training), each run by XLA from its jnp reference (``reference.py``) or by the
-Pallas kernel of this machine's family (``triton.py`` on a GPU, ``tpu.py`` on a TPU; on a CPU, interpreted), both
+Pallas kernel of this machine's family (``triton/`` on a GPU, ``tpu/`` on a TPU; on a CPU, interpreted), both
 through ``pallas_kernels.backend.run``: the op's entry here (:data:`RECURRENT`, :data:`CHUNKED`) names its
 kernel and block config in each family's module.
 
@@ -33,9 +33,9 @@ def _axes(q, k, v, g, beta, initial_state, *, output_all_states: bool, **options
             (_TOKENS, _STATES if output_all_states else _STATE))
 
 
-RECURRENT = backend.KernelOp("gated_delta_recurrent", __name__, kernel="gdn_recurrent", config="GDNRecurrentConfig",
-                             families=("triton", "tpu", "mosaic_gpu"), axes=_axes)
-CHUNKED = backend.KernelOp("gated_delta_chunked", __name__, kernel="gdn_chunked", config="GDNChunkedConfig",
+RECURRENT = backend.KernelOp("gated_delta_recurrent", __name__, kernel="gated_delta_recurrent",
+                             config="GDNRecurrentConfig", families=("triton", "tpu", "mosaic_gpu"), axes=_axes)
+CHUNKED = backend.KernelOp("gated_delta_chunked", __name__, kernel="gated_delta_chunked", config="GDNChunkedConfig",
                            axes=_axes)
 
 

@@ -39,8 +39,10 @@ _HIGHEST = lax.Precision.HIGHEST  # true fp32 matmuls on GPU/TPU too (no TF32 / 
 L2NORM_EPS = 1e-6  # as HF's (and FLA's) l2norm
 
 
-def _l2norm(x: jax.Array) -> jax.Array:
-    """``x * rsqrt(sum(x * x) + 1e-6)`` over the last axis, like HF's ``l2norm``."""
+def l2norm(x: jax.Array) -> jax.Array:
+    """``x`` in fp32 times ``rsqrt(sum(x * x) + 1e-6)`` over the last axis, like HF's ``l2norm``; the kernels
+    normalise their q and k rows with it too."""
+    x = x.astype(jnp.float32)
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
@@ -109,8 +111,8 @@ def normalized_query_key(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[
     """q, k ``[B, T, H_k, d_k]`` as the recurrence reads and writes with them: L2-normalised in fp32, q then
     scaled by ``d_k ** -0.5``, both repeated to ``num_v_heads`` heads -> two ``[B, T, H_v, d_k]``."""
     k_dim = q.shape[-1]
-    q = _l2norm(q.astype(jnp.float32)) * k_dim**-0.5
-    k = _l2norm(k.astype(jnp.float32))
+    q = l2norm(q) * k_dim**-0.5
+    k = l2norm(k)
     return tuple(jnp.repeat(x, num_v_heads // q.shape[2], axis=2) for x in (q, k))
 
 

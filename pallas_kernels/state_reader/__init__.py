@@ -1,7 +1,7 @@
 """The ReaDy state reader, one function per fused op: ``state_gather`` (once per round: the committed states,
 compressed), ``state_reader`` (every draft position: the read), ``content_reader`` (the read of queries in the
 full key space) and ``content_read`` (that read's raw values, for a tied read-out), each run by XLA from its jnp
-reference (``reference.py``) or by the Pallas kernel of this machine's family (``triton.py`` on a GPU, ``tpu/``
+reference (``reference.py``) or by the Pallas kernel of this machine's family (``triton/`` on a GPU, ``tpu/``
 on a TPU; on a CPU, interpreted), both through ``pallas_kernels.backend.run``: the op's entry here (:data:`GATHER`,
 :data:`READ`, :data:`CONTENT_READER`, :data:`CONTENT_READ`) names its kernel and block config in each family's
 module.

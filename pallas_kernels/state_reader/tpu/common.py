@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 
 from ... import tpu_common
 from ...config_fields import POSITIVE, check_fields
-from ...tpu_common import LANES, SUBLANES, VmemFootprint
+from ...tpu_common import LANES, VmemFootprint
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -49,11 +49,6 @@ def check_dtypes(op: str, **arrays) -> None:
     if bad:
         raise ValueError(f"{op}: the TPU kernel takes float32 or bfloat16; got {', '.join(bad)}. "
                          "Use the reference (impl='xla') for other dtypes.")
-
-
-def sublane_tile(dtype) -> int:
-    """Rows of one (sublane, lane) tile: 8 for 32-bit dtypes, 16 for bf16 (two rows pack into a sublane)."""
-    return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
 def resident(shape: tuple[int, ...]) -> pl.BlockSpec:

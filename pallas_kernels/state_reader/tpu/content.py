@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ... import tpu_common
-from ...tpu_common import LANES, VmemFootprint, round_up
+from ...sizes import round_up
+from ...tpu_common import LANES, VmemFootprint, sublane_tile
 from ..reference import QUERY_EPS, check_content_shapes
 from .common import (
     F32,
@@ -57,7 +58,6 @@ from .common import (
     lane_block,
     mxu_dot,
     resident,
-    sublane_tile,
 )
 from .read import launch_read_and_out, norm_and_out
 

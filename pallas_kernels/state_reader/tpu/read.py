@@ -49,7 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...tpu_common import LANES, VmemFootprint, round_up
+from ...sizes import round_up
+from ...tpu_common import LANES, VmemFootprint, sublane_tile
 from ..reference import check_read_shapes
 from .common import (
     F32,
@@ -60,7 +61,6 @@ from .common import (
     lane_block,
     mxu_dot,
     resident,
-    sublane_tile,
     widest_block,
 )
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..mosaic_gpu_common import launch
-from .reference import Layers, check_gather_shapes, per_position_arrays
+from ...mosaic_gpu_common import launch
+from ..reference import Layers, check_gather_shapes, per_position_arrays
 
 KEY_TILE = 64  # rows of a WGMMA register tile: d_k must be a multiple of it
 VALUE_TILE = 8  # columns of a WGMMA register tile: d_v must be a multiple of it, the rank is padded to one

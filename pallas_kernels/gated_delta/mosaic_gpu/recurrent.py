@@ -1,7 +1,7 @@
-"""Gated DeltaNet's decode / verify kernel for Mosaic GPU: ``gdn_recurrent``.
+"""Gated DeltaNet's decode / verify kernel for Mosaic GPU: :func:`gated_delta_recurrent`.
 
 Reference: ``pallas_kernels.gated_delta.reference.gated_delta_recurrent``; the kernel takes its arguments and
-returns its results, with the signature of ``gated_delta.triton.gdn_recurrent``. q, k ``[B, T, H_k, d_k]`` not
+returns its results, with the signature of ``gated_delta.triton.gated_delta_recurrent``. q, k ``[B, T, H_k, d_k]`` not
 yet normalised, v ``[B, T, H_v, d_v]``, g, beta ``[B, T, H_v]``, initial_state ``[B, H_v, d_k, d_v]`` fp32 or
 None (zeros) -> o ``[B, T, H_v, d_v]`` in v's dtype and fp32 states: the final state ``[B, H_v, d_k, d_v]``, or
 with ``output_all_states`` the state after every token ``[B, T, H_v, d_k, d_v]``, with ``include_initial_state``
@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..mosaic_gpu_common import launch
-from .reference import check_shapes, normalized_query_key
+from ...mosaic_gpu_common import launch
+from ...sizes import round_up
+from ..reference import check_shapes, check_state_options, normalized_query_key
 
 KEY_TILE = 64  # rows of a WGMMA register tile: d_k is padded to a multiple of it
 VALUE_TILE = 8  # columns of a WGMMA register tile: block_v is a multiple of it
@@ -49,7 +50,7 @@ class GDNRecurrentConfig:
                              f"(a WGMMA register tile's width); got {self.block_v!r}")
 
 
-def gdn_recurrent(
+def gated_delta_recurrent(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -68,16 +69,11 @@ def gdn_recurrent(
     >= 0.12), or pass a ``plgpu.InterpretGPUParams``. ``config``: the block size. Raises ValueError on inputs the
     reference rejects and on include_initial_state without output_all_states.
     """
-    if include_initial_state and not output_all_states:
-        raise ValueError("include_initial_state=True needs output_all_states=True")
+    check_state_options(output_all_states=output_all_states, include_initial_state=include_initial_state)
     check_shapes(q, k, v, g, beta, initial_state)
     config = GDNRecurrentConfig() if config is None else config
     return _gdn_recurrent_mosaic(q, k, v, g, beta, initial_state, output_all_states=output_all_states,
                                  include_initial_state=include_initial_state, interpret=interpret, config=config)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, seq_len: int, group: int, block_v: int,
@@ -122,7 +118,7 @@ def _gdn_recurrent_mosaic(q, k, v, g, beta, initial_state, *, output_all_states,
     batch, seq_len, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[2:]
     q, k = normalized_query_key(q, k, num_k_heads)  # fp32, still [B, T, H_k, d_k]
-    k_pad, v_pad = _round_up(k_dim, KEY_TILE) - k_dim, _round_up(v_dim, config.block_v) - v_dim
+    k_pad, v_pad = round_up(k_dim, KEY_TILE) - k_dim, round_up(v_dim, config.block_v) - v_dim
     q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, k_pad)]) for x in (q, k))
     inputs = [q, k, jnp.pad(v, [(0, 0)] * 3 + [(0, v_pad)]), g.astype(jnp.float32), beta.astype(jnp.float32)]
     if initial_state is not None:
