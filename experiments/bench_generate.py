@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -38,7 +39,7 @@ from ready_jax.modes import ROLLBACKS
 
 from .common import write_json
 from .presets import PRESETS
-from .timing import add_profile_argument, round_breakdown, round_pieces, run_generate
+from .timing import add_profile_argument, interleaved_medians, round_pieces, run_generate, verify_commit_memory
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 
@@ -46,20 +47,19 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens: int, variants: dict) -> dict:
     """AR, each drafter of ``variants`` and the scripted drafters (each checked against AR, as a ratio to it); the
     middle scripted drafter again with the checkpoint rollback, and with ``--impls xla,pallas`` AR and it with the
-    Pallas kernels. A progress line per program timed, its compile counted apart: each compiles its own."""
-    rates = args.error_rates
-    scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
-    programs = 1 + len(variants) + len(rates) + 1 + (2 if "pallas" in args.impls else 0)
-    progress = cli.Progress("bench_generate", programs, "programs timed", compiles=programs)
+    Pallas kernels.
 
-    def run(drafter=None, *, name: str, **kwargs) -> dict:
-        result = run_generate(target, prompts, new_tokens, drafter, repeats=args.repeats, profile=args.profile,
-                              name=name, **kwargs)
-        progress.update(detail=name, compile_seconds=result["compile_s"])
-        return result
-
+    A progress line per drafter's generation, compiles counted apart: each drafter, the scripted drafters (one
+    program for every error rate), the checkpoint rollback and each Pallas run compile a program of their own.
+    AR's, run first, is left out of the estimate: its program compiles in a fraction of a drafter's time. A
+    generation weighs its rounds: a round per token for a random drafter (its drafts are all but never accepted),
+    a scripted drafter's expected share (1 / its expected tokens per round)."""
+    run = functools.partial(run_generate, target, prompts, new_tokens, repeats=args.repeats, profile=args.profile)
+    cli.Progress("bench_generate").note("timing AR")
     results = {"ar": run(name="ar")}
     reference = results["ar"].pop("tokens")
+    rates = args.error_rates
+    scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
     variants = dict(variants)
     for rate in rates:
         variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
@@ -70,8 +70,19 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
     if "pallas" in args.impls:
         runs["ar_pallas"] = {"drafter": None, "impl": "pallas"}
         runs[f"{scripted}_pallas"] = {"drafter": variants[scripted], "impl": "pallas"}
+    programs = len(runs) - (len(rates) - 1)  # the scripted drafters share one
+
+    def rounds_per_token(drafter) -> float:
+        if not isinstance(drafter, rj.ScriptedDrafter):
+            return 1.0
+        # Its drafts are each wrong with probability error_rate on their own: the tokens a round commits.
+        return 1 / sum((1 - drafter.error_rate) ** i for i in range(args.block_size + 1))
+
+    weights = tuple(rounds_per_token(kwargs["drafter"]) for kwargs in runs.values())
+    progress = cli.Progress("bench_generate", len(runs), "generations timed", compiles=programs, weights=weights)
     for name, kwargs in runs.items():
         results[name] = run(name=name, **kwargs)
+        progress.update(detail=name, compile_seconds=results[name]["compile_s"])
         results[name]["identical_to_ar"] = bool(np.array_equal(results[name].pop("tokens"), reference))
         results[name]["speedup_vs_ar"] = results[name]["tokens_per_s"] / results["ar"]["tokens_per_s"]
     progress.close()
@@ -79,17 +90,16 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
 
 
 def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, repeats: int) -> dict:
-    """:func:`round_breakdown` of ``drafter``, each piece compiled first with a progress line (compiling is most
-    of the wait; the breakdown then reuses the programs), and the rollbacks' verify + commit compiled for their
-    memory."""
-    pieces, _ = round_pieces(target, drafter, prompts)
-    with cli.Progress("bench_generate: round pieces", len(pieces) + len(ROLLBACKS), "programs compiled") as progress:
-        for name, fn in pieces.items():
-            jax.block_until_ready(fn())
-            progress.update(detail=name)
-        breakdown = round_breakdown(target, drafter, prompts, repeats)
-        progress.update(len(ROLLBACKS), detail="verify + commit memory")
-    return breakdown
+    """``timing.round_breakdown`` of ``drafter``, with a progress line per step: the pieces prepared (a prefill and
+    one round, compiling each piece) and timed, then each rollback's verify + commit compiled for its memory."""
+    with cli.Progress("bench_generate: round pieces", 1 + len(ROLLBACKS), "steps") as progress:
+        pieces, (cache, block, ids) = round_pieces(target, drafter, prompts)
+        result = {f"{name}_s": t for name, t in interleaved_medians(pieces, repeats).items()}
+        progress.update(detail="pieces timed")
+        for rollback in ROLLBACKS:
+            result[f"verify_commit_{rollback}_memory"] = verify_commit_memory(target, cache, block, ids, rollback)
+            progress.update(detail=f"{rollback} memory")
+    return result
 
 
 def print_report(results: dict, breakdown: dict) -> None:
