@@ -36,6 +36,7 @@ import ready_jax as rj
 from ready_jax import cli, provenance
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import ROLLBACKS
+from ready_jax.progress import Progress
 
 from .common import write_json
 from .presets import PRESETS
@@ -55,7 +56,7 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
     generation weighs its rounds: a round per token for a random drafter (its drafts are all but never accepted),
     a scripted drafter's expected share (1 / its expected tokens per round)."""
     run = functools.partial(run_generate, target, prompts, new_tokens, repeats=args.repeats, profile=args.profile)
-    cli.Progress("bench_generate").note("timing AR")
+    Progress("bench_generate").note("timing AR")
     results = {"ar": run(name="ar")}
     reference = results["ar"].pop("tokens")
     rates = args.error_rates
@@ -79,7 +80,7 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
         return 1 / sum((1 - drafter.error_rate) ** i for i in range(args.block_size + 1))
 
     weights = tuple(rounds_per_token(kwargs["drafter"]) for kwargs in runs.values())
-    progress = cli.Progress("bench_generate", len(runs), "generations timed", compiles=programs, weights=weights)
+    progress = Progress("bench_generate", len(runs), "generations timed", compiles=programs, weights=weights)
     for name, kwargs in runs.items():
         results[name] = run(name=name, **kwargs)
         progress.update(detail=name, compile_seconds=results[name]["compile_s"])
@@ -92,7 +93,7 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
 def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, repeats: int) -> dict:
     """``timing.round_breakdown`` of ``drafter``, with a progress line per step: the pieces prepared (a prefill and
     one round, compiling each piece) and timed, then each rollback's verify + commit compiled for its memory."""
-    with cli.Progress("bench_generate: round pieces", 1 + len(ROLLBACKS), "steps") as progress:
+    with Progress("bench_generate: round pieces", 1 + len(ROLLBACKS), "steps") as progress:
         pieces, (cache, block, ids) = round_pieces(target, drafter, prompts)
         result = {f"{name}_s": t for name, t in interleaved_medians(pieces, repeats).items()}
         progress.update(detail="pieces timed")

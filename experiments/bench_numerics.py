@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, numerics
+from ready_jax import cli, numerics, repository
 from ready_jax import target as target_lib
 
 from .common import load_drafter_dir, write_json
@@ -110,8 +110,8 @@ def build_parser():
     parser.add_argument("--preset", choices=("zoo", "bandwidth"), default="zoo",
                         help="zoo: --target and --drafter as saved; bandwidth: a random bf16 target whose weights "
                              "exceed the cache, with a scripted drafter")
-    parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory)
-    parser.add_argument("--drafter", default=cli.repo_path("zoo", "ready"), type=cli.existing_directory,
+    parser.add_argument("--target", default=repository.path("zoo", "target"), type=cli.existing_directory)
+    parser.add_argument("--drafter", default=repository.path("zoo", "ready"), type=cli.existing_directory,
                         help="drafter directory: project format, ReaDy release, SGLang DSpark or DeepSpec")
     parser.add_argument("--batches", type=cli.positive_ints, default="1,16", help="batch sizes, comma-separated")
     parser.add_argument("--prompt-tokens", type=cli.positive_int, default=48, help="tokens per prompt")

@@ -10,8 +10,7 @@ import math
 import os
 from types import ModuleType
 
-from ready_jax import files
-from ready_jax.cli import repo_root
+from ready_jax import files, repository
 from ready_jax.config import SUPPORTED_MODEL_TYPES, read_json
 from ready_jax.provenance import environment
 
@@ -82,7 +81,7 @@ def portable_paths(value):
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(value, str) and os.path.isabs(value):
-        root, home = str(repo_root()), os.path.expanduser("~")
+        root, home = str(repository.root()), os.path.expanduser("~")
         if value == root or value.startswith(root + os.sep):
             return os.path.relpath(value, root)
         if home not in ("", "/") and value.startswith(home + os.sep):

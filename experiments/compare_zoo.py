@@ -33,7 +33,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, provenance
+from ready_jax import cli, provenance, repository
+from ready_jax.progress import Progress
 
 from .common import load_drafter_dir, shown, write_json
 from .timing import add_profile_argument, profile_generate, timed
@@ -49,10 +50,10 @@ def distinct_programs(drafters: dict) -> int:
     return len(configs)
 
 
-def drafter_progress(label: str, drafters: dict) -> cli.Progress:
+def drafter_progress(label: str, drafters: dict) -> Progress:
     """A line per drafter timed. The time left comes from the drafters alone, compiles counted apart: AR, with no
     drafter to compile or run, takes a fraction of one's time."""
-    return cli.Progress(label, len(drafters), "drafters timed", every_s=0, compiles=distinct_programs(drafters))
+    return Progress(label, len(drafters), "drafters timed", every_s=0, compiles=distinct_programs(drafters))
 
 
 def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, drafters: dict) -> dict:
@@ -62,7 +63,7 @@ def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, 
         timings = [timed(target, x, new_tokens, drafter, repeats) for x in prompts]
         return [out for out, _ in timings], sum(compile_seconds for _, compile_seconds in timings)
 
-    started = cli.Progress("compare_zoo: batch 1")
+    started = Progress("compare_zoo: batch 1")
     ar, _ = run(None)
     started.note("autoregressive timed")
     progress = drafter_progress("compare_zoo: batch 1", drafters)
@@ -83,7 +84,7 @@ def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.compare_zoo", __doc__)
-    parser.add_argument("--zoo", default=cli.repo_path("zoo"), type=cli.existing_directory,
+    parser.add_argument("--zoo", default=repository.path("zoo"), type=cli.existing_directory,
                         help="the target and drafters directory")
     parser.add_argument("--prompts", type=cli.positive_int, default=16, help="held-out prompts (half code, half prose)")
     parser.add_argument("--batch1-prompts", type=cli.non_negative_int, default=4,
@@ -116,7 +117,7 @@ def speed_note() -> str:
     """Why the speed ratios above sit below 1 on a CPU, with the perfect drafter's measured speedup."""
     note = ("On this CPU the zoo's tiny target is compute-bound: verifying a block costs several AR steps, so "
             "speculation loses here; it pays where decode is bandwidth-bound.")
-    path = Path(cli.repo_path(*LOOP_EFFICIENCY))
+    path = Path(repository.path(*LOOP_EFFICIENCY))
     if path.exists():
         perfect = json.loads(path.read_text())["preset"]["generation"]["scripted_error_0"]
         note += (f" A drafter that is always right measured {perfect['speedup']:.2f}x AR (tau {perfect['tau']:.2f}) "
@@ -152,7 +153,7 @@ def main(argv=None) -> None:
                   f"{'yes' if r['identical_to_ar'] else 'NO'}")
         print(f"\nbatch {len(ids)} (throughput):")
 
-    started = cli.Progress(f"compare_zoo: batch {len(ids)}")
+    started = Progress(f"compare_zoo: batch {len(ids)}")
     ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
     if args.profile:
         profile_generate(args.profile, "autoregressive", target, ids, args.max_new_tokens)

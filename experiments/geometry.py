@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import cli
 from ready_jax import drafter as drafter_lib
+from ready_jax import repository
 
 from .presets import PRESETS
 
@@ -40,8 +40,8 @@ def geometry(preset: str) -> Geometry:
     """``zoo``: the shipped checkpoints' configs (their weights are never read); ``qwen3.5-27b``,
     ``qwen3.5-35b-a3b``: the benchmarks' presets with a rank-8 ReaDy drafter of block 7."""
     if preset == "zoo":
-        target_meta = _read_json(cli.repo_path("zoo", "target", "config.json"))
-        drafter_meta = _read_json(cli.repo_path("zoo", "ready", "config.json"))
+        target_meta = _read_json(repository.path("zoo", "target", "config.json"))
+        drafter_meta = _read_json(repository.path("zoo", "ready", "config.json"))
         return Geometry(rj.TargetConfig.from_dict(target_meta["target"]),
                         rj.DrafterConfig.from_dict(drafter_meta["drafter"]), jnp.dtype(target_meta["dtype"]),
                         batch=2, prompt=64, max_new_tokens=32)

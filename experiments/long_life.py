@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, compiled_programs, generation
+from ready_jax import cli, compiled_programs, generation, repository
 
 from .common import write_json
 
@@ -35,7 +35,7 @@ from .common import write_json
 def parse_args(argv=None):
     p = cli.parser("experiments.long_life", __doc__)
     p.add_argument("workload", choices=("zoo", "soak"))
-    p.add_argument("--zoo", type=cli.existing_directory, default=str(cli.repo_path("zoo")))
+    p.add_argument("--zoo", type=cli.existing_directory, default=str(repository.path("zoo")))
     p.add_argument("--widths", type=cli.positive_int, default=40, help="zoo: prompt widths 1..N")
     p.add_argument("--drafters", type=cli.comma_list(str), default=["ready", "dspark", "dspark_ft"],
                    help="zoo: zoo drafter folders, ar for none")

@@ -31,10 +31,11 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, numerics, provenance
+from ready_jax import cli, numerics, provenance, repository
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
+from ready_jax.progress import Progress
 
 from .common import write_json
 from .presets import PRESETS
@@ -202,7 +203,7 @@ def time_pieces(models: dict[str, dict], repeats: int, clock: CompileClock | Non
     out = {}
     for model, fns in models.items():
         if clock is not None:
-            progress = cli.Progress(f"{label} {model}", len(fns) * (repeats + 1), "calls", compiles=len(fns))
+            progress = Progress(f"{label} {model}", len(fns) * (repeats + 1), "calls", compiles=len(fns))
             fns = {name: _counted(fn, progress, clock) for name, fn in fns.items()}
             clock.lap()
         times = interleaved_medians(fns, repeats)
@@ -213,7 +214,7 @@ def time_pieces(models: dict[str, dict], repeats: int, clock: CompileClock | Non
     return out
 
 
-def _counted(fn, progress: cli.Progress, clock: CompileClock):
+def _counted(fn, progress: Progress, clock: CompileClock):
     """``fn``, finishing its work and then updating ``progress`` with what the call spent compiling."""
     def call():
         result = jax.block_until_ready(fn())
@@ -271,7 +272,7 @@ def preset_section(args, clock: CompileClock) -> dict:
     weight_bytes = sum(x.nbytes for x in params)
     prompt = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(1, args.prompt))
 
-    started = cli.Progress("loop_efficiency")
+    started = Progress("loop_efficiency")
     started.note("measuring the machine: bandwidth, cache, matmul throughput")
     probes = bandwidth_bytes_per_s(max(3, args.repeats // 4))
     limits = {"bandwidth_probes_bytes_per_s": probes, "bandwidth_bytes_per_s": max(probes.values()),
@@ -317,7 +318,7 @@ def preset_section(args, clock: CompileClock) -> dict:
     # generation weighs what the components predict it costs against AR's.
     scripted_round = round_seconds(parts, SCRIPTED_COMPONENTS, gamma) / ar
     weights = (1.0, *(scripted_round / expected_tau(rate, gamma) for rate in rates))
-    progress = cli.Progress(f"loop_efficiency: {args.preset} generation", 1 + len(rates), "generations timed",
+    progress = Progress(f"loop_efficiency: {args.preset} generation", 1 + len(rates), "generations timed",
                             compiles=2, weights=weights)
     ar_run = run_generate(target, prompts, args.max_new_tokens, repeats=args.repeats_generate, name="ar")
     progress.update(detail="ar", compile_seconds=ar_run["compile_s"])
@@ -348,7 +349,7 @@ def zoo_section(args, clock: CompileClock) -> dict:
     from .zoo_runs import DRAFTERS, held_out_prompts
 
     zoo = Path(args.zoo)
-    started = cli.Progress("loop_efficiency: zoo")
+    started = Progress("loop_efficiency: zoo")
     started.note("prefilling for the zoo target's pieces")
     target = rj.Target.load(zoo / "target", dtype=jnp.float32)
     prompts = held_out_prompts(zoo / "target", args.zoo_prompts, args.prompt_tokens, args.seed)
@@ -359,7 +360,7 @@ def zoo_section(args, clock: CompileClock) -> dict:
     print(f"zoo target: AR step {ar * 1e3:.2f} ms; {len(ids)} held-out prompts at batch 1, "
           f"{args.max_new_tokens} new tokens each; {provenance.load_note()}")
 
-    def fastest_runs(drafter, progress: cli.Progress | None = None) -> list:
+    def fastest_runs(drafter, progress: Progress | None = None) -> list:
         """Each prompt's fastest timed run, after an untimed first (which compiles when its shapes are new), a
         ``progress`` update per prompt: a first call that compiled counts apart all it spent beyond its run
         (compiling and loading the program, which the first run of a new program also pays)."""
@@ -375,13 +376,13 @@ def zoo_section(args, clock: CompileClock) -> dict:
         return outs
 
     # The held-out prompts have one length: AR compiles one program, for the first.
-    with cli.Progress("loop_efficiency: zoo AR", len(ids), "prompts timed", compiles=1) as progress:
+    with Progress("loop_efficiency: zoo AR", len(ids), "prompts timed", compiles=1) as progress:
         ar_outs = fastest_runs(None, progress)
     ar_seconds = sum(o.run_seconds for o in ar_outs)
     drafters = {name: rj.Drafter.load(zoo / name, dtype=jnp.float32) for name in DRAFTERS}
     configs = [d.config for d in drafters.values()]
     new_configs = [c not in configs[:i] for i, c in enumerate(configs)]
-    progress = cli.Progress("loop_efficiency: zoo", len(drafters), "drafters timed", every_s=0,
+    progress = Progress("loop_efficiency: zoo", len(drafters), "drafters timed", every_s=0,
                             compiles=sum(new_configs))
     result = {"ar_step_s": ar, "target_components_s": parts, "prompts": len(ids), "drafters": {}}
     clock.lap()
@@ -425,7 +426,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=cli.positive_int, default=20,
                         help="timed calls per component (the median is kept)")
     parser.add_argument("--repeats-generate", type=cli.positive_int, default=3, help="timed runs per generation")
-    parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="the shipped zoo ('' to skip it)")
+    parser.add_argument("--zoo", default=repository.path("zoo"), help="the shipped zoo ('' to skip it)")
     parser.add_argument("--zoo-prompts", type=cli.positive_int, default=8, help="held-out zoo prompts, each at batch 1")
     parser.add_argument("--prompt-tokens", type=cli.positive_int, default=64, help="tokens per zoo prompt")
     parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights, prompts and scripted errors")

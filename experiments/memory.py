@@ -37,9 +37,10 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, generation, init_programs
+from ready_jax import cli, generation, init_programs, repository
 from ready_jax import drafter as drafter_lib
 from ready_jax import sharding as sharding_lib
+from ready_jax.progress import Progress
 
 from .common import write_json
 from .presets import PRESETS
@@ -100,7 +101,7 @@ def _line(name: str, r: dict) -> str:
 
 
 def tiny_zoo(batch: int, prompt_len: int, new_tokens: int) -> dict:
-    target, drafter = rj.Target.load(cli.repo_path("zoo", "target")), rj.Drafter.load(cli.repo_path("zoo", "ready"))
+    target, drafter = rj.Target.load(repository.path("zoo", "target")), rj.Drafter.load(repository.path("zoo", "ready"))
     prompts = np.random.default_rng(0).integers(3, target.config.vocab_size, (batch, prompt_len))
     out = {}
     for name, d in (("ar", None), ("ready", drafter)):
@@ -126,10 +127,10 @@ def init_27b(layers: int) -> dict:
         return {"output_bytes": int(stats.output_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes)}
 
     split = init_programs.init_pieces(leaves)
-    cli.Progress("27B init").note(f"compiling every parameter as one program, then in {len(split)} pieces")
+    Progress("27B init").note(f"compiling every parameter as one program, then in {len(split)} pieces")
     one = compiled_bytes(tuple(range(len(leaves))))
     # The ETA from the pieces alone: the one program is several pieces' work.
-    progress = cli.Progress("27B init", len(split), "pieces compiled", every_s=10)
+    progress = Progress("27B init", len(split), "pieces compiled", every_s=10)
     pieces = []
     for piece in split:
         pieces.append(compiled_bytes(piece))
@@ -165,7 +166,7 @@ def abstract_27b(batch: int, prompt_len: int, new_tokens: int, layers: int, mesh
                                          "rank": drafter_config.reader.rank}}
     # Four compiles of a whole 27B program, each a minute or more at full depth: a line after each. ReaDy's program
     # takes longer to compile than AR's (docs/measurements.md, "Progress lines"): it weighs more in the time left.
-    progress = cli.Progress(f"27B programs{f' on mesh {mesh[0]}x{mesh[1]}' if mesh else ''}", 4, "compiled",
+    progress = Progress(f"27B programs{f' on mesh {mesh[0]}x{mesh[1]}' if mesh else ''}", 4, "compiled",
                             every_s=0, weights=(1.0, READY_COMPILE_WEIGHT) * 2)
     for dtype in (jnp.bfloat16, jnp.float32):
         # Stacked groups: what a GPU runs (Target splits them only on one CPU device).

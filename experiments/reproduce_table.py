@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, data
+from ready_jax import cli, data, repository
+from ready_jax.progress import Progress
 
 from .common import pyplot, save_figure, write_json
 from .timing import timed
@@ -100,7 +101,7 @@ def evaluate(args, target: rj.Target, table: tuple[Arm, ...]) -> dict:
     print(f"{len(prompts)} held-out prompts ({', '.join(f'{(kinds == k).sum()} {k}' for k in np.unique(kinds))}), "
           f"{args.prompt_tokens} tokens each, {args.max_new_tokens} new tokens, greedy")
     total = 1 + sum(len(args.seeds if arm.all_seeds else args.seeds[:1]) for arm in table)
-    progress = cli.Progress("table: evaluating", total, "runs (AR included)")
+    progress = Progress("table: evaluating", total, "runs (AR included)")
     ar, ar_compile = timed(target, ids, args.max_new_tokens, None, args.repeats)
     progress.update()
     per_run = {"autoregressive": dict(summarize(ar, kinds), compile_seconds=ar_compile, speedup=1.0)}
@@ -204,11 +205,11 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> None:
     parser = cli.parser("experiments.reproduce_table", __doc__)
     parser.add_argument("step", choices=("train", "ship", "evaluate"), help="what to do (see above)")
-    parser.add_argument("--target", default=cli.repo_path("zoo", "target"),
+    parser.add_argument("--target", default=repository.path("zoo", "target"),
                         help="trained target (project format, with tokenizer)")
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
+    parser.add_argument("--corpus", default=repository.path("runs", "corpus"), type=cli.directory_path,
                         help="corpus directory of the target")
-    parser.add_argument("--runs", default=cli.repo_path("runs", "table"), help="drafters, their work dirs and logs")
+    parser.add_argument("--runs", default=repository.path("runs", "table"), help="drafters, their work dirs and logs")
     parser.add_argument("--seeds", type=cli.non_negative_int, nargs="+", default=[0, 1, 2],
                         help="seeds of the main arms")
     parser.add_argument("--window", type=cli.positive_int, default=16, help="context window of the sliding-window arms")
@@ -225,7 +226,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-seed", type=cli.non_negative_int, default=0, help="which held-out prompts")
     parser.add_argument("--repeats", type=cli.positive_int, default=1,
                         help="timed runs per drafter (the fastest is kept)")
-    parser.add_argument("--zoo", default=cli.repo_path("zoo"), help="ship: the zoo directory to replace")
+    parser.add_argument("--zoo", default=repository.path("zoo"), help="ship: the zoo directory to replace")
     parser.add_argument("--out", default=None, help="write the evaluation here as JSON")
     parser.add_argument("--plot", default=None, help="write a PNG of tau per arm here (needs matplotlib)")
     parser.add_argument("--arms", nargs="+", default=None,

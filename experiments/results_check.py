@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ready_jax import cli, provenance
+from ready_jax import cli, provenance, repository
 
 from .common import shown
 
@@ -93,14 +93,14 @@ def main(argv=None) -> None:
     parser = cli.parser("experiments.results_check", __doc__)
     parser.add_argument("--tables", action="store_true", help="print the README's table from the JSON and stop")
     args = parser.parse_args(argv)
-    path = Path(cli.repo_root()) / COMPARE_ZOO
+    path = Path(repository.root()) / COMPARE_ZOO
     recorded = json.loads(path.read_text())
     if args.tables:
         print(readme_table(recorded))
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rerun.json")
-        done = subprocess.run(rerun_command(recorded, out), cwd=cli.repo_root(), env=rerun_environment(recorded))
+        done = subprocess.run(rerun_command(recorded, out), cwd=repository.root(), env=rerun_environment(recorded))
         if done.returncode:
             raise SystemExit(f"the rerun of {COMPARE_ZOO} failed (exit status {done.returncode})")
         exact = same_kernels(recorded)

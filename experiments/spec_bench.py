@@ -83,7 +83,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, files, provenance
+from ready_jax import checkpoint, cli, files, provenance, repository
+from ready_jax.progress import Progress
 
 from .common import load_drafter_dir, shown, write_json
 from .timing import add_profile_argument, profile_generate
@@ -502,7 +503,7 @@ def answer_all(target: rj.Target, tokenizer: Tokenizer, template: ChatTemplate, 
     return answers, skipped, notes
 
 
-def progress_of(tokenizer: Tokenizer, template: ChatTemplate, questions: list[dict], args) -> cli.Progress:
+def progress_of(tokenizer: Tokenizer, template: ChatTemplate, questions: list[dict], args) -> Progress:
     """Progress over the warm-up runs and the questions, weighed by their turns (a turn generates up to
     ``--max-new-tokens`` with every method), compiles counted apart: the first question of each prompt bucket
     compiles every method's program for it, the buckets estimated from the first turns' prompts (a later turn's
@@ -512,7 +513,7 @@ def progress_of(tokenizer: Tokenizer, template: ChatTemplate, questions: list[di
         ids = tokenizer.encode(template.render([(question["turns"][0], None)]), add_special_tokens=False).ids
         buckets.add(-(-min(len(ids), args.max_prompt_tokens) // args.prompt_bucket))
     plan = [questions[0]] * args.warmup + questions
-    return cli.Progress("spec-bench", len(plan), "questions (warm-up included)",
+    return Progress("spec-bench", len(plan), "questions (warm-up included)",
                         compiles=len(buckets), weights=tuple(len(q["turns"]) for q in plan))
 
 
@@ -556,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-id", help="answers' model id (None: <target>-<drafter or ar>-temp-<temperature>, "
                                            "e.g. target-ready-temp-0.0)")
     parser.add_argument("--answer-file", help="write the answers to this file (None: <out-dir>/<model id>.jsonl)")
-    parser.add_argument("--out-dir", default=cli.repo_path("runs", "spec_bench"),
+    parser.add_argument("--out-dir", default=repository.path("runs", "spec_bench"),
                         help="answers (the AR baseline's too) and summary go here")
     add_profile_argument(parser)
     return parser

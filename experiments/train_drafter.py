@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, conversations, data, files, modes, processes, provenance, sharding
+from ready_jax import checkpoint, cli, conversations, data, files, modes, processes, provenance, repository, sharding
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
 from ready_jax.mtp import FORMAT as MTP_FORMAT
@@ -102,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.train_drafter", __doc__)
     parser.add_argument("--variant", required=True, choices=drafter_variants.VARIANTS,
                         help="which drafter (see above)")
-    parser.add_argument("--target", default=cli.repo_path("zoo", "target"), type=cli.existing_directory,
+    parser.add_argument("--target", default=repository.path("zoo", "target"), type=cli.existing_directory,
                         help="trained target (project format)")
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
+    parser.add_argument("--corpus", default=repository.path("runs", "corpus"), type=cli.directory_path,
                         help="corpus directory (built on first use, encoded with the target's tokenizer.json "
                         "where its directory ships one)")
     parser.add_argument("--init-from", default=None, type=cli.existing_directory,
@@ -235,7 +235,7 @@ def check_data_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def regen_dir(args) -> str:
-    return args.regen_dir or cli.repo_path("runs", f"regen_{args.data_seed}")
+    return args.regen_dir or repository.path("runs", f"regen_{args.data_seed}")
 
 
 def regeneration_config(args) -> regeneration.RegenConfig:
@@ -389,8 +389,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Path, str]:
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_recipe(parser, argv, args)
-    workdir = Path(args.workdir or cli.repo_path("runs", f"drafter_{args.variant}"))
-    distill_cache = args.distill_cache or cli.repo_path("runs", f"distill_{args.data_seed}.npz")
+    workdir = Path(args.workdir or repository.path("runs", f"drafter_{args.variant}"))
+    distill_cache = args.distill_cache or repository.path("runs", f"distill_{args.data_seed}.npz")
     check_data_arguments(parser, args)
     try:  # before distilling and training, not after
         files.check_output(workdir, kind="directory", what="--workdir")

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import checkpoint, cli, data, files, modes, provenance
+from ready_jax import checkpoint, cli, data, files, modes, provenance, repository
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
     LONG_RANGE_POOL,
@@ -54,9 +54,9 @@ RECALL_SEED = 0x5EED_0E7A
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.train_target", __doc__)
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
+    parser.add_argument("--corpus", default=repository.path("runs", "corpus"), type=cli.directory_path,
                         help="corpus directory (built on first use)")
-    parser.add_argument("--workdir", default=cli.repo_path("runs", "target"), help="checkpoints and metrics.jsonl")
+    parser.add_argument("--workdir", default=repository.path("runs", "target"), help="checkpoints and metrics.jsonl")
     parser.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size of the corpus")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (a multiple of 4)")

@@ -18,7 +18,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, data, files
+from ready_jax import data, files, repository
+from ready_jax.progress import Progress
 
 from .common import measured_tau
 
@@ -141,7 +142,7 @@ def train(args, table: tuple[Arm, ...]) -> None:
         todo.insert(0, todo.pop(first))
     running: dict[str, subprocess.Popen] = {}
     failed = []
-    progress = cli.Progress("table: training", len(todo), "runs finished", every_s=60)
+    progress = Progress("table: training", len(todo), "runs finished", every_s=60)
     while todo or running:
         finished = 0
         for name, proc in list(running.items()):
@@ -210,12 +211,12 @@ def ship_dirs(sources: dict[str, Path], zoo: Path) -> None:
 
 def relative(path) -> str:
     """``path`` relative to the repository root, as the manifest records it."""
-    return os.path.relpath(os.path.abspath(path), cli.repo_root())
+    return os.path.relpath(os.path.abspath(path), repository.root())
 
 
 def repo_relative(record):
     """A manifest record with absolute paths under the repository root (as in recorded commands) made relative."""
-    root = str(cli.repo_root()) + os.sep
+    root = str(repository.root()) + os.sep
     if isinstance(record, dict):
         return {k: repo_relative(v) for k, v in record.items()}
     return record.replace(root, "") if isinstance(record, str) else record

@@ -7,9 +7,7 @@ docstring as it is laid out, every option's default in ``--help``, the runtime o
 the argparse types (:func:`positive_int`, :func:`int_in`, :func:`existing_file`, :func:`comma_list` of any of
 them, ...) and :func:`check_positions` refuse an argument out of its range as the arguments are parsed, before
 any work; :func:`parsing_only` makes a script's ``main`` parse its arguments and stop there (documented commands
-are checked so); :func:`repo_path` resolves the repository's own files (``zoo/``, ``results/``, the shared data
-at ``../shared/data``) against the repository root, so a default path works from any working directory;
-:class:`Progress` reports a loop someone waits on.
+are checked so). Default paths come from ``ready_jax.repository``, progress lines from ``ready_jax.progress``.
 """
 
 from __future__ import annotations
@@ -21,15 +19,12 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from pallas_kernels import backend
 
 from . import files, runtime
-
-_ROOT = Path(__file__).resolve().parent.parent
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -309,96 +304,3 @@ def _number(text: str, kind: type):
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-
-
-def repo_root() -> Path:
-    """The repository's root directory: the one holding ``ready_jax/``, ``zoo/`` and ``results/``."""
-    return _ROOT
-
-
-def repo_path(*parts: str) -> Path:
-    """``parts`` joined to :func:`repo_root` and normalised: ``repo_path("zoo", "target")``,
-    ``repo_path("..", "shared", "data")``."""
-    return _ROOT.joinpath(*parts).resolve()
-
-
-class Progress:
-    """Progress of a loop someone waits on, as whole lines on stderr: ``label: done/total unit, elapsed, eta``.
-
-    :meth:`update` advances the count and prints a line once ``every_s`` seconds have passed since the
-    last line (or since the start); :meth:`note` prints a line about a stage at once; :meth:`close` (or
-    leaving a ``with`` block) prints the final line, unless the last update printed the same. Whole lines,
-    never rewritten in place, so the output reads the same in a terminal, a log file or a pipe, and mixes
-    with other output.
-
-    Where the first items also compile (``compiles``: how many of the items compile a program, each passing
-    its ``compile_seconds`` to :meth:`update`), the time left counts compiling apart: the mean time per item
-    without its compile for every item left, plus the mean compile for every compile left. Otherwise the
-    first items' compiles would stand for every later item, which reuses their programs. Items of known unequal
-    cost give their relative ``weights``, one per item in order; the time left is then per unit of weight.
-    """
-
-    def __init__(self, label: str, total: int | None = None, unit: str = "", *, every_s: float = 5.0,
-                 compiles: int = 0, weights: tuple[float, ...] | None = None):
-        if weights is not None and len(weights) != total:
-            raise ValueError(f"{len(weights)} weights for {total} items")
-        self.label, self.total, self.unit, self.every_s, self.compiles = label, total, unit, every_s, compiles
-        self.weights = weights
-        self.done = self.compiled = 0
-        self.compile_seconds = 0.0
-        self.start = self._last = time.perf_counter()
-        self._printed = ""
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def update(self, n: int = 1, detail: str = "", compile_seconds: float = 0.0) -> None:
-        """Count ``n`` more done, ``compile_seconds`` of whose time was a compile (0: none); print the line if
-        it is due (``detail`` is appended to it)."""
-        self.done += n
-        if compile_seconds > 0:
-            self.compiled += 1
-            self.compile_seconds += compile_seconds
-        if time.perf_counter() - self._last >= self.every_s:
-            self._print(self.line(detail))
-            self._printed = self.line()
-
-    def note(self, text: str) -> None:
-        """Print ``label: text, elapsed`` now (a stage that has no count of its own)."""
-        self._print(f"{self.label}: {text}, {_duration(time.perf_counter() - self.start)} elapsed")
-
-    def close(self) -> None:
-        """Print the final line (unless the last update printed the same, but for its detail)."""
-        if self.line() != self._printed:
-            self._print(self.line())
-
-    def line(self, detail: str = "") -> str:
-        """The progress line as it stands: counts, elapsed time and, with a total, the estimated time left."""
-        elapsed = time.perf_counter() - self.start
-        count = f"{self.done}/{self.total}" if self.total is not None else str(self.done)
-        text = f"{self.label}: {count}{' ' + self.unit if self.unit else ''}, {_duration(elapsed)} elapsed"
-        if self.total is not None and 0 < self.done < self.total:
-            text += f", about {_duration(self.seconds_left(elapsed))} left"
-        return text + (f" ({detail})" if detail else "")
-
-    def seconds_left(self, elapsed: float) -> float:
-        """The estimated time left: per item (or unit of weight) from those done, compiles counted apart (see the
-        class)."""
-        weights = self.weights or (1.0,) * self.total
-        per_weight = (elapsed - self.compile_seconds) / sum(weights[:self.done])
-        per_compile = self.compile_seconds / self.compiled if self.compiled else 0.0
-        return per_weight * sum(weights[self.done:]) + per_compile * max(self.compiles - self.compiled, 0)
-
-    def _print(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-        self._last = time.perf_counter()
-
-
-def _duration(seconds: float) -> str:
-    """``42 s``, ``3.5 min`` or ``1.2 h``."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"

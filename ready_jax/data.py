@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from . import cli
+from .progress import Progress
 
 EOS_TOKEN, MASK_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|mask|>", "<|pad|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN)
@@ -140,7 +140,7 @@ def check_special_tokens(tokenizer: Tokenizer, what: str) -> None:
 
 
 def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document],
-                     progress: cli.Progress | None = None) -> np.ndarray:
+                     progress: Progress | None = None) -> np.ndarray:
     """One int32 stream: each document's ids followed by EOS, in document order; ``progress`` counts the documents."""
     parts = []
     for start in range(0, len(docs), _ENCODE_CHUNK):
@@ -207,7 +207,7 @@ def prepare_corpus(path: str | os.PathLike, vocab_size: int = 4096, root: str | 
                              "use another corpus directory")
         return Corpus(path, Tokenizer.from_file(str(path / "tokenizer.json")), existing)
     splits = split_documents(_listed(collect_documents(root), like))
-    progress = cli.Progress(f"corpus {path}", sum(map(len, splits.values())), "documents encoded")
+    progress = Progress(f"corpus {path}", sum(map(len, splits.values())), "documents encoded")
     tokenizer = None if tokenizer_file is None else _shipped_tokenizer(tokenizer_file, vocab_size)
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cli import repo_root
+from . import repository
 
 # The CPU's instruction-set extensions that decide which kernels XLA's CPU backend emits (and so, in bf16, which
 # roundings a result has): /proc/cpuinfo flags with these prefixes.
@@ -89,7 +89,7 @@ def _git(*args: str) -> str:
     """``git <args>`` run in the repository (its output without trailing newlines), or "unknown" outside a git
     checkout."""
     try:
-        return subprocess.run(["git", *args], cwd=repo_root(), capture_output=True, text=True,
+        return subprocess.run(["git", *args], cwd=repository.root(), capture_output=True, text=True,
                               check=True).stdout.rstrip("\n")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -23,9 +23,10 @@ from test_training_reliability import _drafter_argv, _stand_ins
 import ready_jax as rj
 from convert import deepspec, hf_target, upgrade
 from experiments import reproduce_table, spec_bench, train_drafter, zoo_runs
-from ready_jax import checkpoint, cli, data
+from ready_jax import checkpoint, data
 from ready_jax.config import NATIVE_CHECKPOINTS
 from ready_jax.hf_format import read_hf_config
+from ready_jax.progress import Progress
 from ready_jax.training import distillation
 
 pytestmark = pytest.mark.slow
@@ -232,14 +233,14 @@ def test_a_corpus_of_another_tokenizer_or_vocabulary_is_refused(saved, small_std
 
 # ---- 4. progress -----------------------------------------------------------------------------------------------
 def test_progress_prints_counts_elapsed_and_time_left_to_stderr(capsys):
-    with cli.Progress("job", 4, "items", every_s=0) as progress:
+    with Progress("job", 4, "items", every_s=0) as progress:
         progress.update(detail="first")
         progress.note("a stage")
         progress.update(3, detail="last")
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("job: 1/4 items, 0 s elapsed, about ") and lines[0].endswith(" left (first)")
     assert lines[1:] == ["job: a stage, 0 s elapsed", "job: 4/4 items, 0 s elapsed (last)"]   # close: no repeat
-    with cli.Progress("quiet", None, every_s=3600) as progress:
+    with Progress("quiet", None, every_s=3600) as progress:
         progress.update(7)
     assert capsys.readouterr().err == "quiet: 7, 0 s elapsed\n"     # not due: the final line only
 
@@ -247,7 +248,7 @@ def test_progress_prints_counts_elapsed_and_time_left_to_stderr(capsys):
 def test_progress_counts_compiles_apart_in_the_time_left():
     """Two of six items compile (10 s each): after the first (12 s, 10 of them compiling) the time left is five
     more 2 s runs and one more compile, not five more 12 s items."""
-    progress = cli.Progress("job", 6, "runs", every_s=3600, compiles=2)
+    progress = Progress("job", 6, "runs", every_s=3600, compiles=2)
     progress.update(compile_seconds=10.0)
     assert progress.seconds_left(elapsed=12.0) == pytest.approx(5 * 2.0 + 10.0)
     progress.update(compile_seconds=10.0)
@@ -257,11 +258,11 @@ def test_progress_counts_compiles_apart_in_the_time_left():
 
 def test_progress_weighs_items_of_unequal_cost():
     """Items weighing 1, 2, 1, 2: after the first (10 s) the time left is 5 more units of 10 s."""
-    progress = cli.Progress("job", 4, "programs", every_s=3600, weights=(1.0, 2.0, 1.0, 2.0))
+    progress = Progress("job", 4, "programs", every_s=3600, weights=(1.0, 2.0, 1.0, 2.0))
     progress.update()
     assert progress.seconds_left(elapsed=10.0) == pytest.approx(50.0)
     with pytest.raises(ValueError, match="3 weights for 4 items"):
-        cli.Progress("job", 4, weights=(1.0, 2.0, 1.0))
+        Progress("job", 4, weights=(1.0, 2.0, 1.0))
 
 
 def test_reproduce_table_loops_report_progress(tmp_path, monkeypatch, capsys):

@@ -13,7 +13,8 @@ PACKAGES = ("ready_jax", "pallas_kernels", "convert", "experiments")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels.*",),
     ("ready_jax.modes", "ready_jax.debug", "ready_jax.data", "ready_jax.cli", "ready_jax.runtime", "ready_jax.files",
-     "ready_jax.compiled_programs", "ready_jax.processes", "ready_jax.provenance", "ready_jax.checks",
+     "ready_jax.compiled_programs", "ready_jax.processes", "ready_jax.progress", "ready_jax.repository",
+     "ready_jax.provenance", "ready_jax.checks",
      "ready_jax.long_range_task", "ready_jax.conversations"),
     ("ready_jax.config", "ready_jax.drafter_config", "ready_jax.hf_format", "ready_jax.numerics"),
     ("ready_jax.cache", "ready_jax.layers", "ready_jax.sharding", "ready_jax.kv_read", "ready_jax.init_programs"),

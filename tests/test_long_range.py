@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from experiments import zoo_runs
 from experiments.long_range import arms, cost, evaluate, main, probes
-from ready_jax import cli, data, files
+from ready_jax import data, files, repository
 from ready_jax import target as target_lib
 from ready_jax.long_range_task import (
     LONG_RANGE_POOL,
@@ -35,7 +35,7 @@ from ready_jax.training import target_init, target_recipe
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer.from_file(str(cli.repo_path("zoo", "target", "tokenizer.json")))
+    return Tokenizer.from_file(str(repository.path("zoo", "target", "tokenizer.json")))
 
 
 def _records(ids, task):
@@ -384,7 +384,7 @@ def test_a_second_ship_into_the_same_zoo_is_refused_and_changes_nothing(tmp_path
 
 
 def test_target_defaults_to_the_shipped_one_which_ship_does_not_copy_onto_itself(tmp_path):
-    assert main.build_parser().parse_args(["train"]).target == cli.repo_path("zoo", "long_range", "target")
+    assert main.build_parser().parse_args(["train"]).target == repository.path("zoo", "long_range", "target")
     named = ["--target", str(tmp_path / "other"), "--zoo", str(SHIPPED)]        # a zoo whose target exists
     steps = {step: main.step_target(main.build_parser().parse_args([step, *named])) for step in ("cost", "evaluate")}
     assert steps == {"cost": tmp_path / "other", "evaluate": SHIPPED / "target"}
@@ -521,7 +521,7 @@ def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(ap
 
 
 # ---- the shipped testbed ---------------------------------------------------------------------------------------
-SHIPPED = cli.repo_path("zoo", "long_range")
+SHIPPED = repository.path("zoo", "long_range")
 
 
 @pytest.mark.skipif(not (SHIPPED / "target").exists(), reason="zoo/long_range is not shipped")

@@ -7,6 +7,7 @@ import pytest
 
 import ready_jax as rj
 from experiments import loop_efficiency as le
+from ready_jax import repository
 
 
 def test_weight_matrices_counts_every_matmul_of_a_step(tiny_target):
@@ -61,11 +62,10 @@ def test_results_name_no_machine_paths(tmp_path):
     import os
 
     from experiments.common import write_json
-    from ready_jax import cli
 
     out = tmp_path / "r.json"
     home = os.path.expanduser("~")
-    write_json(out, {"zoo": cli.repo_path("zoo"), "cache": os.path.join(home, ".cache", "x"), "other": "/elsewhere"})
+    write_json(out, {"zoo": repository.path("zoo"), "cache": os.path.join(home, ".cache", "x"), "other": "/elsewhere"})
     data = json.loads(out.read_text())
     assert data["zoo"] == "zoo" and data["other"] == "/elsewhere"
     assert data["cache"] == ("~/.cache/x" if home not in ("", "/") else os.path.join(home, ".cache", "x"))

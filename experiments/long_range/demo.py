@@ -9,8 +9,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, data
+from ready_jax import data
 from ready_jax.long_range_task import long_range_prompts, long_range_settings
+from ready_jax.progress import Progress
 
 from ..common import portable_paths
 from ..zoo_runs import zoo_label
@@ -47,12 +48,12 @@ def demo(args, target: rj.Target, target_dir: Path) -> None:
     width = max(len(p["ids"]) for batch in prompts.values() for p in batch)   # one program per drafter
     ids = {d: np.asarray([p["ids"] for p in batch], np.int32) for d, batch in prompts.items()}
     new_tokens = {d: len(batch[0]["reference"]) for d, batch in prompts.items()}
-    started = cli.Progress("long_range demo")
+    started = Progress("long_range demo")
     ar = {d: rj.generate(target, ids[d], new_tokens[d], prompt_bucket=width) for d in chosen}
     started.note("autoregressive done")
     # The time left from the drafters alone, compiles counted apart: a drafter's compile is most of its time, longer
     # than AR's, and each drafter compiles once, at the first distance.
-    progress = cli.Progress("long_range demo", len(chosen) * len(drafters), "drafter runs", every_s=0,
+    progress = Progress("long_range demo", len(chosen) * len(drafters), "drafter runs", every_s=0,
                             compiles=len(drafters))
     rows = []
     for distance in chosen:

@@ -11,8 +11,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, data
+from ready_jax import data
 from ready_jax.long_range_task import LongRangeTask, long_range_prompts, long_range_settings
+from ready_jax.progress import Progress
 
 from ..common import pyplot, save_figure, write_json
 from ..zoo_runs import Arm, only_arms, run_name, spread
@@ -32,7 +33,7 @@ def evaluate(args, target: rj.Target, tokenizer: Tokenizer, drafters: dict[str, 
     width = max(len(p["ids"]) for prompts in prompts_by_distance.values() for p in prompts)
     open_id = LongRangeTask.for_tokenizer(tokenizer, **task).open_id
     # The first distance compiles AR's and every drafter's generation program, counted apart.
-    progress = cli.Progress("long_range evaluate", len(prompts_by_distance), "distances", compiles=1 + len(drafters))
+    progress = Progress("long_range evaluate", len(prompts_by_distance), "distances", compiles=1 + len(drafters))
     per_distance = {}
     for distance, prompts in prompts_by_distance.items():
         ids = np.asarray([p["ids"] for p in prompts], np.int32)

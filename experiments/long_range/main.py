@@ -54,7 +54,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 import ready_jax as rj
-from ready_jax import cli
+from ready_jax import cli, repository
 from ready_jax.drafter_config import READER_DESIGNS
 
 from .cost import cost
@@ -68,14 +68,14 @@ STEPS = ("train", "ship", "evaluate", "cost", "demo")
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.long_range", __doc__)
     parser.add_argument("step", choices=STEPS, help="what to do (see above)")
-    parser.add_argument("--target", default=cli.repo_path("zoo", "long_range", "target"),
+    parser.add_argument("--target", default=repository.path("zoo", "long_range", "target"),
                         help="train / ship / cost: the trained long-range target (project format, with tokenizer; "
                         "default: the shipped testbed's, which ship cannot replace by itself)")
-    parser.add_argument("--corpus", default=cli.repo_path("runs", "corpus"), type=cli.directory_path,
+    parser.add_argument("--corpus", default=repository.path("runs", "corpus"), type=cli.directory_path,
                         help="corpus directory of the target")
     parser.add_argument("--runs", default=None, help="the drafters' runs (train, ship; evaluate: every run there "
                         "instead of the zoo's drafters)")
-    parser.add_argument("--zoo", default=cli.repo_path("zoo", "long_range"),
+    parser.add_argument("--zoo", default=repository.path("zoo", "long_range"),
                         help="the shipped testbed (ship writes it; evaluate reads its target, and its drafters "
                         "without --runs)")
     parser.add_argument("--seeds", type=cli.non_negative_int, nargs="+", default=[0, 1, 2],

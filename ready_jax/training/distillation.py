@@ -15,15 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import cli, data, files, processes
+from .. import data, files, processes
 from ..checkpoint import flat_state
 from ..generation import generate
 from ..long_range_task import LONG_RANGE_POOL, LONG_RANGE_VALUE_TOKENS, long_range_mixture
+from ..progress import Progress
 from ..target import Target
 
 
 def distill(target: Target, prompts: np.ndarray, new_tokens: int, *, batch_size: int = 64,
-            temperature: float = 0.0, seed: int = 0, progress: cli.Progress | None = None) -> np.ndarray:
+            temperature: float = 0.0, seed: int = 0, progress: Progress | None = None) -> np.ndarray:
     """Prompts [N, P] continued by the target for ``new_tokens`` (no EOS stop) -> sequences [N, P + new_tokens];
     ``progress`` counts the sequences."""
     out = []
@@ -89,7 +90,7 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
 
         train_prompts, val_prompts = recall_prompts(config.num_sequences, "train"), recall_prompts(
             config.val_sequences, "validation")
-    with cli.Progress("self-distillation", len(train_prompts) + len(val_prompts), "sequences") as progress:
+    with Progress("self-distillation", len(train_prompts) + len(val_prompts), "sequences") as progress:
         train = distill(target, train_prompts, new, temperature=config.temperature, seed=config.seed,
                         progress=progress)
         validation = distill(target, val_prompts, new, temperature=config.temperature, seed=config.seed + 1,

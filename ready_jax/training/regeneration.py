@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import cli, files, processes
+from .. import files, processes
 from ..generation import generate
+from ..progress import Progress
 from ..sharding import Layout
 from ..target import Target, shard_target
 from .distillation import target_sha256
@@ -102,7 +103,7 @@ def regenerate(target: Target, prompts: Sequence[np.ndarray], config: RegenConfi
     processes.check_same(np.asarray([k is not None for k in kept]), f"which shards of {directory} to reuse")
     generator = target if mesh is None else shard_target(target, mesh)
     answers: list[np.ndarray] = []
-    with cli.Progress("regeneration", len(prompts), "conversations") as progress:
+    with Progress("regeneration", len(prompts), "conversations") as progress:
         for shard, (name, chunk, shard_answers) in enumerate(zip(names, chunks, kept, strict=True)):
             if shard_answers is None:
                 shard_answers = _generate_shard(generator, chunk, config, shard)
