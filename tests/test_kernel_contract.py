@@ -27,6 +27,7 @@ from kernel_cases import (
     gdn_inputs,
     interpret,
     kernel_of,
+    matmul_inputs,
     reader_inputs,
     run_checked,
     slow,
@@ -34,9 +35,10 @@ from kernel_cases import (
 )
 
 import pallas_kernels
-from pallas_kernels import backend, gated_delta, state_reader
+from pallas_kernels import backend, gated_delta, row_matmul, state_reader
 from pallas_kernels.gated_delta import reference as gdn_reference
 from pallas_kernels.mosaic_gpu_common import supports_mosaic_gpu_kernels
+from pallas_kernels.row_matmul import reference as row_matmul_reference
 from pallas_kernels.state_reader import reference as reader_reference
 from ready_jax.modes import IMPLS
 
@@ -141,6 +143,12 @@ def _content_bad_calls(raw: bool) -> list[BadCall]:
             BadCall((h, q, values, w_o[:8], w), dict(eps=EPS), "content_reader: w_o .* must be")]
 
 
+def _row_matmul_bad_calls() -> list[BadCall]:
+    x, w = matmul_inputs(3, 200, 300, F32)
+    return [BadCall((x, w[:-1]), {}, r"row_matmul: x \(3, 200\) and w \(199, 300\) must be \[M, K\] and \[K, N\]"),
+            BadCall((x[0], w), {}, r"row_matmul: x \(200,\) and w \(200, 300\) must be")]
+
+
 def _gather_calls() -> list[Call]:
     states, n, u, v = gather_inputs(4, 2, 3, 5, 64, 8, F32, sources=2, seed=4)  # d_k = 64: a Mosaic GPU tile
     layers = ((0, 1), (0, 3))
@@ -188,6 +196,10 @@ CASES = {
         state_reader.content_read, reader_reference.content_read,
         functools.partial(_content_calls, raw=True), _compare_values,
         functools.partial(_content_bad_calls, raw=True), CONTENT_FIELDS),
+    "row_matmul": Case(
+        row_matmul.row_matmul, row_matmul_reference.row_matmul,
+        lambda: [Call(matmul_inputs(3, 200, 300, F32), exact=True)], _compare_values, _row_matmul_bad_calls,
+        {"triton": [dict(block_n=24), dict(num_warps=3)], "tpu": [dict(block_n=100), dict(generation="v3")]}),
 }
 OPS = {op.name: op for op in REGISTERED}
 
