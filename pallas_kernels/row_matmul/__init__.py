@@ -23,8 +23,10 @@ __all__ = ["RowTiles", "row_matmul"]
 
 
 def _axes(x: jax.Array, w: jax.Array, *, tiles: RowTiles) -> tuple[list, mesh.Axes]:
-    """Rows are independent: x's rows split with the batch, the weight whole. -> ``[M, N]``."""
-    return [(mesh.BATCH, None), mesh.whole(w)], (mesh.BATCH, None)
+    """Rows and output columns are independent: x's rows split with the batch, the weight's columns with the heads
+    (a column-parallel layout keeps them there), the contraction never (a split would change the sum). -> ``[M, N]``.
+    """
+    return [(mesh.BATCH, None), (None, mesh.HEADS)], (mesh.BATCH, mesh.HEADS)
 
 
 ROW_MATMUL = backend.KernelOp("row_matmul", __name__, kernel="row_matmul", config="RowMatmulConfig", axes=_axes)
