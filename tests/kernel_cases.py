@@ -195,8 +195,9 @@ TPU_INTERPRET = backend.tpu_interpret_params()  # race detection on two simulate
 
 
 def interpret_mode(family: str):
-    """How ``family``'s kernels are interpreted here: Pallas' generic interpreter, or the TPU one."""
-    return True if family == "triton" else TPU_INTERPRET
+    """How ``family``'s kernels are interpreted here: the TPU interpreter for the TPU kernels; True for the others
+    (Triton's: Pallas' generic interpreter; Mosaic GPU's: the GPU interpreter with its checks on)."""
+    return TPU_INTERPRET if family == "tpu" else True
 
 
 def kernel_of(op: backend.KernelOp, family: str):

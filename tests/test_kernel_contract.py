@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from kernel_cases import (
+    BF16,
     EPS,
     F32,
     assert_close,
@@ -102,6 +103,13 @@ def _compare_values(actual, expected, call):
         np.testing.assert_array_equal(actual, expected)
     else:
         assert_close("values", actual, expected, F32, "reader")
+
+
+def _compare_matmul(actual, expected, call):
+    """Close, not equal: the Mosaic GPU kernel's block products are its interpreter's, not XLA's (the TPU and Triton
+    kernels' bits are checked in tests/test_row_matmul.py)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert_close("row_matmul", actual, expected, actual.dtype, "matmul")
 
 
 def _gdn_bad_calls(chunked: bool) -> list[BadCall]:
@@ -198,8 +206,9 @@ CASES = {
         functools.partial(_content_bad_calls, raw=True), CONTENT_FIELDS),
     "row_matmul": Case(
         row_matmul.row_matmul, row_matmul_reference.row_matmul,
-        lambda: [Call(matmul_inputs(3, 200, 300, F32), exact=True)], _compare_values, _row_matmul_bad_calls,
-        {"triton": [dict(block_n=24), dict(num_warps=3)], "tpu": [dict(block_n=100), dict(generation="v3")]}),
+        lambda: [Call(matmul_inputs(3, 200, 300, BF16))], _compare_matmul, _row_matmul_bad_calls,
+        {"triton": [dict(block_n=24), dict(num_warps=3)], "tpu": [dict(block_n=100), dict(generation="v3")],
+         "mosaic_gpu": [dict(block_n=96), dict(max_concurrent_steps=0)]}),
 }
 OPS = {op.name: op for op in REGISTERED}
 

@@ -1,9 +1,9 @@
 """``row_matmul``: a row's result is the same bits whatever the number of rows in the call, for the reference under
 XLA and for each family's kernel in this CPU's interpreter (the TPU one with race detection and NaN for memory never
-written, Triton's generic one); the kernels equal the reference bit for bit there; every implementation agrees with
-the plain product; the kernels' configs change no bit; what each family refuses; the GPU lowering (Triton IR read
-back) and the deviceless TPU compile, tiny and at Qwen3.5-27B's decode shapes. The impl switch and the errors every
-op shares: tests/test_kernel_contract.py.
+written, Triton's generic one, Mosaic GPU's with race detection, jax >= 0.12 only); the TPU and Triton kernels equal
+the reference bit for bit there; every implementation agrees with the plain product; the kernels' configs change no
+bit; what each family refuses; the GPU lowering (Triton IR read back) and the deviceless TPU compile, tiny and at
+Qwen3.5-27B's decode shapes. The impl switch and the errors every op shares: tests/test_kernel_contract.py.
 
 Shapes are off every block grid (K and N multiples of neither 128 nor the kernels' blocks) and row counts cross the
 16-row tile; the sweep over 1-64 rows is ``slow`` (an interpreter compiles a program per row count).
@@ -30,7 +30,8 @@ from kernel_cases import (
 )
 
 from experiments import deviceless
-from pallas_kernels.row_matmul import ROW_MATMUL, RowTiles, reference, tpu, triton
+from pallas_kernels.mosaic_gpu_common import supports_mosaic_gpu_kernels
+from pallas_kernels.row_matmul import ROW_MATMUL, RowTiles, mosaic_gpu, reference, tpu, triton
 
 QWEN35_27B_DECODE = [(5120, 17408), (5120, 12288)]  # (K, N): Qwen3.5-27B's MLP up projection and attention q_proj
 DECODE_ROWS = 8
@@ -55,7 +56,10 @@ IMPLEMENTATIONS = {
     "xla": lambda: _reference,
     "tpu": lambda: _kernel("tpu", TPU_BLOCKS),
     "triton": lambda: _kernel("triton"),
+    "mosaic_gpu": lambda: _kernel("mosaic_gpu"),
 }
+needs_mosaic_gpu = pytest.mark.skipif(not supports_mosaic_gpu_kernels(),
+                                      reason=f"jax {jax.__version__} cannot run the Mosaic GPU kernels (jax >= 0.12)")
 
 
 def _bits(y) -> np.ndarray:
@@ -74,9 +78,11 @@ def _assert_rows_alone_equal_rows_together(fn, x, row_counts, alone_rows):
 
 
 def _case_params(rows, marks=()):
+    """Every implementation at every shape; the Mosaic GPU kernel at the 16-bit ones (it refuses fp32)."""
     return [pytest.param(impl, k, n, dtype, rows, id=f"{impl}-K{k}-N{n}-{jnp.dtype(dtype).name}",
-                         marks=[*marks, *([interpret] if impl != "xla" else [])])
-            for impl in IMPLEMENTATIONS for k, n, dtype in SHAPES]
+                         marks=[*marks, *([interpret] if impl != "xla" else []),
+                                *([needs_mosaic_gpu] if impl == "mosaic_gpu" else [])])
+            for impl in IMPLEMENTATIONS for k, n, dtype in SHAPES if impl != "mosaic_gpu" or dtype != F32]
 
 
 @pytest.mark.parametrize("impl,k,n,dtype,rows", _case_params(FEW_ROWS) + [
@@ -101,6 +107,25 @@ def test_kernels_equal_the_reference_bit_for_bit_and_the_product_closely(family,
     assert actual.shape == expected.shape == (21, n) and actual.dtype == expected.dtype == dtype
     np.testing.assert_array_equal(_bits(actual), _bits(expected))
     assert_close("row_matmul", actual, reference.matmul(x, w), dtype, "matmul")
+
+
+@interpret
+@needs_mosaic_gpu
+@pytest.mark.parametrize("k,n", [(600, 300), (200, 40)])
+def test_the_mosaic_gpu_kernel_agrees_with_the_product(k, n):
+    """Its block products are WGMMAs (in the interpreter, numpy's), not XLA's dots: close to the plain product,
+    equal to the reference only where the products happen to round alike."""
+    x, w = matmul_inputs(70, k, n, BF16)
+    actual = IMPLEMENTATIONS["mosaic_gpu"]()(x, w=w)
+    assert actual.shape == (70, n) and actual.dtype == BF16
+    assert_close("row_matmul", actual, reference.matmul(x, w), BF16, "matmul")
+
+
+def test_the_mosaic_gpu_kernel_refuses_fp32_operands():
+    """A WGMMA would multiply them as TF32."""
+    x, w = matmul_inputs(3, 200, 40, F32)
+    with pytest.raises(ValueError, match="bf16 or fp16 operands .* float32, which the Triton kernels take"):
+        traced(mosaic_gpu.row_matmul, x, w)
 
 
 @pytest.mark.parametrize("k,n,dtype", [(5120, 1024, BF16), (200, 40, F32), (1, 1, F32), (129, 257, BF16)])
@@ -135,10 +160,11 @@ def test_other_tiles_are_another_rounding_and_still_invariant():
 @pytest.mark.parametrize("family,tiles,message", [
     ("tpu", RowTiles(rows=12), "multiple of 8"), ("tpu", RowTiles(depth=64), "multiple of 128"),
     ("triton", RowTiles(rows=8), "powers of 2 >= 16"), ("triton", RowTiles(depth=96), "powers of 2 >= 16"),
+    ("mosaic_gpu", RowTiles(rows=48), "rows dividing 64"), ("mosaic_gpu", RowTiles(depth=96), "a multiple of 64"),
 ])
 def test_each_family_refuses_tiles_it_cannot_run(family, tiles, message):
-    x, w = matmul_inputs(3, 200, 40, F32)
-    kernel = (tpu if family == "tpu" else triton).row_matmul
+    x, w = matmul_inputs(3, 200, 40, BF16)
+    kernel = {"tpu": tpu, "triton": triton, "mosaic_gpu": mosaic_gpu}[family].row_matmul
     with pytest.raises(ValueError, match=f"row_matmul: the .* kernel needs .*{message}"):
         traced(kernel, x, w, tiles=tiles)
 
