@@ -32,6 +32,7 @@ from kernel_cases import (
 from experiments import deviceless
 from pallas_kernels.mosaic_gpu_common import supports_mosaic_gpu_kernels
 from pallas_kernels.row_matmul import ROW_MATMUL, RowTiles, mosaic_gpu, reference, tpu, triton
+from pallas_kernels.triton_common import lower_for_gpu
 
 QWEN35_27B_DECODE = [(5120, 17408), (5120, 12288)]  # (K, N): Qwen3.5-27B's MLP up projection and attention q_proj
 DECODE_ROWS = 8
@@ -186,6 +187,14 @@ def test_lowers_for_h200(rows, k, n, dtype):
     """One Triton launch; every dot in its IR is one Triton takes, fp32 ones at IEEE precision."""
     dots = lowers_for_h200(triton.row_matmul, [S((rows, k), dtype), S((k, n), dtype)], ["row_matmul"])
     assert {(dot.lhs, dot.rhs) for dot in dots} == {((16, 128), (128, 64))}
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("rows,k,n", [(3, 600, 300), (DECODE_ROWS, 5120, 17408)])
+def test_the_mosaic_gpu_kernel_lowers_for_h200(rows, k, n):
+    """Mosaic GPU's own lowering (WGMMA, TMA, the pipeline) for an abstract H200: one kernel call."""
+    text = lower_for_gpu(mosaic_gpu.row_matmul, S((rows, k), BF16), S((k, n), BF16), interpret=False)
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 needs_libtpu = pytest.mark.skipif(not deviceless.has_libtpu(), reason="needs libtpu (the tpu extra)")

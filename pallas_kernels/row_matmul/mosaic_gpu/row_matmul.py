@@ -9,8 +9,9 @@ arithmetic is the same at any M: the MMA computes its rows independently and eve
 
 bf16 and fp16 operands only: a WGMMA multiplies fp32 operands as TF32, which would not be the reference's fp32
 products (other dtypes raise ValueError naming the Triton kernels). x is padded with zero rows and columns to whole
-blocks (it is small); the weight is never copied: its TMA loads fill what lies past K or N with zeros, and the
-output's TMA store drops columns past N.
+blocks (it is small). The weight's TMA loads fill what lies past K or N with zeros and the output's TMA store drops
+columns past N, so the weight is copied only where TMA's tiles cannot describe it: K not a multiple of 8 or N above
+64 and not a multiple of 64 (zero-padded there; real geometries are on that grid).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..reference import DEFAULT_TILES, RowTiles, check_shapes, operand_dtype
 
 WARPGROUP_ROWS = 64  # rows of one WGMMA: a block holds this many
 SWIZZLE_COLUMNS = 64  # 128-byte swizzle of 16-bit elements: a shared-memory tile's columns
+TMA_ROWS = 8  # rows of a TMA tile: the weight's K must be a multiple of it
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -70,8 +72,8 @@ def _swizzled(columns: int, dtype):
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, depth: int, block_n: int, steps: int, in_flight: int):
-    """Block (row block, column block). GMEM: x_gmem [M_p, K_p]; w_gmem [K, N]; o_gmem [M_p, N]. o_smem
-    [64, block_n] in x's dtype, the rounded result on its way out."""
+    """Block (row block, column block). GMEM: x_gmem [M_p, K_p]; w_gmem [K, N] on TMA's tile grid; o_gmem
+    [M_p, N]. o_smem [64, block_n] in x's dtype, the rounded result on its way out."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     i, j = lax.axis_index("rows"), lax.axis_index("columns")
@@ -112,12 +114,16 @@ def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES, i
     config = RowMatmulConfig() if config is None else config
     padded_rows, padded_depth = round_up(m, WARPGROUP_ROWS), round_up(k, tiles.depth)
     x_padded = jnp.pad(x.astype(dtype), ((0, padded_rows - m), (0, padded_depth - k)))
+    w_depth = round_up(k, TMA_ROWS)
+    w_columns = n if n <= SWIZZLE_COLUMNS else round_up(n, SWIZZLE_COLUMNS)
+    w = jnp.pad(w.astype(dtype), ((0, w_depth - k), (0, w_columns - n)))  # a no-op on the tile grid
     block_n = config.block_n
     body = functools.partial(_kernel, depth=tiles.depth, block_n=block_n, steps=padded_depth // tiles.depth,
                              in_flight=config.max_concurrent_steps)
-    launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((padded_rows, n), dtype),
-                          grid=(padded_rows // WARPGROUP_ROWS, pl.cdiv(n, block_n)), grid_names=("rows", "columns"),
+    launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((padded_rows, w_columns), dtype),
+                          grid=(padded_rows // WARPGROUP_ROWS, pl.cdiv(w_columns, block_n)),
+                          grid_names=("rows", "columns"),
                           scratch_types=[plgpu.SMEM((WARPGROUP_ROWS, block_n), dtype,
                                                     transforms=_swizzled(block_n, dtype))],
                           compiler_params=plgpu.CompilerParams(), kernel_name="row_matmul", interpret=mode)
-    return launch(x_padded, w.astype(dtype))[:m].astype(x.dtype)
+    return launch(x_padded, w)[:m, :n].astype(x.dtype)
