@@ -28,7 +28,7 @@ Adding a kernel: write a factory ``(args, on_accelerator) -> list[Case]`` and de
 with ``@register("name")``; a :class:`Case` builds its inputs, runs ``impl`` ("xla" / "pallas") with an
 optional kernel config, and states its ``bytes_min``. Nothing else changes.
 
-    python -m experiments.bench_kernels [--kernels state_gather,state_reader,gdn_recurrent,gdn_chunked]
+    python -m experiments.bench_kernels [--kernels state_gather,state_reader,gdn_recurrent,gdn_chunked,row_matmul]
         [--batches 1,4] [--ranks 8,128] [--prefill-lengths 1024,4096] [--iterations 200] [--sweep]
         [--hbm-peak-gbps 4800] [--out results/bench_kernels.json]
 """
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend, gated_delta, state_reader
+from pallas_kernels import backend, gated_delta, row_matmul, state_reader
 from ready_jax import cli
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import IMPLS
@@ -321,6 +321,48 @@ def _chunked_configs() -> tuple:
     return (GDNChunkedConfig(), GDNChunkedConfig(block_v=16), GDNChunkedConfig(block_v=64),
             GDNChunkedConfig(scan_warps=8), GDNChunkedConfig(block_v=64, scan_warps=8),
             GDNChunkedConfig(prepare_warps=4), GDNChunkedConfig(num_stages=2))
+
+
+# ---- the row-invariant matmul ------------------------------------------------------------------------------------
+# Qwen3.5-27B's MLP up and down projections and attention q_proj, (K, N); the tiny ones off every block grid.
+QWEN35_27B_MATMULS = ((5120, 17408), (17408, 5120), (5120, 12288))
+TINY_MATMULS = ((600, 300),)
+
+
+@register("row_matmul")
+def row_matmul_cases(args: argparse.Namespace, on_accelerator: bool) -> list[Case]:
+    """A decode step's rows (the batch) and a verify block's (batch x (gamma + 1)). The "xla" side is the plain
+    product, what the models run without the exact mode: the speed the row-invariant kernel has to match."""
+    dtype = jnp.dtype(args.param_dtype)
+    cases = []
+    for batch in args.batches:
+        for step, rows in (("decode", batch), ("verify", batch * (args.block_size + 1))):
+            for k, n in QWEN35_27B_MATMULS if on_accelerator else TINY_MATMULS:
+
+                def make(rows=rows, k=k, n=n):
+                    key_x, key_w = jax.random.split(jax.random.key(2))
+                    x = jax.random.normal(key_x, (rows, k), jnp.float32).astype(dtype)
+                    w = (jax.random.normal(key_w, (k, n), jnp.float32) / k**0.5).astype(dtype)
+                    return x, w
+
+                def run(impl, config, x, w):
+                    if impl == "xla":
+                        return row_matmul.reference.matmul(x, w)
+                    return row_matmul.row_matmul(x, w, impl=impl, config=config)
+
+                cases.append(Case(
+                    kernel="row_matmul", label=f"{step}-B{batch}-K{k}-N{n}",
+                    shapes=dict(x=(rows, k), w=(k, n), dtype=dtype.name), make_inputs=make, run=run,
+                    configs=_triton_configs(_row_matmul_configs), tolerance=3e-2 if dtype == jnp.bfloat16 else 1e-5,
+                    bytes_min=_nbytes(((rows, k), dtype), ((k, n), dtype), ((rows, n), dtype))))
+    return cases
+
+
+def _row_matmul_configs() -> tuple:
+    from pallas_kernels.row_matmul.triton import RowMatmulConfig
+
+    return (RowMatmulConfig(), RowMatmulConfig(block_n=32), RowMatmulConfig(block_n=128),
+            RowMatmulConfig(num_warps=8), RowMatmulConfig(num_stages=3))
 
 
 # ---- timers ------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 ``impl="pallas"`` runs each op's kernel for the accelerator jax runs on: the Mosaic TPU kernels (``tpu.py`` in
 each op folder) on a TPU; on a GPU the Triton kernels (``triton.py``), or with ``$READY_JAX_GPU_KERNELS=mosaic_gpu``
 (:func:`set_gpu_kernels`) the Mosaic GPU kernels (``mosaic_gpu.py``, jax >= 0.12) of the ops that have one (the
-decode-critical ``gated_delta_recurrent`` and ``state_gather``) and Triton's for the rest. A CPU has neither, so
-there the kernels run in an interpreter, and the family is a choice:
+decode-critical ``gated_delta_recurrent``, ``state_gather`` and ``row_matmul``) and Triton's for the rest. A CPU
+has neither, so there the kernels run in an interpreter, and the family is a choice:
 
 * ``gpu`` (the default): the Triton kernels in Pallas' generic interpret mode (the kernel body evaluated as
   ordinary jax ops, one grid point after another);

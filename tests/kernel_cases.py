@@ -1,6 +1,7 @@
 """What the kernel tests share: their inputs (Gated DeltaNet's q, k, v, g, beta and state; the reader's states,
-bases, hidden states, weights and queries), the tolerances each check holds per dtype, one comparison that names the
-tensor it compares, the TPU interpreter with every check on, and each family's kernels as this CPU interprets them.
+bases, hidden states, weights and queries; the matmul's x and w), the tolerances each check holds per dtype, one
+comparison that names the tensor it compares, the TPU interpreter with every check on, and each family's kernels as
+this CPU interprets them.
 
 Inputs come from numpy (eager jax.random would compile a program per shape: seconds per test here).
 """
@@ -38,11 +39,14 @@ slow = pytest.mark.slow
 #   its rounding.
 # "reader": the reader's kernels, fp32 accumulation either way; bf16 rounds where the reference rounds, one bf16
 #   ulp of h.
+# "matmul": the row-invariant matmul against the plain product: fp32 sums in another order, and a bf16 result rounded
+#   from sums that differ in their last fp32 bits, one bf16 ulp of the largest value at most.
 TOLERANCES = {
     "xla": {"float32": 2e-6, "bfloat16": 1e-2},
     "recurrent": {"float32": 2e-6, "bfloat16": 2.0**-8},
     "chunked": {"float32": 5e-6, "bfloat16": 2.0**-8},
     "reader": {"float32": 1e-5, "bfloat16": 2.0**-7},
+    "matmul": {"float32": 1e-5, "bfloat16": 2.0**-7},
 }
 
 
@@ -176,14 +180,24 @@ def assert_update_close(name, actual, expected, h, dtype):
     assert_close(name, update, expected_update, dtype, "reader")
 
 
+# ---- the row-invariant matmul -----------------------------------------------------------------------------
+def matmul_inputs(rows, depth, columns, dtype, seed=0):
+    """x ``[M, K]`` and w ``[K, N]`` in ``dtype``, w scaled so that a row of y is of order 1."""
+    rng = np.random.default_rng(seed)
+    x = np.asarray(rng.standard_normal((rows, depth)), dtype)
+    w = np.asarray(rng.standard_normal((depth, columns)) / depth**0.5, dtype)
+    return x, w
+
+
 # ---- kernel families on this CPU ---------------------------------------------------------------------------
 FAMILIES = ("triton", "tpu")
 TPU_INTERPRET = backend.tpu_interpret_params()  # race detection on two simulated cores, NaN, raising reads
 
 
 def interpret_mode(family: str):
-    """How ``family``'s kernels are interpreted here: Pallas' generic interpreter, or the TPU one."""
-    return True if family == "triton" else TPU_INTERPRET
+    """How ``family``'s kernels are interpreted here: the TPU interpreter for the TPU kernels; True for the others
+    (Triton's: Pallas' generic interpreter; Mosaic GPU's: the GPU interpreter with its checks on)."""
+    return TPU_INTERPRET if family == "tpu" else True
 
 
 def kernel_of(op: backend.KernelOp, family: str):

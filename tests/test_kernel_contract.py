@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from kernel_cases import (
+    BF16,
     EPS,
     F32,
     assert_close,
@@ -27,6 +28,7 @@ from kernel_cases import (
     gdn_inputs,
     interpret,
     kernel_of,
+    matmul_inputs,
     reader_inputs,
     run_checked,
     slow,
@@ -34,9 +36,10 @@ from kernel_cases import (
 )
 
 import pallas_kernels
-from pallas_kernels import backend, gated_delta, state_reader
+from pallas_kernels import backend, gated_delta, row_matmul, state_reader
 from pallas_kernels.gated_delta import reference as gdn_reference
 from pallas_kernels.mosaic_gpu_common import supports_mosaic_gpu_kernels
+from pallas_kernels.row_matmul import reference as row_matmul_reference
 from pallas_kernels.state_reader import reference as reader_reference
 from ready_jax.modes import IMPLS
 
@@ -102,6 +105,13 @@ def _compare_values(actual, expected, call):
         assert_close("values", actual, expected, F32, "reader")
 
 
+def _compare_matmul(actual, expected, call):
+    """Close, not equal: the Mosaic GPU kernel's block products are its interpreter's, not XLA's (the TPU and Triton
+    kernels' bits are checked in tests/test_row_matmul.py)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert_close("row_matmul", actual, expected, actual.dtype, "matmul")
+
+
 def _gdn_bad_calls(chunked: bool) -> list[BadCall]:
     q, k, v, g, beta, state = gdn_inputs(1, 2, 2, 4, 8, 8)
     options = (BadCall((q, k, v, g, beta, state), dict(output_all_states=True), "only the final state") if chunked
@@ -139,6 +149,12 @@ def _content_bad_calls(raw: bool) -> list[BadCall]:
                         r"content_read: values \(1, 6, 16, 8\) must be \[B, M, d_k, r\] with B = 2")]
     return [BadCall((h, shared, values, w_o, w), dict(eps=EPS), "content_reader: .*Q dividing"),
             BadCall((h, q, values, w_o[:8], w), dict(eps=EPS), "content_reader: w_o .* must be")]
+
+
+def _row_matmul_bad_calls() -> list[BadCall]:
+    x, w = matmul_inputs(3, 200, 300, F32)
+    return [BadCall((x, w[:-1]), {}, r"row_matmul: x \(3, 200\) and w \(199, 300\) must be \[M, K\] and \[K, N\]"),
+            BadCall((x[0], w), {}, r"row_matmul: x \(200,\) and w \(200, 300\) must be")]
 
 
 def _gather_calls() -> list[Call]:
@@ -188,6 +204,11 @@ CASES = {
         state_reader.content_read, reader_reference.content_read,
         functools.partial(_content_calls, raw=True), _compare_values,
         functools.partial(_content_bad_calls, raw=True), CONTENT_FIELDS),
+    "row_matmul": Case(
+        row_matmul.row_matmul, row_matmul_reference.row_matmul,
+        lambda: [Call(matmul_inputs(3, 200, 300, BF16))], _compare_matmul, _row_matmul_bad_calls,
+        {"triton": [dict(block_n=24), dict(num_warps=3)], "tpu": [dict(block_n=100), dict(generation="v3")],
+         "mosaic_gpu": [dict(block_n=96), dict(max_concurrent_steps=0)]}),
 }
 OPS = {op.name: op for op in REGISTERED}
 

@@ -1,6 +1,7 @@
 """Pallas kernels on a mesh (``pallas_kernels.mesh``): each kernel runs per device on its shard and gives the
 unsharded result, on 8 simulated CPU devices in a subprocess (the device count is fixed when jax starts)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -22,16 +23,20 @@ def _on_eight_devices(check: str) -> dict:
     return json.loads(lines[-1][len("REPORT "):])
 
 
-def test_gated_delta_kernels_split_heads_and_batch_and_replicate_what_does_not_divide():
-    """gated_delta_recurrent (all states, with an initial state) and gated_delta_chunked with impl="pallas" on a
-    2 x 4 mesh equal the unsharded kernel exactly; the state comes back split over batch and heads when 8 value
-    heads divide the model axis, and whole on every device when 6 do not."""
+def test_kernels_split_heads_and_batch_and_replicate_what_does_not_divide():
+    """gated_delta_recurrent (all states, with an initial state), gated_delta_chunked and row_matmul with
+    impl="pallas" on a 2 x 4 mesh equal the unsharded kernel exactly; the state comes back split over batch and heads
+    when 8 value heads divide the model axis, and whole on every device when 6 do not; row_matmul's output split over
+    rows and, when 256 columns divide the model axis, columns, and whole in columns when 258 do not."""
     report = _on_eight_devices("ops")
     for name, row in report.items():
         assert row["max_diff"] == 0.0 and row["per_device"], (name, row)
     assert report["recurrent_h8"]["state_spec"] == ["data", None, "model", None, None]
     assert report["recurrent_h6"]["state_spec"] == ["data", None, None, None, None]
     assert report["chunked_h8"]["state_spec"] == ["data", "model", None, None]
+    assert report["row_matmul_n256"]["out_spec"] == ["data", "model"]  # columns split, rows with the batch
+    assert report["row_matmul_n258"]["out_spec"] == ["data", None]  # 258 columns do not divide 4 devices
+    assert report["row_matmul_n256"]["bits_equal"] and report["row_matmul_n258"]["bits_equal"]
 
 
 @pytest.mark.slow
@@ -53,7 +58,7 @@ def _op_checks() -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from pallas_kernels import gated_delta
+    from pallas_kernels import gated_delta, row_matmul
     from pallas_kernels import mesh as kernel_mesh
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
@@ -83,6 +88,22 @@ def _op_checks() -> dict:
             diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                        for a, b in zip(split, whole, strict=True))
             out[f"{name}_h{heads}"] = {"max_diff": diff, "state_spec": _spec(split[1]), "per_device": per_device}
+    for columns in (256, 258):
+        x = jnp.asarray(rng.normal(size=(20, 200)), jnp.bfloat16)
+        w = jnp.asarray(rng.normal(size=(200, columns)), jnp.bfloat16)
+        whole = jax.jit(functools.partial(row_matmul.row_matmul, impl="pallas"))(x, w)
+
+        def sharded(x, w):
+            with kernel_mesh.kernels_on(mesh, batch_axis="data", head_axis="model"):
+                return row_matmul.row_matmul(x, w, impl="pallas")
+
+        placed = (jax.device_put(x, NamedSharding(mesh, PartitionSpec("data"))),
+                  jax.device_put(w, NamedSharding(mesh, PartitionSpec(None, "model" if columns % 4 == 0 else None))))
+        split = jax.jit(sharded)(*placed)
+        out[f"row_matmul_n{columns}"] = {
+            "max_diff": float(np.max(np.abs(np.asarray(split, np.float32) - np.asarray(whole, np.float32)))),
+            "bits_equal": bool(np.array_equal(np.asarray(split, np.float32), np.asarray(whole, np.float32))),
+            "out_spec": _spec(split), "per_device": "manual" in jax.jit(sharded).lower(*placed).as_text()}
     return out
 
 
