@@ -1,4 +1,4 @@
-"""Helpers shared by the Triton kernels: interpret-mode choice, compiler params, GPU lowering checks.
+"""Helpers shared by the Triton kernels: compiler params, GPU lowering checks.
 
 The kernels target Pallas' Triton lowering (small latency-bound kernels; it also runs unchanged in CPU
 interpret mode). The pieces here paper over API differences between the supported jax versions (0.10.2 on
@@ -16,20 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-# --------------------------------------------------------------------------------------------------------------
-# Interpret mode
-# --------------------------------------------------------------------------------------------------------------
-
-
-def resolve_interpret(interpret: bool | None) -> bool:
-    """``interpret`` as given, or, when None, True exactly when jax's default backend is the CPU.
-
-    Pallas' Triton kernels only compile for GPUs; on a CPU-only machine they run in interpret mode (the kernel
-    body evaluated as ordinary jax ops, one grid point after another), which is slow but exact.
-    """
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton compiler params
