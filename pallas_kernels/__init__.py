@@ -7,6 +7,6 @@
 
 Each folder holds ``reference.py`` (pure jnp, the oracle and the XLA path), one module per kernel family
 (``triton.py`` for GPUs, ``tpu.py`` or a ``tpu/`` package for TPUs) and an ``__init__`` whose functions take the
-reference's arguments plus ``impl`` ("xla" | "pallas") and run one of them. ``backend`` picks the family for the
-machine.
+reference's arguments plus ``impl`` ("xla" | "pallas", or the ``backend.KernelChoice`` a step resolved once) and
+run one of them. ``backend`` picks the family for the machine.
 """
