@@ -300,6 +300,8 @@ def cache_shardings(cache, layout: Layout | Mesh):
             raise TypeError(f"no sharding rule for cache entries of type {type(node).__name__}")
         fields = {}
         for f in dataclasses.fields(node):
+            if f.metadata.get("static"):  # not a leaf (a candidate's options): kept as it is
+                continue
             value = getattr(node, f.name)
             fields[f.name] = (layout.sharding(axes[f.name], value.shape) if f.name in axes and value is not None
                               else walk(value))
