@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, numerics, repository
+from ready_jax import cli, repository
 from ready_jax import target as target_lib
+from ready_jax.step_options import StepOptions
 
 from .common import load_drafter_dir, write_json
 from .timing import interleaved_medians
@@ -45,11 +46,11 @@ MODES = {"off": False, "on": True}
 
 def step_programs(target: rj.Target, batch_invariant: bool):
     """Jitted decode and verify steps (no donation: the timed calls reuse one cache) with these numerics."""
-    options = numerics.compiler_options(batch_invariant)
-    decode = jax.jit(functools.partial(target_lib.extend, target.graphdef, form="recurrent",
-                                       batch_invariant=batch_invariant), compiler_options=options)
-    verify = jax.jit(functools.partial(target_lib.verify, target.graphdef, rollback="replay",
-                                       batch_invariant=batch_invariant), compiler_options=options)
+    options = StepOptions.resolve(batch_invariant=batch_invariant)
+    decode = jax.jit(functools.partial(target_lib.extend, target.graphdef, form="recurrent", options=options),
+                     compiler_options=options.compiler_options)
+    verify = jax.jit(functools.partial(target_lib.verify, target.graphdef, rollback="replay", options=options),
+                     compiler_options=options.compiler_options)
     return decode, verify
 
 

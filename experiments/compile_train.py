@@ -40,6 +40,7 @@ from pallas_kernels import backend
 from ready_jax import cli, sharding
 from ready_jax import drafter as drafter_lib
 from ready_jax.modes import IMPLS
+from ready_jax.step_options import StepOptions
 from ready_jax.training import drafter_loss, drafter_trainer, recipes, train_state
 from ready_jax.training.optimiser import OptimConfig, make_optimizer
 
@@ -94,12 +95,14 @@ def target_preset(args: argparse.Namespace) -> Preset:
 
 
 def abstract_step(geo: TrainGeometry, layout: sharding.Layout, batch_size: int, impl: str):
-    """(the jitted step, its abstract state and batch placed on ``layout``) for ``batch_size`` sequences."""
+    """(the jitted step, its abstract state and batch placed on ``layout``) for ``batch_size`` sequences; called
+    inside ``backend.lowering_for``, so that ``impl`` resolves to the kernels of the platform compiled for."""
     target = rj.Target(nnx.eval_shape(lambda: rj.TargetModel(geo.target, rngs=nnx.Rngs(0), dtype=geo.dtype)),
                        group_layout="stacked")
     drafter = rj.Drafter(nnx.eval_shape(lambda: drafter_lib.DrafterModel(geo.drafter, rngs=nnx.Rngs(0),
                                                                          dtype=jnp.float32)))
     target = rj.shard_target(target, layout)
+    options = StepOptions.resolve(impl, batch_invariant=False)
     optimizer = make_optimizer(OptimConfig(lr=6e-4, warmup_steps=1, total_steps=2))
     state = jax.eval_shape(lambda params: train_state.TrainState.create(params, optimizer, 0), drafter.params)
     state_shardings = sharding.train_state_shardings(state, layout, drafter.config)
@@ -110,7 +113,7 @@ def abstract_step(geo: TrainGeometry, layout: sharding.Layout, batch_size: int, 
     batch = {"tokens": tokens, "rows": jax.ShapeDtypeStruct((batch_size,), jnp.int32), "target": target.params,
              "shared": shared}
     batch_shardings = drafter_trainer.batch_shardings(batch, layout, geo.target)
-    step = train_state.make_train_step(drafter_trainer.make_loss_fn(drafter, target, geo.anchors, impl), optimizer,
+    step = train_state.make_train_step(drafter_trainer.make_loss_fn(drafter, target, geo.anchors, options), optimizer,
                                        layout, state_shardings, batch_shardings,
                                        per_example=drafter_trainer.per_example)
     return step, sharding.place(state, state_shardings), sharding.place(batch, batch_shardings)
@@ -135,8 +138,8 @@ def compile_step(geo: TrainGeometry, slice_name: str, micro_batch: int, model: i
         raise SystemExit(f"--model {model} does not divide the {len(devices)} devices of {slice_name}")
     data = len(devices) // model
     layout = sharding.Layout(sharding.make_mesh(data=data, model=model, devices=devices))
-    step, state, batch = abstract_step(geo, layout, micro_batch * data, impl)
     with backend.lowering_for(platform):
+        step, state, batch = abstract_step(geo, layout, micro_batch * data, impl)
         result = deviceless.compile_on(lambda: step.trace(state, batch), devices[0])
     hbm = CHIPS[chip]["hbm_bytes"]
     record = {"slice": slice_name, "chip": chip, "devices": len(devices), "data": data, "model": model,

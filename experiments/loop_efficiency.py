@@ -31,11 +31,12 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, numerics, provenance, repository
+from ready_jax import cli, provenance, repository
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.progress import Progress
+from ready_jax.step_options import StepOptions
 
 from .common import write_json
 from .presets import PRESETS
@@ -144,18 +145,18 @@ def target_piece_fns(target: rj.Target, prompt: np.ndarray, gammas: list[int]) -
     capacity = prompt.shape[1] + max(gammas) + 2
     pre = target.prefill(target.init_cache(1, capacity), jnp.asarray(prompt))
     token = jnp.argmax(pre.logits[:, -1], axis=-1)[:, None]                 # [1, 1]
-    invariant = numerics.resolve(None)
-    options = numerics.compiler_options(invariant)
+    options = StepOptions.resolve()  # generate's defaults here
+    compiler_options = options.compiler_options
 
-    @functools.partial(jax.jit, donate_argnums=1, compiler_options=options)
+    @functools.partial(jax.jit, donate_argnums=1, compiler_options=compiler_options)
     def decode(params, cache, tokens):
-        return target_lib.extend(target.graphdef, params, cache, tokens, form="recurrent", batch_invariant=invariant)
+        return target_lib.extend(target.graphdef, params, cache, tokens, form="recurrent", options=options)
 
-    @functools.partial(jax.jit, compiler_options=options)  # a candidate does not keep the cache's shapes: no donation
+    @functools.partial(jax.jit, compiler_options=compiler_options)  # a candidate reshapes the cache: no donation
     def verify(params, cache, block):
-        return target_lib.verify(target.graphdef, params, cache, block, rollback="replay", batch_invariant=invariant)
+        return target_lib.verify(target.graphdef, params, cache, block, rollback="replay", options=options)
 
-    commit = jax.jit(functools.partial(cache_lib.commit, batch_invariant=invariant), compiler_options=options)
+    commit = jax.jit(cache_lib.commit, compiler_options=compiler_options)  # under the candidate's (verify's) options
     copies = functools.partial(jax.tree.map, jnp.copy)
     fns = {"copy": lambda: copies(pre.cache),
            "ar_step": lambda: decode(target.params, copies(pre.cache), token)}

@@ -56,6 +56,7 @@ from ready_jax import cli, generation, sharding
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.modes import IMPLS, ROLLBACKS
+from ready_jax.step_options import PLAIN, StepOptions
 
 from . import deviceless
 from .common import write_json
@@ -84,8 +85,8 @@ _FUNC_CALL = re.compile(r'(?<![\w.])(?:func\.)?call @"?([^"\s(]+)"?\(')  # "func
 def program_tracers(geo: Geometry, impl: str, rollback: str,
                     batch_invariant: bool = False) -> dict[str, Callable[[], jax.stages.Traced]]:
     """Per program, a function tracing it on abstract arguments (called where the kernels are chosen: inside
-    :func:`lowering_context`); ``batch_invariant`` as ``ready_jax.numerics`` has it (off: an accelerator's
-    default)."""
+    :func:`lowering_context`, where it resolves its step options); ``batch_invariant`` as ``ready_jax.numerics``
+    has it (off: an accelerator's default)."""
     target, drafter = abstract_models(geo)
     graphdef, params = target.graphdef, target.params
     ids = geo.drafter.target_layer_ids
@@ -95,32 +96,43 @@ def program_tracers(geo: Geometry, impl: str, rollback: str,
     lengths_b = jax.ShapeDtypeStruct((batch,), jnp.int32)
     block_bt = jax.ShapeDtypeStruct((batch, gamma + 1), jnp.int32)
 
-    def prefill(params, cache, prompts_bt, lengths_b):
+    def options() -> StepOptions:
+        """The programs' options, resolved where a tracer runs (inside a lowering context: that platform's
+        kernels)."""
+        return StepOptions.resolve(impl, batch_invariant)
+
+    def prefill(params, cache, prompts_bt, lengths_b, *, options):
         return target_lib.extend(graphdef, params, cache, prompts_bt, lengths_b, form="chunked", hidden_layers=ids,
-                                 impl=impl, logits_at=lengths_b - 1, batch_invariant=batch_invariant)
+                                 options=options, logits_at=lengths_b - 1)
 
-    def decode(params, cache, anchor_b1):
-        return target_lib.extend(graphdef, params, cache, anchor_b1, form="recurrent", impl=impl,
-                                 batch_invariant=batch_invariant)
+    def decode(params, cache, anchor_b1, *, options):
+        return target_lib.extend(graphdef, params, cache, anchor_b1, form="recurrent", options=options)
 
-    def verify(params, cache, block_bt, impl=impl):
-        return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback, impl=impl,
-                                 batch_invariant=batch_invariant)
+    def verify(params, cache, block_bt, *, options):
+        return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback,
+                                 options=options)
 
-    def commit(candidate, n_accepted_b):
-        return cache_lib.commit(candidate, n_accepted_b, impl, batch_invariant=batch_invariant)
+    def with_options(candidate: cache_lib.Candidate) -> cache_lib.Candidate:
+        return dataclasses.replace(candidate, options=options())  # commit runs with the options verify ran with
 
     # The candidate's shapes do not depend on the impl: take them from XLA's, which traces no kernel.
-    candidate = jax.eval_shape(lambda p, c, b: verify(p, c, b, impl="xla"), params, cache, block_bt).cache
-    # Built here, outside any lowering context: prepare makes its (small) concrete inputs on this machine.
+    candidate = jax.eval_shape(lambda p, c, b: verify(p, c, b, options=PLAIN), params, cache, block_bt).cache
+    # Built here, outside any lowering context: prepare makes its (small) concrete inputs on this machine. Its
+    # options are resolved again where it is traced.
     program = generation.prepare(target, np.zeros((batch, geo.prompt), np.int32), geo.max_new_tokens, drafter,
                                  rollback=rollback, impl=impl, batch_invariant=batch_invariant)
+
+    def generate() -> jax.stages.Traced:
+        return dataclasses.replace(program, settings=dataclasses.replace(program.settings, options=options())).trace()
+
     return {
-        "prefill": lambda: jax.jit(prefill).trace(params, cache, prompts_bt, lengths_b),
-        "decode": lambda: jax.jit(decode).trace(params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32)),
-        "verify": lambda: jax.jit(verify).trace(params, cache, block_bt),
-        "commit": lambda: jax.jit(commit).trace(candidate, lengths_b),
-        "generate": program.trace,
+        "prefill": lambda: jax.jit(functools.partial(prefill, options=options())).trace(params, cache, prompts_bt,
+                                                                                        lengths_b),
+        "decode": lambda: jax.jit(functools.partial(decode, options=options())).trace(
+            params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32)),
+        "verify": lambda: jax.jit(functools.partial(verify, options=options())).trace(params, cache, block_bt),
+        "commit": lambda: jax.jit(cache_lib.commit).trace(with_options(candidate), lengths_b),
+        "generate": generate,
     }
 
 
@@ -299,8 +311,8 @@ def compile_on_mesh(preset: str, slice_name: str, impl: str, model: int | None =
     target = target_lib.shard_target(target, layout)
     drafter = drafter_lib.shard_drafter(drafter, layout)
     prompts = np.zeros((geo.batch * (len(devices) // model), geo.prompt), np.int32)
-    program = generation.prepare(target, prompts, geo.max_new_tokens, drafter, impl=impl, batch_invariant=False)
-    with backend.lowering_for("cuda" if chip in deviceless.GPU_TARGETS else "tpu"):
+    with backend.lowering_for("cuda" if chip in deviceless.GPU_TARGETS else "tpu"):  # before the options resolve
+        program = generation.prepare(target, prompts, geo.max_new_tokens, drafter, impl=impl, batch_invariant=False)
         result = deviceless.compile_on(program.trace, devices[0])
     record = {"slice": slice_name, "impl": impl, "devices": len(devices), "model": model,
               "data": len(devices) // model,

@@ -61,7 +61,7 @@ def pieces(geo: geometry_lib.Geometry) -> dict:
                         cache, s((batch, 1), jnp.int32)),
         "verify": trace(functools.partial(target_lib.verify, target.graphdef, hidden_layers=ids, rollback="replay"),
                         target.params, cache, block),
-        "commit": trace(functools.partial(cache_lib.commit, batch_invariant=False), candidate, n),
+        "commit": trace(cache_lib.commit, candidate, n),
         "draft": trace(functools.partial(drafter_lib.draft_block, drafter.graphdef), drafter.params, shared, context,
                        n, reader),
         "draft_without_read": trace(functools.partial(drafter_lib.draft_block, no_reader.graphdef), no_reader.params,

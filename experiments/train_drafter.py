@@ -51,6 +51,7 @@ from ready_jax import checkpoint, cli, conversations, data, files, modes, proces
 from ready_jax.drafter import FORMAT as DRAFTER_FORMAT
 from ready_jax.long_range_task import long_range_settings
 from ready_jax.mtp import FORMAT as MTP_FORMAT
+from ready_jax.step_options import StepOptions
 from ready_jax.training import (
     artifacts,
     distillation,
@@ -476,7 +477,8 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
                                                 batches=batches, weights=loss_weights(args),
                                                 micro_batches=args.grad_accum, mesh=args.mesh_layout)
         final = drafter_trainer.make_drafter_eval(trained, target, layout, val_seqs, args.batch_size // args.grad_accum,
-                                                  args.impl, loss_weights(args), args.mesh_layout)(trained.params)
+                                                  StepOptions.resolve(args.impl, batch_invariant=False),
+                                                  loss_weights(args), args.mesh_layout)(trained.params)
     steps_done = min(args.steps, args.stop_after or args.steps)
     summary = {"variant": args.variant, "steps": steps_done, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}

@@ -44,6 +44,7 @@ from ready_jax.long_range_task import (
     long_range_windows,
     save_long_range_settings,
 )
+from ready_jax.step_options import StepOptions
 from ready_jax.training import artifacts, optimiser, target_init, target_recipe, train_state
 from ready_jax.training.loop import LoopConfig, claim_workdir, train_loop
 
@@ -194,24 +195,24 @@ def initial_target(args, config: rj.TargetConfig) -> rj.Target:
     return target
 
 
-def make_loss_fn(args, target: rj.Target, config: rj.TargetConfig):
+def make_loss_fn(args, target: rj.Target, config: rj.TargetConfig, options: StepOptions):
     """The training loss of params on a batch of windows, with the held decays and attention windows the flags
-    ask for."""
+    ask for, its steps run with ``options``."""
     def loss_fn(params, tokens, key):
         if args.hold_linear_memory:
             params = target_init.hold_linear_memory(params, args.linear_memory_heads)
         rows = None if args.attention_window is None else target_recipe.attention_windows(
             key, tokens.shape[0], tokens.shape[1] - 1, args.attention_window_fraction, args.attention_window)
-        return target_recipe.target_loss(target.graphdef, config, params, tokens, args.impl, rows)
+        return target_recipe.target_loss(target.graphdef, config, params, tokens, options, rows)
 
     return loss_fn
 
 
 def make_eval_fn(args, target: rj.Target, config: rj.TargetConfig, val_windows: np.ndarray,
-                 long_range: LongRangeTask | None):
+                 long_range: LongRangeTask | None, options: StepOptions):
     """Validation loss and perplexity; with the long-range task, recall on held-out windows too (and through
     the Gated DeltaNet states alone with ``--attention-window``)."""
-    eval_fn = target_recipe.make_target_eval(target.graphdef, config, val_windows, args.batch_size, args.impl)
+    eval_fn = target_recipe.make_target_eval(target.graphdef, config, val_windows, args.batch_size, options)
     if long_range is None:
         return eval_fn
     # Recall on held-out text: validation windows, every one with records.
@@ -219,13 +220,13 @@ def make_eval_fn(args, target: rj.Target, config: rj.TargetConfig, val_windows: 
                                         args.long_range_max_distance, args.long_range_records)
     recall_eval = target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
                                                  long_range.answer_mask(recall_windows), args.batch_size,
-                                                 "val_recall", args.impl)
+                                                 "val_recall", options)
     evals = [eval_fn, recall_eval]
     if args.attention_window is not None:
         # Recall through the Gated DeltaNet states alone: every row's attention restricted.
         evals.append(target_recipe.make_masked_eval(target.graphdef, config, recall_windows,
                                                     long_range.answer_mask(recall_windows), args.batch_size,
-                                                    "val_state_recall", args.impl, args.attention_window))
+                                                    "val_state_recall", options, args.attention_window))
     return lambda params: {k: v for f in evals for k, v in f(params).items()}
 
 
@@ -313,13 +314,14 @@ def train(args, argv: list[str], corpus: data.Corpus, config: rj.TargetConfig) -
     optim = optimiser.OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                                   weight_decay=args.weight_decay, clip_norm=args.clip)
     optimizer = optimiser.make_optimizer(optim)
-    step_fn = train_state.make_train_step(make_loss_fn(args, target, config), optimizer)
+    options = StepOptions.resolve(args.impl, batch_invariant=False)  # every step of the run: resolved once here
+    step_fn = train_state.make_train_step(make_loss_fn(args, target, config, options), optimizer)
     train_windows = data.Windows(corpus.tokens("train"), args.seq_len)
     val_windows = data.Windows(corpus.tokens("validation"), args.seq_len).ordered(args.val_windows)
     long_range = None
     if args.long_range_fraction > 0:
         long_range = LongRangeTask.for_tokenizer(corpus.tokenizer, args.long_range_values, args.long_range_pool)
-    eval_fn = make_eval_fn(args, target, config, val_windows, long_range)
+    eval_fn = make_eval_fn(args, target, config, val_windows, long_range, options)
     loop = LoopConfig(total_steps=args.steps, log_every=args.log_every, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
                       resume_unverified=args.resume_unverified)

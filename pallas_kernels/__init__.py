@@ -8,7 +8,7 @@
 
 Each folder holds ``reference.py`` (pure jnp, the oracle and the XLA path), one package per kernel family
 (``triton/`` for GPUs, ``tpu/`` for TPUs, ``mosaic_gpu/`` for the decode-critical ops on Mosaic GPU) with one module
-per op, and an ``__init__`` whose functions take the reference's arguments plus ``impl`` ("xla" | "pallas") and run
-one of them. ``backend`` picks the family for the machine; the helpers a family shares across op folders are
-``triton_common``, ``tpu_common`` and ``mosaic_gpu_common``.
+per op, and an ``__init__`` whose functions take the reference's arguments plus ``impl`` ("xla" | "pallas", or the
+``backend.KernelChoice`` a step resolved once) and run one of them. ``backend`` picks the family for the machine;
+the helpers a family shares across op folders are ``triton_common``, ``tpu_common`` and ``mosaic_gpu_common``.
 """

@@ -1,10 +1,10 @@
 """Which kernel family runs a fused op on this machine, and how.
 
-``impl="pallas"`` runs each op's kernel for the accelerator jax runs on: the Mosaic TPU kernels (``tpu.py`` in
-each op folder) on a TPU; on a GPU the Triton kernels (``triton.py``), or with ``$READY_JAX_GPU_KERNELS=mosaic_gpu``
-(:func:`set_gpu_kernels`) the Mosaic GPU kernels (``mosaic_gpu.py``, jax >= 0.12) of the ops that have one (the
-decode-critical ``gated_delta_recurrent``, ``state_gather`` and ``row_matmul``) and Triton's for the rest. A CPU
-has neither, so there the kernels run in an interpreter, and the family is a choice:
+``impl="pallas"`` runs each op's kernel for the accelerator jax runs on: the Mosaic TPU kernels (the ``tpu/``
+package of each op folder) on a TPU; on a GPU the Triton kernels (``triton/``), or with
+``$READY_JAX_GPU_KERNELS=mosaic_gpu`` (:func:`set_gpu_kernels`) the Mosaic GPU kernels (``mosaic_gpu/``, jax >= 0.12)
+of the ops that have one (the decode-critical ``gated_delta_recurrent``, ``state_gather`` and ``row_matmul``) and
+Triton's for the rest. A CPU has neither, so there the kernels run in an interpreter, and the family is a choice:
 
 * ``gpu`` (the default): the Triton kernels in Pallas' generic interpret mode (the kernel body evaluated as
   ordinary jax ops, one grid point after another);
@@ -14,12 +14,14 @@ has neither, so there the kernels run in an interpreter, and the family is a cho
 * ``mosaic_gpu``: the Mosaic GPU kernels in jax's GPU interpreter (``plgpu.InterpretGPUParams``, race detector
   on), the Triton kernels interpreted for the ops without one.
 
-The choice is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu`` | ``mosaic_gpu``), or
-:func:`set_interpret_family` (which ``ready_jax.runtime.configure(pallas_interpret=...)`` calls), read when a
-kernel is traced.
+The default is ``$READY_JAX_PALLAS_INTERPRET`` (``gpu`` | ``tpu`` | ``mosaic_gpu``), or :func:`set_interpret_family`
+(which ``ready_jax.runtime.configure(pallas_interpret=...)`` calls).
 
-Every op's ``impl`` switch is :func:`run`: the reference under ``"xla"``; under ``"pallas"`` the family's module of
-the op's folder (:class:`KernelOp`), its block config checked, its kernel called.
+Those settings, :func:`lowering_for` and ``mesh.kernels_on`` are only defaults: :func:`choose` reads them once, where
+a step is entered, into a :class:`KernelChoice` (the impl, the family with its interpret mode, the mesh), a frozen
+value that travels down to the ops as a static argument, so every jit cache keys on it and nothing below reads a
+global. Every op's ``impl`` switch is :func:`run`: the reference under ``"xla"``; under ``"pallas"`` the family's
+module of the op's folder (:class:`KernelOp`), its block config checked, its kernel called.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from typing import Any, Literal, TypeVar, get_args
 import jax
 
 from . import mesh
+from .mesh import KernelMesh
 
-IMPLS: tuple[str, ...] = ("xla", "pallas")
+Impl = Literal["xla", "pallas"]
+"""Who runs a fused op: XLA from the jnp reference, or the Pallas kernel."""
+IMPLS: tuple[str, ...] = get_args(Impl)
 Family = Literal["triton", "tpu", "mosaic_gpu"]
 InterpretFamily = Literal["gpu", "tpu", "mosaic_gpu"]
 INTERPRET_FAMILIES: tuple[str, ...] = get_args(InterpretFamily)
@@ -52,13 +57,6 @@ _gpu_kernels: str | None = None  # set_gpu_kernels' choice; None: the environmen
 _lowering_platform: str | None = None  # lowering_for's platform while it is active
 
 
-def check_impl(impl: object) -> str:
-    """``impl`` if it is ``"xla"`` or ``"pallas"``; otherwise a ValueError naming the choices."""
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return impl
-
-
 def _check_choice(value: object, where: str, choices: tuple[str, ...]) -> str:
     """``value`` lower-cased if it is one of ``choices``; a ValueError naming ``where`` and them otherwise."""
     if not isinstance(value, str) or value.strip().lower() not in choices:
@@ -69,8 +67,8 @@ def _check_choice(value: object, where: str, choices: tuple[str, ...]) -> str:
 def set_interpret_family(family: InterpretFamily | None) -> None:
     """Which kernels ``impl="pallas"`` interprets on a CPU: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU),
     ``"mosaic_gpu"`` (Mosaic GPU where an op has one, else Triton), or None
-    to follow ``$READY_JAX_PALLAS_INTERPRET`` again. Programs already traced keep the kernels they were traced
-    with; jit caches key on nothing else, so set this before the first trace."""
+    to follow ``$READY_JAX_PALLAS_INTERPRET`` again: the default that :func:`choose` resolves ``impl="pallas"`` to
+    at the next step entered (programs traced before keep their kernels, under their own :class:`KernelChoice`)."""
     global _interpret_family
     _interpret_family = None if family is None else _check_choice(family, "pallas_interpret", INTERPRET_FAMILIES)
 
@@ -86,8 +84,7 @@ def interpret_family() -> str:
 
 def set_gpu_kernels(family: GpuKernels | None) -> None:
     """Which kernels ``impl="pallas"`` compiles on a GPU: ``"triton"`` or ``"mosaic_gpu"``, or None to follow
-    ``$READY_JAX_GPU_KERNELS`` again (default ``triton``). Set it before the first trace, as
-    :func:`set_interpret_family`."""
+    ``$READY_JAX_GPU_KERNELS`` again (default ``triton``): a default, as :func:`set_interpret_family`'s."""
     global _gpu_kernels
     _gpu_kernels = None if family is None else _check_choice(family, "gpu_kernels", GPU_KERNEL_FAMILIES)
 
@@ -129,8 +126,9 @@ class KernelTarget:
 
 @contextlib.contextmanager
 def lowering_for(platform: str) -> Iterator[None]:
-    """Inside, kernels are traced for ``platform`` ("tpu" or "cuda") compiled, whatever this machine is: for
-    lowering a program for an accelerator from a CPU (``jit(f).trace(...).lower(lowering_platforms=...)``)."""
+    """Inside, :func:`choose` picks the kernels of ``platform`` ("tpu" or "cuda"), compiled, whatever this machine
+    is: for lowering a program for an accelerator from a CPU (``jit(f).trace(...).lower(lowering_platforms=...)``).
+    Enter it before the program's options are resolved (before ``generate``'s ``prepare``, the step's call)."""
     global _lowering_platform
     if platform not in ("tpu", "cuda"):
         raise ValueError(f"lowering_for: platform must be 'tpu' or 'cuda', got {platform!r}")
@@ -191,14 +189,52 @@ class KernelOp:
         return importlib.import_module(f"{self.package}.{family}")
 
 
-def run(op: KernelOp, reference: Callable[..., T], *args: Any, impl: str, config: Any, **kwargs: Any) -> T:
-    """``reference(*args, **kwargs)`` when ``impl`` is ``"xla"``; when ``"pallas"``, ``op``'s kernel in the family
-    :func:`kernel_target` picks, with ``config`` (checked by :func:`check_config`) and that target's interpret
-    mode; inside :func:`mesh.kernels_on`, once per device on its shard (``op.axes``). A ValueError for any other
-    ``impl``."""
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """How the fused ops of a step run, resolved once (:func:`choose`) and passed down as one static value.
+
+    ``impl`` ``"xla"`` runs each op's reference (``target`` and ``mesh`` None: nothing else matters); ``"pallas"``
+    runs its kernel of ``target``'s family and interpret mode, per device of ``mesh`` when one is given."""
+
+    impl: Impl = "xla"
+    target: KernelTarget | None = None
+    mesh: KernelMesh | None = None
+
+    def __str__(self) -> str:
+        """``triton interpreted``, ``tpu``, ...: the kernels a program traces; "" for XLA."""
+        if self.target is None:
+            return ""
+        return f"{self.target.family}{' interpreted' if self.target.interpreted else ''}"
+
+
+def choose(impl: Impl | KernelChoice, placement: KernelMesh | None = None) -> KernelChoice:
+    """``impl`` resolved against the defaults once: a :class:`KernelChoice` as it is; ``"xla"`` as such;
+    ``"pallas"`` with :func:`kernel_target`'s family and interpret mode and ``placement`` (None:
+    ``mesh.kernels_on``'s mesh, if any). A ValueError naming the choices for any other ``impl``."""
+    if isinstance(impl, KernelChoice):
+        return impl
     if check_impl(impl) == "xla":
+        return KernelChoice()
+    return KernelChoice("pallas", kernel_target(), placement or mesh.active())
+
+
+def check_impl(impl: object) -> str:
+    """``impl`` if it is ``"xla"`` or ``"pallas"``; otherwise a ValueError naming the choices."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def run(op: KernelOp, reference: Callable[..., T], *args: Any, impl: Impl | KernelChoice, config: Any,
+        **kwargs: Any) -> T:
+    """``reference(*args, **kwargs)`` when ``impl`` is ``"xla"``; when ``"pallas"``, ``op``'s kernel in the chosen
+    family (:func:`choose`: a :class:`KernelChoice` passed down, or the defaults where an op is called directly)
+    with ``config`` (checked by :func:`check_config`) and that target's interpret mode; on the choice's mesh, once
+    per device on its shard (``op.axes``)."""
+    choice = choose(impl)
+    if choice.impl == "xla":
         return reference(*args, **kwargs)
-    target = kernel_target()
+    target = choice.target
     family = target.family if target.family in op.families else FALLBACK.get(target.family, target.family)
     kernels = op.module(family)
     config = check_config(config, getattr(kernels, op.config), op.name)
@@ -206,4 +242,4 @@ def run(op: KernelOp, reference: Callable[..., T], *args: Any, impl: str, config
     if op.axes is None:
         return kernel(*args)
     arg_axes, out_axes = op.axes(*args, **kwargs)
-    return mesh.per_device(kernel, args, arg_axes, out_axes)
+    return mesh.per_device(kernel, args, arg_axes, out_axes, choice.mesh)

@@ -9,8 +9,9 @@ its mesh axis only when every dimension it labels divides by that axis' size, el
 device then runs the whole of that dimension). The ops are independent across batch rows and heads, so the
 result is the unsharded kernel's, element for element.
 
-The context is read when a program is traced: ``ready_jax`` sets it inside the jitted body of every step and of
-``generate``'s program when the target is on a mesh and ``impl="pallas"``.
+The placement is a value, a :class:`KernelMesh` inside the ``backend.KernelChoice`` a step passes down to its ops
+(``ready_jax`` builds it from a sharded target's layout). :func:`kernels_on` only sets the default that an op
+called directly with ``impl="pallas"`` resolves to.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ _active: KernelMesh | None = None
 
 @contextlib.contextmanager
 def kernels_on(mesh: Mesh | None, *, batch_axis: str | None = None, head_axis: str | None = None) -> Iterator[None]:
-    """Inside (while tracing), kernels run per device of ``mesh``, the batch split over ``batch_axis`` and heads
-    over ``head_axis``; ``mesh`` None: as outside, on whatever one device holds."""
+    """Inside, an op called with ``impl="pallas"`` (not a resolved ``KernelChoice``) runs its kernel per device of
+    ``mesh``, the batch split over ``batch_axis`` and heads over ``head_axis``; ``mesh`` None: as outside, on
+    whatever one device holds."""
     global _active
     for axis in (batch_axis, head_axis):
         if mesh is not None and axis is not None and axis not in mesh.axis_names:
@@ -65,14 +67,14 @@ def active() -> KernelMesh | None:
     return _active
 
 
-def per_device(kernel: Callable[..., Any], args: Sequence[Any], arg_axes: Sequence[Any], out_axes: Any) -> Any:
-    """``kernel(*args)``, run per device under ``jax.shard_map`` when :func:`kernels_on` names a mesh.
+def per_device(kernel: Callable[..., Any], args: Sequence[Any], arg_axes: Sequence[Any], out_axes: Any,
+               placement: KernelMesh | None) -> Any:
+    """``kernel(*args)``, run per device of ``placement``'s mesh under ``jax.shard_map`` (None: as it is).
 
     ``arg_axes[i]`` labels the dimensions of ``args[i]``: one :data:`Axes` for an array, a list of them for a list
     of arrays, None for an argument passed through as it is (an absent initial state, a number). ``out_axes`` is
     a pytree of :data:`Axes` shaped like the kernel's output.
     """
-    placement = _active
     if placement is None or placement.mesh.size == 1:
         return kernel(*args)
     split_at = [i for i, axes in enumerate(arg_axes) if axes is not None]

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import gated_delta
 
-from . import numerics
 from .config import FULL_ATTENTION, TargetConfig
+from .step_options import PLAIN, StepOptions
 
 
 @jax.tree_util.register_dataclass
@@ -97,6 +97,9 @@ class Candidate:
 
     layers: tuple[DeltaNetCandidate | DeltaNetReplay | AttentionCache, ...]
     lengths: jax.Array  # [B] committed lengths *before* the block
+    # The options verify ran with (static), which commit runs with too: a replay recomputes the kept tokens with
+    # the same kernels and rounding.
+    options: StepOptions = dataclasses.field(default=PLAIN, metadata=dict(static=True))
 
     @property
     def batch_size(self) -> int:
@@ -171,15 +174,13 @@ def _per_sequence(fn, x: jax.Array, n: jax.Array) -> jax.Array:
     return jax.vmap(fn, in_axes=(1, 0), out_axes=1)(x, n)
 
 
-def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla",
-           batch_invariant: bool | None = None) -> TargetCache:
+def commit(candidate: Candidate, n_accepted: jax.Array) -> TargetCache:
     """Keep the first ``n_accepted[b]`` block tokens of sequence b (0 <= n <= T): a pure selection.
 
-    (A ``replay`` candidate recomputes the kept tokens' state updates, with XLA or the Pallas kernel;
-    ``batch_invariant`` runs XLA's one token per loop iteration, rounding as a decode step does; None:
-    ``numerics.resolve``.)
+    (A ``replay`` candidate recomputes the kept tokens' state updates under the options verify ran with,
+    ``candidate.options``: with XLA or the Pallas kernel, and with ``batch_invariant`` XLA's one token per loop
+    iteration, rounding as a decode step does.)
     """
-    batch_invariant = numerics.resolve(batch_invariant)
     n = jnp.asarray(n_accepted, jnp.int32)
     layers = []
     for entry in candidate.layers:
@@ -188,7 +189,7 @@ def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla",
             continue
         if isinstance(entry, DeltaNetReplay):
             block = entry.k.shape[2]
-            state = _replay_state(entry, n, impl, batch_invariant)
+            state = _replay_state(entry, n, candidate.options)
         else:
             block = entry.states.shape[2] - 1
             state = _per_sequence(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
@@ -198,14 +199,14 @@ def commit(candidate: Candidate, n_accepted: jax.Array, impl: str = "xla",
     return TargetCache(layers=tuple(layers), lengths=candidate.lengths + n)
 
 
-def _replay_state(entry: DeltaNetReplay, n: jax.Array, impl: str, looped: bool) -> jax.Array:
+def _replay_state(entry: DeltaNetReplay, n: jax.Array, options: StepOptions) -> jax.Array:
     """Re-run the delta rule over the block with tokens >= n[b] given g = beta = 0 (which leave the
     state exactly unchanged), so the result is the state after the first n[b] tokens."""
     keep = (jnp.arange(entry.k.shape[2])[None, :] < n[:, None])[None, :, :, None]   # [1, B, T, 1]
     g, beta = jnp.where(keep, entry.g, 0.0), jnp.where(keep, entry.beta, 0.0)
     # The read-out o is not needed (XLA drops it); k stands in for q.
-    run = lambda k, v, g, beta, s: gated_delta.gated_delta_recurrent(k, k, v, g, beta, s, impl=impl,  # noqa: E731
-                                                                     looped=looped)[1]
+    run = lambda k, v, g, beta, s: gated_delta.gated_delta_recurrent(  # noqa: E731
+        k, k, v, g, beta, s, impl=options.kernels, looped=options.batch_invariant)[1]
     return jax.vmap(run)(entry.k, entry.v, g, beta, entry.state)
 
 

@@ -51,7 +51,7 @@ from flax import nnx
 
 from pallas_kernels import state_reader as state_reader_ops
 
-from . import checkpoint, modes, sharding
+from . import checkpoint, sharding
 from .cache import Candidate, ContextCache, TargetCache
 from .checks import (
     check_config,
@@ -79,6 +79,7 @@ from .reader import (
     gather_sources,
     source_kv,
 )
+from .step_options import PLAIN, StepOptions
 
 FORMAT = "ready-jax-drafter"
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (DeepSpec's threshold)
@@ -228,10 +229,10 @@ class DraftLayer(nnx.Module):
         self.mlp = MLP(d, config.intermediate_size, rngs=rngs, dtype=dtype)
         self.reader = _reader_for(config, layer, rngs=rngs, dtype=dtype)
 
-    def __call__(self, h, positions, ctx_k, ctx_v, ctx_len, reader_state=None, impl: str = "xla"):
+    def __call__(self, h, positions, ctx_k, ctx_v, ctx_len, reader_state=None, options: StepOptions = PLAIN):
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, ctx_len)
         if self.reader is not None:
-            h = self.reader(h, reader_state, impl=impl)
+            h = self.reader(h, reader_state, impl=options.kernels)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -295,11 +296,11 @@ class DrafterModel(nnx.Module):
         return self.fc.kernel.dtype
 
     def backbone(self, h: jax.Array, context: ContextCache, reader_states: Sequence | None = None,
-                 impl: str = "xla") -> jax.Array:
+                 options: StepOptions = PLAIN) -> jax.Array:
         """Draft layers and final norm over block embeddings h [B, G, d] at positions ``context.lengths + k``.
 
         ``reader_states``: :func:`prepare_reader`'s output, required exactly when there is a reader.
-        ``impl``: ``"xla"`` or ``"pallas"`` (the fused ``state_reader`` kernel) for the state read.
+        ``options.kernels``: XLA or the fused ``state_reader`` kernel for the state read.
         """
         rc = self.config.reader
         if (rc is None) != (reader_states is None):
@@ -312,7 +313,7 @@ class DrafterModel(nnx.Module):
         state_of_layer = dict(zip(rc.inject_layers, reader_states, strict=True)) if rc else {}
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"draft_layer_{i}"):
-                h = layer(h, positions, context.k[i], context.v[i], context.lengths, state_of_layer.get(i), impl)
+                h = layer(h, positions, context.k[i], context.v[i], context.lengths, state_of_layer.get(i), options)
         return self.norm(h)
 
     def context_features(self, hidden: jax.Array) -> jax.Array:
@@ -370,13 +371,13 @@ def append_context(graphdef, params, context: ContextCache, hidden: jax.Array,
 
 
 def prepare_reader(graphdef, params, source: TargetCache | Candidate,
-                   n_committed: jax.Array | None = None, impl: Impl = "xla") -> tuple:
+                   n_committed: jax.Array | None = None, options: StepOptions = PLAIN) -> tuple:
     """Per-round reader input from the target's cache, one entry per inject layer (ascending).
 
     ``source`` is a committed ``TargetCache``, or a verify ``Candidate`` plus ``n_committed`` [B] (the
     block tokens being committed), which reads the same states without waiting for the commit.
     State reader: ``C [B, M, r, r]`` per inject layer, gathered and compressed by ``state_reader_ops.state_gather``
-    with ``impl`` (the Pallas kernel reads the cache buffers in place); KV baseline: a ``KVReadState``.
+    with ``options.kernels`` (the Pallas kernel reads the cache buffers in place); KV baseline: a ``KVReadState``.
     """
     model = nnx.merge(graphdef, params)
     rc = model.config.reader
@@ -392,7 +393,8 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
             return tuple(r.prepare(keys, values, lengths) for r in readers)
         arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
         return tuple(state_reader_ops.state_gather(arrays, n, r.key_basis[...] if rc.query == "basis" else None,
-                                                   r.value_basis_matrix(), layers=layers, impl=impl) for r in readers)
+                                                   r.value_basis_matrix(), layers=layers, impl=options.kernels)
+                     for r in readers)
 
 
 def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead | None, key: jax.Array | None,
@@ -427,12 +429,12 @@ def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead |
 
 def draft_block(graphdef, params, shared: SharedWeights, context: ContextCache, anchor: jax.Array,
                 reader_states: Sequence | None = None, key: jax.Array | None = None, *,
-                temperature: float = 0.0, impl: str = "xla") -> DraftOutput:
+                temperature: float = 0.0, options: StepOptions = PLAIN) -> DraftOutput:
     """Draft ``gamma = block_size`` tokens after ``anchor`` [B] at positions ``context.lengths``.
 
     ``reader_states``: :func:`prepare_reader`'s output (required iff the drafter has a reader).
     ``temperature`` is static; below ``GREEDY_BELOW`` the block is greedy and ``key`` is unused.
-    ``impl`` (static) picks the state read: ``"xla"`` or the fused ``"pallas"`` kernel.
+    ``options`` (static): ``options.kernels`` runs the state read with XLA or the fused Pallas kernel.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.config
@@ -441,7 +443,7 @@ def draft_block(graphdef, params, shared: SharedWeights, context: ContextCache, 
     with jax.named_scope("draft_embed"):
         block = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), cfg.mask_token_id, jnp.int32)], axis=1)
         h = shared.embedding[block].astype(model.dtype)                       # [B, G, d]
-    h = model.backbone(h, context, reader_states, impl)
+    h = model.backbone(h, context, reader_states, options)
     with jax.named_scope("draft_lm_head"):
         base_logits = shared.logits(h).astype(jnp.float32)                   # [B, G, V]
     with jax.named_scope("markov_sampling"):
@@ -549,15 +551,14 @@ class Drafter:
         if anchor.shape != (context.batch_size,):
             raise ValueError(f"anchor must be [B={context.batch_size}] (one token per row), got shape {anchor.shape}")
         temperature = check_real(temperature, "temperature")
-        modes.check(impl, modes.IMPLS, "impl")
         return _draft_jit(self.graphdef, self.params, shared, context, jnp.asarray(anchor, jnp.int32),
-                          reader_states, key, temperature=temperature, impl=impl)
+                          reader_states, key, temperature=temperature, options=_options(impl))
 
     def prepare_reader(self, source: TargetCache | Candidate, n_committed=None, impl: str = "xla") -> tuple:
         check_type(source, "source", TargetCache | Candidate, "a TargetCache or a verify Candidate")
-        modes.check(impl, modes.IMPLS, "impl")
+        options = _options(impl)
         n = None if n_committed is None else jnp.asarray(n_committed, jnp.int32)
-        return _prepare_jit(self.graphdef, self.params, source, n, impl)
+        return _prepare_jit(self.graphdef, self.params, source, n, options)
 
 
 def shard_drafter(drafter: Drafter, layout: sharding.Layout) -> Drafter:
@@ -569,10 +570,15 @@ def shard_drafter(drafter: Drafter, layout: sharding.Layout) -> Drafter:
         drafter.params, sharding.param_shardings(drafter.params, layout, drafter.config))))
 
 
+def _options(impl: Impl) -> StepOptions:
+    """The options of a drafter step called now: only the kernels matter to it (``StepOptions.resolve``)."""
+    return StepOptions.resolve(impl, batch_invariant=False)
+
+
 def _check_context(context) -> None:
     check_type(context, "context", ContextCache, "a ContextCache", " (from Drafter.init_context or append_context)")
 
 
 _append_jit = jax.jit(append_context, static_argnums=0, donate_argnames=("context",))
-_draft_jit = jax.jit(draft_block, static_argnums=0, static_argnames=("temperature", "impl"))
+_draft_jit = jax.jit(draft_block, static_argnums=0, static_argnames=("temperature", "options"))
 _prepare_jit = jax.jit(prepare_reader, static_argnums=(0, 4))

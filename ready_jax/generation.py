@@ -19,13 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import backend
-
 from . import compiled_programs, debug, modes, numerics
 from . import drafter as drafter_lib
 from . import sharding as sharding_lib
 from .cache import TargetCache
-from .checks import as_array, check_flag, check_int, check_real, check_seed, check_token_ids, check_type, is_int
+from .checks import as_array, check_int, check_real, check_seed, check_token_ids, check_type, is_int
 from .config import INT32_MAX
 from .drafter import Drafter
 from .drafter_config import MAX_BLOCK_SIZE
@@ -33,6 +31,7 @@ from .generation_loop import PAD, ScriptedConfig, ScriptedInputs, Settings, prog
 from .layers import KV_CHUNK, round_up
 from .modes import Impl, Rollback
 from .mtp import MTPDrafter
+from .step_options import StepOptions
 from .target import Target
 
 
@@ -166,7 +165,9 @@ def generate(target: Target, prompt_ids, max_new_tokens: int,
     (``target.verify``): both are exact; ``"replay"`` is the default because its verify candidate does
     not grow with the block size (docs/api.md compares their cost). ``impl="pallas"``
     runs the fused Pallas kernels (Gated DeltaNet decode / verify, state gather, state read) instead of XLA's
-    (interpreted on a CPU: correct but slow); the tokens are the same.
+    (interpreted on a CPU: correct but slow); the tokens are the same. ``impl``, ``batch_invariant`` and
+    ``check_finite`` are resolved once per call, the kernel family from the environment's defaults
+    (``pallas_kernels.backend``), into the step options that key the compiled program (``ready_jax.step_options``).
 
     A target placed on a mesh (``rj.shard_target``) runs the whole program there:
     prompts split over the ``data`` axis, the drafter placed like the target, caches kept in their
@@ -178,13 +179,13 @@ def generate(target: Target, prompt_ids, max_new_tokens: int,
                       capacity=capacity, rollback=rollback, impl=impl, check_finite=check_finite,
                       prompt_bucket=prompt_bucket, new_tokens_bucket=new_tokens_bucket,
                       batch_invariant=batch_invariant)
-    numerics.warn_unless_invariant(program.settings.batch_invariant, program.settings.temperature == 0.0,
+    numerics.warn_unless_invariant(program.settings.options.batch_invariant, program.settings.temperature == 0.0,
                                    drafter is not None)
     compiled = compiled_program(program)
     start = time.perf_counter()
     outputs = jax.block_until_ready(compiled.executable(*program.args))
     run_seconds = time.perf_counter() - start
-    if program.settings.check_finite:
+    if program.settings.options.check_finite:
         error, outputs = outputs
         debug.raise_if_failed(error)
     buffer, generated, accepted, rounds, final_cache = outputs
@@ -214,8 +215,8 @@ class Program:
     args: tuple  # (target params, drafter params, prompts [B, T], lengths [B], key, max_new_tokens)
 
     def trace(self) -> jax.stages.Traced:
-        return program_jit(self.settings.check_finite).trace(*self.args, target_def=self.target_def,
-                                                             drafter_def=self.drafter_def, settings=self.settings)
+        return program_jit(self.settings).trace(*self.args, target_def=self.target_def, drafter_def=self.drafter_def,
+                                                settings=self.settings)
 
     def lower(self) -> jax.stages.Lowered:
         return self.trace().lower()
@@ -236,9 +237,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int,
     seed = check_seed(seed)
     temperature = effective_temperature(temperature)
     modes.check(rollback, modes.ROLLBACKS, "rollback")
-    modes.check(impl, modes.IMPLS, "impl")
-    check_flag(check_finite, "check_finite")
-    batch_invariant = numerics.resolve(batch_invariant)
+    options = StepOptions.resolve(impl, batch_invariant, check_finite, sharding_lib.kernel_placement(target.layout))
     if capacity is not None:
         capacity = check_int(capacity, "capacity", 1, INT32_MAX)
     drafter_config, drafter_params, drafter_def = None, None, None
@@ -254,7 +253,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int,
     if needed > capacity:
         raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens ({max_new_tokens}) "
                          f"plus one verify block ({gamma}) needs {needed} cache slots, more than capacity {capacity}")
-    if batch_invariant:  # whole chunks of key slots: attention then never copies the buffers to pad them
+    if options.batch_invariant:  # whole chunks of key slots: attention then never copies the buffers to pad them
         capacity = round_up(capacity, KV_CHUNK)
     if capacity > INT32_MAX:
         raise ValueError(f"the prompts, max_new_tokens and the verify block need a cache of {capacity} slots; "
@@ -263,8 +262,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int,
            else check_token_ids(eos_token_ids, "eos_token_ids", target.config.vocab_size))
     layout = target.layout
     settings = Settings(target.config, drafter_config, max_new_tokens_bucket, capacity, float(temperature), eos,
-                        rollback, impl, layout, bool(check_finite), transposes_tied_head(target), kernel_choice(impl),
-                        batch_invariant)
+                        rollback, options, layout, transposes_tied_head(target))
     key = jax.random.key(seed)
     if isinstance(drafter, ScriptedDrafter):
         key = jax.random.fold_in(key, drafter.seed)
@@ -343,7 +341,7 @@ def compiled_program(program: Program) -> _Compiled:
     # A compile takes seconds to minutes: say what is compiling, so a silent wait is not mistaken for a hang
     # (and a second compile of what should be one program shows up).
     print(f"compiling generate: {_describe(program)} ...", file=sys.stderr, flush=True)
-    options = numerics.compiler_options(program.settings.batch_invariant)
+    options = program.settings.options.compiler_options
     executable, seconds = PROGRAMS.compile(cache_key, lambda: program.lower().compile(options))
     print(f"compiled generate in {seconds:.1f} s", file=sys.stderr, flush=True)
     return _Compiled(executable, seconds)
@@ -364,18 +362,9 @@ def _describe(program: Program) -> str:
     details = [f"batch {batch}", f"prompt {width}", f"up to {s.max_new_tokens_bucket} new tokens"]
     if s.gamma:
         details.append(f"block {s.gamma}")
-    if s.impl != "xla":
-        details.append(f"impl {s.impl}")
+    if s.options.impl != "xla":
+        details.append(f"impl {s.options.impl}")
     return f"{kind} ({', '.join(details)})"
-
-
-def kernel_choice(impl: Impl) -> str:
-    """Which Pallas kernels a program with ``impl`` traces: the family and whether it is interpreted; "" for
-    XLA."""
-    if impl != "pallas":
-        return ""
-    target = backend.kernel_target()
-    return f"{target.family}{' interpreted' if target.interpreted else ''}"
 
 
 def transposes_tied_head(target: Target) -> bool:

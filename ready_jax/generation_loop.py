@@ -32,7 +32,8 @@ from . import target as target_lib
 from .cache import ContextCache, TargetCache
 from .config import TargetConfig
 from .drafter_config import DrafterConfig, MTPConfig
-from .modes import Impl, Rollback
+from .modes import Rollback
+from .step_options import StepOptions
 
 PAD = -1  # fills the token buffer (and GenerateOutput.tokens) after a sequence ended
 
@@ -63,15 +64,11 @@ class Settings:
     temperature: float
     eos_ids: tuple[int, ...]
     rollback: Rollback
-    impl: Impl
+    # The kernels (with their family and mesh, so a program traced with one family is never reused after the
+    # choice changes), batch invariance and NaN / Inf checks of every step (ready_jax.step_options).
+    options: StepOptions
     layout: sharding_lib.Layout | None = None  # the target's mesh: carries are pinned to it
-    check_finite: bool = False                 # ready_jax.debug's NaN / Inf checks
     transposed_head: bool = False              # a tied LM head transposed once per program (transposes_tied_head)
-    # impl="pallas": the kernel family traced in (pallas_kernels.backend), so a program traced with one family
-    # is never reused after the choice changes; "" for XLA.
-    kernels: str = ""
-    # A token rounds the same in a verify block as in a decode step (target.extend's batch_invariant).
-    batch_invariant: bool = False
 
     @property
     def learned(self) -> bool:
@@ -121,8 +118,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, shared, pro
     dtype = target_params["embed_tokens"]["embedding"].dtype
     cache = sharding_lib.constrain(cache_lib.init_cache(s.target_config, batch, s.capacity, dtype), s.layout)
     out = target_lib.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
-                            hidden_layers=s.hidden_layers, impl=s.impl, check_finite=s.check_finite,
-                            logits_at=prompt_lengths - 1, batch_invariant=s.batch_invariant)
+                            hidden_layers=s.hidden_layers, options=s.options, logits_at=prompt_lengths - 1)
     key, first_key = jax.random.split(key)
     last = out.logits[:, 0]                                                                # [B, V]
     anchor = speculative.sample_token(last, s.temperature, first_key)
@@ -138,7 +134,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, shared, pro
         context = sharding_lib.constrain(
             drafter_lib.append_context(drafter_def, drafter_params, context, out.hidden, prompt_lengths), s.layout)
     if s.has_reader:
-        reader = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, impl=s.impl)
+        reader = drafter_lib.prepare_reader(drafter_def, drafter_params, out.cache, options=s.options)
     return LoopState(
         cache=sharding_lib.constrain(out.cache, s.layout), anchor=anchor, generated=generated, key=key,
         round=jnp.int32(0),
@@ -164,8 +160,8 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         with jax.named_scope("decode"):
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
             step = target_lib.extend(target_def, target_params, carry.cache, anchor[:, None],
-                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", impl=s.impl,
-                                     check_finite=s.check_finite, head=head, batch_invariant=s.batch_invariant)
+                                     jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", options=s.options,
+                                     head=head)
         n_accepted = jnp.zeros_like(anchor)
         bonus = speculative.sample_token(step.logits[:, 0], s.temperature, accept_key)
         emitted = bonus[:, None]
@@ -177,15 +173,15 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
             if s.learned:
                 draft = drafter_lib.draft_block(drafter_def, drafter_params, shared, context, anchor,
                                                 reader, draft_key, temperature=s.temperature,
-                                                impl=s.impl)
+                                                options=s.options)
                 draft_tokens, draft_probs = draft.tokens, draft.probs
-                if s.check_finite:
+                if s.options.check_finite:
                     debug.check_finite(draft.logits, "drafter logits")
             elif s.is_mtp:
                 draft, mtp_cache = mtp_lib.draft(drafter_def, drafter_params, shared, mtp, anchor, carry.cache.lengths,
                                                  draft_key, temperature=s.temperature)
                 draft_tokens, draft_probs = draft.tokens, draft.probs
-                if s.check_finite:
+                if s.options.check_finite:
                     debug.check_finite(draft.logits, "drafter logits")
             else:
                 draft_tokens = _scripted_drafts(drafter_params, carry.generated, s, draft_key)
@@ -193,8 +189,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
             ver = target_lib.verify(target_def, target_params, carry.cache, block, hidden_layers=s.hidden_layers,
-                                    rollback=s.rollback, impl=s.impl, check_finite=s.check_finite, head=head,
-                                    batch_invariant=s.batch_invariant)
+                                    rollback=s.rollback, options=s.options, head=head)
         with jax.named_scope("accept"):
             if s.temperature == 0.0:
                 n_accepted, bonus = speculative.greedy_accept(draft_tokens, ver.logits)
@@ -208,7 +203,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         keep, now_done = speculative.tokens_to_keep(emitted, n_accepted + 1, s.eos_ids, carry.generated,
                                                      max_new_tokens, done)
         with jax.named_scope("commit"):
-            cache = cache_lib.commit(ver.cache, keep, s.impl, s.batch_invariant)
+            cache = cache_lib.commit(ver.cache, keep)  # under verify's options, which the candidate records
             if s.learned:
                 context = drafter_lib.append_context(drafter_def, drafter_params, context, ver.hidden, keep)
             if s.is_mtp:
@@ -219,7 +214,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
             with jax.named_scope("reader_prepare"):
                 # Read from the candidate (before commit) when it holds per-position states.
                 source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (cache, None)
-                reader = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, impl=s.impl)
+                reader = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, options=s.options)
     if context is not None:
         context = sharding_lib.constrain(context, s.layout)
     return LoopState(
@@ -249,15 +244,14 @@ def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_ne
         head = target_params["embed_tokens"]["embedding"].T                                # [D, V]
         if shared is not None:
             shared = dataclasses.replace(shared, lm_head=head)
-    with sharding_lib.kernels_on(settings.layout):
-        with jax.named_scope("prefill"):
-            carry = _prefill(target_def, target_params, drafter_def, drafter_params, shared, prompts, prompt_lengths,
-                             key, max_new_tokens, settings)
-        carry = jax.lax.while_loop(
-            lambda c: ~jnp.all(c.done),
-            lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, max_new_tokens,
-                             settings),
-            carry)
+    with jax.named_scope("prefill"):
+        carry = _prefill(target_def, target_params, drafter_def, drafter_params, shared, prompts, prompt_lengths,
+                         key, max_new_tokens, settings)
+    carry = jax.lax.while_loop(
+        lambda c: ~jnp.all(c.done),
+        lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, max_new_tokens,
+                         settings),
+        carry)
     tokens = (carry.buffer, carry.generated, carry.accepted, carry.round)
     if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)
         tokens = jax.lax.with_sharding_constraint(tokens, settings.layout.replicated)
@@ -278,11 +272,12 @@ def _checked_program(*args, target_def, drafter_def, settings: Settings):
                                            settings=settings))(*args)
 
 
-def program_jit(check_finite: bool = False):
-    """The generation program jitted afresh: a new function object each call, so every cache jax keeps for it
-    (traces, lowerings, the executable) is keyed weakly on that object and is freed with it. A long-lived
-    process that drops a compiled program then gets its machine code back (``ready_jax.compiled_programs``)."""
-    body = _checked_program if check_finite else _program
+def program_jit(settings: Settings):
+    """The generation program of ``settings`` jitted afresh: a new function object each call, so every cache jax
+    keeps for it (traces, lowerings, the executable) is keyed weakly on that object and is freed with it. A
+    long-lived process that drops a compiled program then gets its machine code back
+    (``ready_jax.compiled_programs``)."""
+    body = _checked_program if settings.options.check_finite else _program
 
     def generation_program(*args, target_def, drafter_def, settings: Settings):
         return body(*args, target_def=target_def, drafter_def=drafter_def, settings=settings)

@@ -17,7 +17,7 @@ from pallas_kernels import gated_delta
 
 from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
-from .modes import Impl
+from .step_options import PLAIN, StepOptions
 
 _normal = nnx.initializers.normal(0.02)
 # softplus(dt_bias) of a fresh Gated DeltaNet head is drawn log-uniformly from this range (see GatedDeltaNet).
@@ -372,19 +372,19 @@ class GatedDeltaNet(nnx.Module):
         return q, k, v, window
 
     @staticmethod
-    def _chunked(q, k, v, g, beta, state, impl: Impl, batch_invariant: bool) -> tuple[jax.Array, jax.Array]:
-        """The chunked delta rule over the block; with ``batch_invariant`` the block padded (g = beta = 0, which
-        leave the state exactly as it was) to whole chunks of :data:`GDN_CHUNK` tokens, which a shorter block
+    def _chunked(q, k, v, g, beta, state, options: StepOptions) -> tuple[jax.Array, jax.Array]:
+        """The chunked delta rule over the block; with ``options.batch_invariant`` the block padded (g = beta = 0,
+        which leave the state exactly as it was) to whole chunks of :data:`GDN_CHUNK` tokens, which a shorter block
         would otherwise be cut to: a token's result then does not depend on how far a prompt is padded."""
         t = q.shape[1]
-        pad = -t % GDN_CHUNK if batch_invariant else 0
+        pad = -t % GDN_CHUNK if options.batch_invariant else 0
         q, k, v, g, beta = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (q, k, v, g, beta))
-        o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, state, chunk_size=GDN_CHUNK, impl=impl)
+        o, state = gated_delta.gated_delta_chunked(q, k, v, g, beta, state, chunk_size=GDN_CHUNK,
+                                                   impl=options.kernels)
         return o[:, :t], state
 
-    def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *,
-                 form: str, impl: Impl = "xla",
-                 batch_invariant: bool = False) -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
+    def __call__(self, x: jax.Array, cache: DeltaNetCache, num_new: jax.Array | None, *, form: str,
+                 options: StepOptions = PLAIN) -> tuple[jax.Array, DeltaNetCache | DeltaNetCandidate]:
         """x: [B, T, D] new tokens after the committed ones (one group's cache slice).
 
         ``form="chunked"`` or ``"recurrent"``: advance by ``num_new[b]`` tokens (the rest of the row is
@@ -392,18 +392,19 @@ class GatedDeltaNet(nnx.Module):
         ``form="candidates"``: run the block with the recurrent form and return the state after every
         position, from which ``cache.commit`` selects. ``form="replay"``: return the state before the
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
-        ``impl`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
-        ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others). ``batch_invariant``: a token
-        rounds the same in a block as alone (:func:`invariant_rows`, and the recurrence one token per iteration), and a
-        prefill's chunked form runs whole chunks whatever the prompt's length.
+        ``options.kernels`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
+        ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others). ``options.batch_invariant``: a
+        token rounds the same in a block as alone (:func:`invariant_rows`, and the recurrence one token per
+        iteration), and a prefill's chunked form runs whole chunks whatever the prompt's length.
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
-        prefill = form == "chunked"
+        prefill, batch_invariant = form == "chunked", options.batch_invariant
         q, k, v, window = self.delta_inputs(x, cache.conv, batch_invariant, prefill)
         beta = jax.nn.sigmoid(invariant_rows(self.in_proj_b, batch_invariant, x, prefill).astype(jnp.float32))
         g = self.decay(x, batch_invariant, prefill)
-        recurrent = functools.partial(gated_delta.gated_delta_recurrent, impl=impl, looped=batch_invariant)
+        recurrent = functools.partial(gated_delta.gated_delta_recurrent, impl=options.kernels,
+                                      looped=batch_invariant)
 
         if form == "candidates":
             o, states = recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
@@ -417,7 +418,7 @@ class GatedDeltaNet(nnx.Module):
                 valid = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
                 g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
             if form == "chunked":
-                o, state = self._chunked(q, k, v, g, beta, cache.state, impl, batch_invariant)
+                o, state = self._chunked(q, k, v, g, beta, cache.state, options)
             else:
                 o, state = recurrent(q, k, v, g, beta, cache.state)
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new

@@ -1,4 +1,4 @@
-"""The string switches of the project, each a ``Literal`` type with one validator.
+"""The string switches of the project, each a ``Literal`` type with one validator (``Impl`` is the kernels' own).
 
 A mode is checked once, where it enters the public surface (``generate``, the ``Target`` steps, a
 config's ``__post_init__``, a CLI's ``choices``); code below trusts the type.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-Impl = Literal["xla", "pallas"]
-"""Who runs a fused op: XLA from the jnp reference, or the Pallas kernel (``pallas_kernels``)."""
+from pallas_kernels.backend import IMPLS, Impl  # who runs a fused op: the kernels' own switch, defined once there
 
 Rollback = Literal["checkpoint", "replay"]
 """How verify keeps what commit needs: the state after every block position, or the block's delta-rule
@@ -32,12 +31,13 @@ ReaderReadout = Literal["learned", "tied", "tied_ungated"]
 layer's own output path (its norm, gate and ``out_proj``, copied from the target; without the gate for
 ``tied_ungated``) then a learned map (tied). ``ready_jax.reader`` has the math."""
 
-IMPLS: tuple[str, ...] = get_args(Impl)
 ROLLBACKS: tuple[str, ...] = get_args(Rollback)
 FORMS: tuple[str, ...] = get_args(Form)
 READER_KINDS: tuple[str, ...] = get_args(ReaderKind)
 READER_QUERIES: tuple[str, ...] = get_args(ReaderQuery)
 READER_READOUTS: tuple[str, ...] = get_args(ReaderReadout)
+__all__ = ["FORMS", "IMPLS", "READER_KINDS", "READER_QUERIES", "READER_READOUTS", "ROLLBACKS", "Form", "Impl",
+           "ReaderKind", "ReaderQuery", "ReaderReadout", "Rollback", "check"]
 
 
 def check(value, allowed: tuple[str, ...], name: str) -> str:

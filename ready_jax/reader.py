@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import state_reader as state_reader_ops
+from pallas_kernels.backend import KernelChoice
 from pallas_kernels.state_reader.reference import Layers, compress, gather_states, merge_pairs, rms_norm
 
 from .cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
@@ -172,7 +173,7 @@ class StateReader(_ReaderParams):
     def prepare(self, states_bmkv: jax.Array) -> jax.Array:
         return compress(states_bmkv, self.key_basis[...], self.value_basis[...])
 
-    def __call__(self, h: jax.Array, compressed: jax.Array, impl: Impl = "xla") -> jax.Array:
+    def __call__(self, h: jax.Array, compressed: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         with jax.named_scope("state_reader"):
             return state_reader_ops.state_reader(h, compressed, self.q_proj.kernel[...], self.o_proj.kernel[...],
                                          self.norm.weight[...], self.norm.eps, impl=impl)
@@ -211,7 +212,7 @@ class _ValueSideParams(nnx.Module):
         """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed (or ``S_m`` whole), the key side whole."""
         return compress(states_bmkv, None, self.value_basis_matrix())
 
-    def __call__(self, h: jax.Array, values: jax.Array, impl: Impl = "xla") -> jax.Array:
+    def __call__(self, h: jax.Array, values: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         """The read of the subclass's ``queries(h)``, one full-key-space query per (source layer, key head) and
         position [B, G, Q, d_k], over ``values`` (:meth:`prepare`'s)."""
         with jax.named_scope("state_reader"):
@@ -339,7 +340,7 @@ class TiedReadReader(nnx.Module):
         """The committed states [B, M, d_k, d_v], whole, in fp32."""
         return compress(states_bmkv, None, None)
 
-    def layer_outputs(self, h: jax.Array, states: jax.Array, impl: Impl = "xla") -> jax.Array:
+    def layer_outputs(self, h: jax.Array, states: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         """What each source layer's output path makes of its read for the draft hidden h [B, G, d], from
         :meth:`prepare`'s states: [B, G, L_src, d]."""
         b, g, _ = h.shape
@@ -356,7 +357,7 @@ class TiedReadReader(nnx.Module):
         normed = gated_rms_norm(reads, out_norm[:, None].astype(jnp.float32), self.eps_target, gate)
         return jnp.einsum("bglc,lcd->bgld", normed.astype(h.dtype).reshape(b, g, num_src, -1), out_proj)
 
-    def __call__(self, h: jax.Array, states: jax.Array, impl: Impl = "xla") -> jax.Array:
+    def __call__(self, h: jax.Array, states: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         """``h + W(sum_l u_l)`` with the source layers' outputs ``u_l`` (:meth:`layer_outputs`)."""
         with jax.named_scope("state_reader"):
             summed = jnp.sum(self.layer_outputs(h, states, impl), axis=2)
@@ -387,7 +388,7 @@ class KVReader(_ReaderParams):
     def prepare(self, keys: jax.Array, values: jax.Array, lengths: jax.Array) -> KVReadState:
         return prepare_kv(keys, values, lengths, self.key_basis[...], self.value_basis[...])
 
-    def __call__(self, h: jax.Array, kv: KVReadState, impl: Impl = "xla") -> jax.Array:
+    def __call__(self, h: jax.Array, kv: KVReadState, impl: Impl | KernelChoice = "xla") -> jax.Array:
         del impl  # the KV-read baseline has no fused kernel
         with jax.named_scope("kv_reader"):
             return read_kv(h, kv, self.q_proj.kernel[...], self.o_proj.kernel[...],

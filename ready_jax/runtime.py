@@ -74,7 +74,8 @@ def configure(*, compile_cache: bool = True, cache_dir: str | os.PathLike | None
     ``pallas_interpret`` picks the kernels ``impl="pallas"`` runs on a CPU, where no accelerator compiles them:
     ``"gpu"`` the Triton kernels in Pallas' generic interpreter, ``"tpu"`` the Mosaic TPU kernels in the TPU
     interpreter (race detection on); None changes nothing, so ``$READY_JAX_PALLAS_INTERPRET`` decides (default
-    ``gpu``). A GPU or TPU runs its own kernels compiled whatever this says (``pallas_kernels.backend``).
+    ``gpu``). A GPU or TPU runs its own kernels compiled whatever this says (``pallas_kernels.backend``). It is a
+    default: each step or ``generate`` call resolves it once, when it is called (``ready_jax.step_options``).
 
     Returns what was set, for a script's JSON record: ``xla_flags`` (``$XLA_FLAGS`` as it now stands),
     ``added_xla_flags`` (the flags this call appended), ``compile_cache_dir`` (None: no cache) and

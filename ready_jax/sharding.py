@@ -28,7 +28,7 @@ results beyond floating-point summation order: XLA partitions any placement corr
 the weights (``Target.load(path, layout=...)`` / ``Drafter.load`` read a checkpoint straight into place,
 never holding it whole on one device); a sharded target's ``init_cache`` and step functions keep the
 cache placed, and ``rj.generate`` runs the whole program on the mesh when given a sharded target.
-With ``impl="pallas"`` each kernel runs per device on its own shard (:func:`kernels_on`).
+With ``impl="pallas"`` each kernel runs per device on its own shard (:func:`kernel_placement`).
 ``training.train_state.make_train_step(..., layout=...)`` is the data-parallel (optionally also tensor-parallel)
 training step. This module holds only the axis rules and placement.
 Multi-host: call :func:`initialize_distributed` first in every process; ``make_mesh`` then spans
@@ -38,7 +38,6 @@ data.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import re
@@ -301,6 +300,8 @@ def cache_shardings(cache, layout: Layout | Mesh):
             raise TypeError(f"no sharding rule for cache entries of type {type(node).__name__}")
         fields = {}
         for f in dataclasses.fields(node):
+            if f.metadata.get("static"):  # not a leaf (a candidate's options): kept as it is
+                continue
             value = getattr(node, f.name)
             fields[f.name] = (layout.sharding(axes[f.name], value.shape) if f.name in axes and value is not None
                               else walk(value))
@@ -317,13 +318,13 @@ def constrain(cache, layout: Layout | None):
     return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, layout))
 
 
-def kernels_on(layout: Layout | None) -> contextlib.AbstractContextManager:
-    """Inside, while tracing, the Pallas kernels run per device of ``layout``'s mesh, on the batch rows of its
-    ``data`` shard and the heads of its ``model`` shard (``pallas_kernels.mesh``): XLA cannot partition a kernel
-    itself. Nothing changes without a layout."""
+def kernel_placement(layout: Layout | None) -> kernel_mesh.KernelMesh | None:
+    """Where the Pallas kernels of a step on ``layout`` run: per device of its mesh, on the batch rows of its
+    ``data`` shard and the heads of its ``model`` shard (``pallas_kernels.mesh``), since XLA cannot partition a
+    kernel itself; None without a layout."""
     if layout is None:
-        return contextlib.nullcontext()
-    return kernel_mesh.kernels_on(layout.mesh, batch_axis=DATA, head_axis=MODEL)
+        return None
+    return kernel_mesh.KernelMesh(layout.mesh, batch_axis=DATA, head_axis=MODEL)
 
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype, layout: Layout):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import jax
@@ -51,6 +51,7 @@ from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
 from .init_programs import init_state
 from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, invariant_rows, step_rows
 from .modes import Form, Impl, Rollback
+from .step_options import PLAIN, StepOptions
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
 GroupLayout = Literal["split", "stacked"]  # how a Target holds its layer groups (see the module docstring)
@@ -73,17 +74,16 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, impl="xla", attention_window=None,
-                 batch_invariant: bool = False):
+    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, options: StepOptions = PLAIN,
+                 attention_window=None):
         """``layer_cache``: this group's entry, or for attention with ``group`` given every group's KV
-        buffers (written at ``group``). ``attention_window`` [B], ``batch_invariant``: see :func:`extend`."""
-        x = self.input_layernorm(h)
+        buffers (written at ``group``). ``options``, ``attention_window`` [B]: see :func:`extend`."""
+        x, batch_invariant = self.input_layernorm(h), options.batch_invariant
         if self.is_attention:
             mixed, layer_cache = self.self_attn(x, layer_cache, starts, group, attention_window,
                                                 batch_invariant=batch_invariant, prefill=form == "chunked")
         else:
-            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, impl=impl,
-                                                  batch_invariant=batch_invariant)
+            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, options=options)
         h = h + mixed
         # An MoE's experts run the tokens routed to them together, so a decode or verify step's MoE runs on the
         # step's row tiles (a prefill's runs whole).
@@ -139,8 +139,7 @@ class TargetModel(nnx.Module):
         return self.lm_head(h)
 
     def run_layers(self, h, layers_cache, starts, num_new, *, form: Form, hidden_layers: Sequence[int],
-                   impl: Impl = "xla", check_finite: bool = False, attention_window: jax.Array | None = None,
-                   batch_invariant: bool = False):
+                   options: StepOptions = PLAIN, attention_window: jax.Array | None = None):
         """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D]).
 
         Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
@@ -150,8 +149,8 @@ class TargetModel(nnx.Module):
         groups run as a scan, split ones (an ``nnx.List``, see :func:`split_groups`) as an unrolled loop; there
         XLA may copy the small GDN states and conv windows once in a standalone step (it reads the next
         group's slice from the original buffer), never the KV buffers, and nothing inside generate's loop.
-        ``check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
-        ``attention_window`` [B], ``batch_invariant``: see :func:`extend`.
+        ``options.check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
+        ``options``, ``attention_window`` [B]: see :func:`extend`.
         """
         cfg = self.config
         p, num_hidden = cfg.group_size, len(hidden_layers)
@@ -174,9 +173,9 @@ class TargetModel(nnx.Module):
                 elif in_place[j]:
                     entry = carried[j]
                 with jax.named_scope(f"layer_{j}"):
-                    h, entry = layer(h, entry, starts, num_new, g, form=form, impl=impl,
-                                     attention_window=attention_window, batch_invariant=batch_invariant)
-                if check_finite:
+                    h, entry = layer(h, entry, starts, num_new, g, form=form, options=options,
+                                     attention_window=attention_window)
+                if options.check_finite:
                     if not layer.is_attention:
                         for x in jax.tree.leaves(entry):
                             debug.check_finite(x, "Gated DeltaNet state", layer=jnp.asarray(g) * p + j)
@@ -273,17 +272,17 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
 
 
 def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
-           form: Form = "chunked", hidden_layers: Sequence[int] = (), impl: Impl = "xla",
-           check_finite: bool = False, logits_at: jax.Array | None = None,
-           attention_window: jax.Array | None = None, head: jax.Array | None = None,
-           batch_invariant: bool = False) -> StepOutput:
+           form: Form = "chunked", hidden_layers: Sequence[int] = (), options: StepOptions = PLAIN,
+           logits_at: jax.Array | None = None, attention_window: jax.Array | None = None,
+           head: jax.Array | None = None) -> StepOutput:
     """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
 
     Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
     T). ``form`` picks the Gated DeltaNet algorithm: ``"chunked"`` (prefill) or ``"recurrent"``
-    (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``impl``:
-    ``"xla"`` or ``"pallas"`` (the fused Gated DeltaNet kernels of either form).
-    ``check_finite``: the checks of ``ready_jax.debug`` (run the function through ``debug.checked``).
+    (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``options``
+    (``ready_jax.step_options``, static): ``options.kernels`` runs the Gated DeltaNet of either form with XLA or
+    the fused Pallas kernels; ``options.check_finite`` adds the checks of ``ready_jax.debug`` (run the function
+    through ``debug.checked``).
     Contract (checked on the host by :class:`Target`, and in here only under ``check_finite``): token ids lie
     in ``0..vocab_size-1`` and ``0 <= num_new[b] <= T``; outside it the result is undefined.
     ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
@@ -292,7 +291,7 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     positions; a training-time restriction (``training.target_recipe.attention_windows``) that makes the Gated DeltaNet
     states carry what lies further back. None: full attention, the architecture as it is.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
-    ``batch_invariant``: each token's result depends on neither how many rows share the step, the padding nor
+    ``options.batch_invariant``: each token's result depends on neither how many rows share the step, the padding nor
     the cache's capacity: every matmul runs as ``layers.invariant_rows`` has it (a prompt on rows padded to a
     multiple of 8, a decode or verify block one position at a time), attention sums over fixed chunks of key
     slots up to the last visible one, the Gated DeltaNet recurrence runs one token per loop iteration and its
@@ -301,54 +300,53 @@ def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax
     count).
     """
     model = nnx.merge(graphdef, params)
-    if check_finite:
+    if options.check_finite:
         debug.check_in_range(tokens, 0, model.config.vocab_size - 1, "token ids")
         if num_new is not None:
             debug.check_in_range(num_new, 0, tokens.shape[1], "num_new")
     with jax.named_scope("embed"):
         h = model.embed_tokens(tokens)
-    if check_finite:
+    if options.check_finite:
         debug.check_finite(h, "token embeddings")
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
-                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite,
-                                         attention_window=attention_window, batch_invariant=batch_invariant)
+                                         hidden_layers=hidden_layers, options=options,
+                                         attention_window=attention_window)
     with jax.named_scope("lm_head"):
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]
-        logits = model.logits(h, head, batch_invariant, form == "chunked").astype(jnp.float32)
-    if check_finite:
+        logits = model.logits(h, head, options.batch_invariant, form == "chunked").astype(jnp.float32)
+    if options.check_finite:
         debug.check_finite(logits, "target logits")
     n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
     return StepOutput(logits, hidden, TargetCache(layers=layers, lengths=cache.lengths + n))
 
 
 def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_layers: Sequence[int] = (),
-           rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False,
-           head: jax.Array | None = None, batch_invariant: bool = False) -> StepOutput:
-    """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`.
+           rollback: Rollback = "checkpoint", options: StepOptions = PLAIN,
+           head: jax.Array | None = None) -> StepOutput:
+    """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`, which records ``options``.
 
     ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
     ``rollback="checkpoint"`` the candidate holds the recurrent state after every block position and
     commit selects one; with ``"replay"`` it holds the state before the block and the block's
     delta-rule inputs, and commit recomputes the kept tokens' updates. Both give the same cache.
     ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
-    ``batch_invariant``: as in :func:`extend`; with it each block position's logits equal a decode step's.
+    ``options``: as in :func:`extend`; with ``batch_invariant`` each block position's logits equal a decode step's.
     """
     modes.check(rollback, modes.ROLLBACKS, "rollback")
     model = nnx.merge(graphdef, params)
-    if check_finite:
+    if options.check_finite:
         debug.check_in_range(block, 0, model.config.vocab_size - 1, "token ids")
     h = model.embed_tokens(block)
-    if check_finite:
+    if options.check_finite:
         debug.check_finite(h, "token embeddings")
     form = "candidates" if rollback == "checkpoint" else "replay"
     h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
-                                         hidden_layers=hidden_layers, impl=impl, check_finite=check_finite,
-                                         batch_invariant=batch_invariant)
-    logits = model.logits(h, head, batch_invariant).astype(jnp.float32)
-    if check_finite:
+                                         hidden_layers=hidden_layers, options=options)
+    logits = model.logits(h, head, options.batch_invariant).astype(jnp.float32)
+    if options.check_finite:
         debug.check_finite(logits, "target logits")
-    return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths))
+    return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths, options=options))
 
 
 def final_norm(graphdef, params, hidden: jax.Array) -> jax.Array:
@@ -462,69 +460,69 @@ class Target:
         return cache_lib.init_cache(self.config, batch_size, capacity, self.dtype)
 
     # ---- jitted steps (cache donated) ----------------------------------------------------------------
-    def _run_step(self, step, check_finite: bool, *args):
+    def _run_step(self, step, options: StepOptions, *args):
         """Inside jit: ``(error or None, output)``, the output cache pinned to the layout."""
         def pin(out: StepOutput) -> StepOutput:
             return dataclasses.replace(out, cache=sharding_lib.constrain(out.cache, self.layout))
 
-        if check_finite:
+        if options.check_finite:
             error, out = debug.checked(step)(*args)
             return error, pin(out)
         return None, pin(step(*args))
 
     @functools.cached_property
-    def _extend(self):
-        def run(params, cache, tokens, num_new, *, form, hidden_layers, impl, check_finite, batch_invariant):
-            step = functools.partial(extend, self.graphdef, form=form, hidden_layers=hidden_layers, impl=impl,
-                                     check_finite=check_finite, batch_invariant=batch_invariant)
-            with sharding_lib.kernels_on(self.layout):
-                return self._run_step(step, check_finite, params, cache, tokens, num_new)
+    def _extend(self) -> dict[bool, Callable]:
+        def run(params, cache, tokens, num_new, *, form, hidden_layers, options):
+            step = functools.partial(extend, self.graphdef, form=form, hidden_layers=hidden_layers, options=options)
+            return self._run_step(step, options, params, cache, tokens, num_new)
 
-        return jax.jit(run, static_argnames=("form", "hidden_layers", "impl", "check_finite", "batch_invariant"),
-                       donate_argnames=("cache",), compiler_options=numerics.compiler_options(True))
+        return _jit_per_numerics(run, static_argnames=("form", "hidden_layers", "options"), donate_argnames=("cache",))
 
     @functools.cached_property
-    def _verify(self):
-        def run(params, donated, kept, lengths, block, *, hidden_layers, rollback, impl, check_finite,
-                batch_invariant):
+    def _verify(self) -> dict[bool, Callable]:
+        def run(params, donated, kept, lengths, block, *, hidden_layers, rollback, options):
             def step(params, donated, kept, lengths, block):
                 cache = TargetCache(layers=_merge_layers(donated, kept), lengths=lengths)
                 return verify(self.graphdef, params, cache, block, hidden_layers=hidden_layers, rollback=rollback,
-                              impl=impl, check_finite=check_finite, batch_invariant=batch_invariant)
+                              options=options)
 
-            with sharding_lib.kernels_on(self.layout):
-                return self._run_step(step, check_finite, params, donated, kept, lengths, block)
+            return self._run_step(step, options, params, donated, kept, lengths, block)
 
         # Only what keeps its shape through verify is donated (see _split_layers).
-        return jax.jit(run, static_argnames=("hidden_layers", "rollback", "impl", "check_finite", "batch_invariant"),
-                       donate_argnums=(1,), compiler_options=numerics.compiler_options(True))
+        return _jit_per_numerics(run, static_argnames=("hidden_layers", "rollback", "options"), donate_argnums=(1,))
+
+    def _options(self, impl: Impl, batch_invariant: bool | None, check_finite: bool) -> StepOptions:
+        """The step options of a call, resolved once (``StepOptions.resolve``), the kernels placed on this target's
+        mesh."""
+        return StepOptions.resolve(impl, batch_invariant, check_finite, sharding_lib.kernel_placement(self.layout))
 
     def prefill(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
                 impl: Impl = "xla", check_finite: bool = False, batch_invariant: bool | None = None) -> StepOutput:
         """Append right-padded prompts ``tokens`` [B, T] (``num_new[b]`` real tokens each; None: all).
 
-        ``impl`` (here and in :meth:`decode` / :meth:`verify`): ``"xla"`` or ``"pallas"`` (the fused kernels).
+        ``impl`` (here and in :meth:`decode` / :meth:`verify`): ``"xla"`` or ``"pallas"`` (the fused kernels, of
+        the family the environment picks when the step is called: ``pallas_kernels.backend``).
         ``check_finite`` (here and in :meth:`decode` / :meth:`verify`): raise ``FloatingPointError``
         naming the first layer whose output or state holds a NaN / Inf (``ready_jax.debug``).
         ``batch_invariant`` (None: ``numerics.resolve``): as in :meth:`decode`; a prompt's tokens then round the
-        same whatever its padding and the cache's capacity, as ``generate``'s prefill does.
+        same whatever its padding and the cache's capacity, as ``generate``'s prefill does. Each step compiles
+        under its mode's XLA options, as ``generate`` does (``numerics.compiler_options``).
         """
-        batch_invariant = numerics.resolve(batch_invariant)
-        layers = self._check_step(cache, hidden_layers, impl, check_finite)
+        options = self._options(impl, batch_invariant, check_finite)
+        layers = self._check_step(cache, hidden_layers)
         tokens = self._check_tokens(tokens, cache)
         if num_new is not None:
             num_new = check_counts(num_new, cache.batch_size, tokens.shape[1], "num_new", "prompt tokens per row")
-        return _checked(self._extend(self.params, cache, tokens, num_new, form="chunked", hidden_layers=layers,
-                                     impl=impl, check_finite=check_finite, batch_invariant=batch_invariant))
+        return _checked(self._extend[options.batch_invariant](self.params, cache, tokens, num_new, form="chunked",
+                                                              hidden_layers=layers, options=options))
 
     def decode(self, cache: TargetCache, tokens, num_new=None, *, hidden_layers: Sequence[int] = (),
                impl: Impl = "xla", check_finite: bool = False, batch_invariant: bool | None = None) -> StepOutput:
         """One token per sequence, ``tokens`` [B] -> logits [B, 1, V]; ``num_new[b]`` 0 leaves row b's cache as it
-        was (None: every row advances), as generate does for a finished sequence. ``batch_invariant`` (here, in
-        :meth:`verify` and :meth:`commit`; None: ``numerics.resolve``): round as a verify block does
-        (:func:`extend`)."""
-        batch_invariant = numerics.resolve(batch_invariant)
-        layers = self._check_step(cache, hidden_layers, impl, check_finite)
+        was (None: every row advances), as generate does for a finished sequence. ``batch_invariant`` (here and in
+        :meth:`verify`; None: ``numerics.resolve``): round as a verify block does (:func:`extend`)."""
+        options = self._options(impl, batch_invariant, check_finite)
+        layers = self._check_step(cache, hidden_layers)
         tokens = int_array(tokens, "tokens")
         if tokens.shape not in ((cache.batch_size,), (cache.batch_size, 1)):
             raise ValueError(f"decode takes one token per row: tokens must be [B={cache.batch_size}], got shape "
@@ -532,34 +530,41 @@ class Target:
         tokens = self._check_tokens(tokens.reshape(-1, 1), cache)
         if num_new is not None:
             num_new = check_counts(num_new, cache.batch_size, 1, "num_new", "tokens per row")
-        return _checked(self._extend(self.params, cache, tokens, num_new, form="recurrent", hidden_layers=layers,
-                                     impl=impl, check_finite=check_finite, batch_invariant=batch_invariant))
+        return _checked(self._extend[options.batch_invariant](self.params, cache, tokens, num_new, form="recurrent",
+                                                              hidden_layers=layers, options=options))
 
     def verify(self, cache: TargetCache, block, *, hidden_layers: Sequence[int] = (),
                rollback: Rollback = "checkpoint", impl: Impl = "xla", check_finite: bool = False,
                batch_invariant: bool | None = None) -> StepOutput:
-        batch_invariant = numerics.resolve(batch_invariant)
-        layers = self._check_step(cache, hidden_layers, impl, check_finite)
+        """Score ``block`` [B, T] (anchor + drafts): logits [B, T, V] and a ``Candidate`` that records this call's
+        options, so that :meth:`commit` keeps its tokens with the same kernels and rounding."""
+        options = self._options(impl, batch_invariant, check_finite)
+        layers = self._check_step(cache, hidden_layers)
         modes.check(rollback, modes.ROLLBACKS, "rollback")
         block = self._check_tokens(block, cache, "block")
         donated, kept = _split_layers(cache.layers, states=rollback == "replay")
-        return _checked(self._verify(self.params, donated, kept, cache.lengths, block, hidden_layers=layers,
-                                     rollback=rollback, impl=impl, check_finite=check_finite,
-                                     batch_invariant=batch_invariant))
+        return _checked(self._verify[options.batch_invariant](self.params, donated, kept, cache.lengths, block,
+                                                              hidden_layers=layers, rollback=rollback,
+                                                              options=options))
 
     @staticmethod
     def commit(candidate: Candidate, n_accepted, *, batch_invariant: bool | None = None) -> TargetCache:
-        """Keep the first ``n_accepted[b]`` (0..T) block tokens of each row of a verify ``candidate``."""
-        batch_invariant = numerics.resolve(batch_invariant)
+        """Keep the first ``n_accepted[b]`` (0..T) block tokens of each row of a verify ``candidate``, under the
+        options verify ran with (its kernels; its ``batch_invariant`` unless one is given here)."""
+        if batch_invariant is not None:
+            batch_invariant = check_flag(batch_invariant, "batch_invariant")
         if not isinstance(candidate, Candidate):
             raise TypeError(f"commit takes the Candidate that Target.verify returned (its .cache), got "
                             f"{type(candidate).__name__}")
         _check_live(candidate, "candidate")
         n_accepted = check_counts(n_accepted, candidate.batch_size, candidate.block_length, "n_accepted",
                                   "verified block tokens")
+        options = candidate.options
+        if batch_invariant is not None:
+            options = dataclasses.replace(options, batch_invariant=batch_invariant)
         donated, kept = _split_layers(candidate.layers, states=True)
-        return _commit_program()(donated, kept, candidate.lengths, jnp.asarray(n_accepted, jnp.int32),
-                                 batch_invariant=batch_invariant)
+        return _commit_program(options.batch_invariant)(donated, kept, candidate.lengths,
+                                                        jnp.asarray(n_accepted, jnp.int32), options=options)
 
     def forward(self, input_ids) -> jax.Array:
         """Full-sequence logits [B, T, V] from an empty cache (no padding)."""
@@ -569,10 +574,8 @@ class Target:
         cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
         return self.prefill(cache, input_ids).logits
 
-    def _check_step(self, cache: TargetCache, hidden_layers, impl: Impl, check_finite: bool) -> tuple[int, ...]:
-        """What every step checks besides its tokens: a live TargetCache, the mode and flag, the hidden layers."""
-        modes.check(impl, modes.IMPLS, "impl")
-        check_flag(check_finite, "check_finite")
+    def _check_step(self, cache: TargetCache, hidden_layers) -> tuple[int, ...]:
+        """What every step checks besides its options and tokens: a live TargetCache, the hidden layers."""
         if isinstance(cache, Candidate):
             raise TypeError("cache is a verify Candidate: keep its accepted tokens with Target.commit(candidate, n) "
                             "first")
@@ -670,14 +673,20 @@ def _merge_layers(donated, kept):
     return tuple(merge(d, k) for d, k in zip(donated, kept, strict=True))
 
 
-def _commit(donated, kept, lengths, n_accepted, *, batch_invariant: bool):
-    return cache_lib.commit(Candidate(_merge_layers(donated, kept), lengths), n_accepted,
-                            batch_invariant=batch_invariant)
+def _commit(donated, kept, lengths, n_accepted, *, options: StepOptions):
+    return cache_lib.commit(Candidate(_merge_layers(donated, kept), lengths, options), n_accepted)
 
 
 @functools.cache
-def _commit_program():
-    """``_commit`` jitted, built on first use: its compiler options depend on the backend, which must not start
-    when ``ready_jax`` is imported."""
-    return jax.jit(_commit, donate_argnums=(0,), static_argnames=("batch_invariant",),
-                   compiler_options=numerics.compiler_options(True))
+def _commit_program(batch_invariant: bool):
+    """``_commit`` jitted under ``batch_invariant``'s compiler options, built on first use: they depend on the
+    backend, which must not start when ``ready_jax`` is imported."""
+    return jax.jit(_commit, donate_argnums=(0,), static_argnames=("options",),
+                   compiler_options=numerics.compiler_options(batch_invariant))
+
+
+def _jit_per_numerics(step, **jit_args) -> dict[bool, Callable]:
+    """``step`` jitted once per ``batch_invariant``, each under that mode's XLA compiler options, as ``generate``
+    compiles its program: a hand-written loop of steps rounds as ``generate`` does."""
+    return {invariant: jax.jit(step, compiler_options=numerics.compiler_options(invariant), **jit_args)
+            for invariant in (False, True)}

@@ -25,6 +25,7 @@ from convert import deepspec, hf_target
 from ready_jax import checkpoint, data, debug, generation, hf_format
 from ready_jax import target as target_lib
 from ready_jax.layers import KV_CHUNK, round_up
+from ready_jax.step_options import StepOptions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -380,7 +381,7 @@ def test_debug_mode_names_the_layer_where_nan_or_inf_appears(eos_runs):
         _poisoned(target, path, group, value).prefill(target.init_cache(1, 8), ids, check_finite=True)
     # The other poisons through one shared compiled step (same shapes, other weights).
     step = jax.jit(debug.checked(lambda params, cache, tokens: target_lib.extend(
-        target.graphdef, params, cache, tokens, form="chunked", check_finite=True)))
+        target.graphdef, params, cache, tokens, form="chunked", options=StepOptions(check_finite=True))))
     for path, group, value, message in POISON[1:]:
         error, _ = step(_poisoned(target, path, group, value).params, target.init_cache(1, 8), ids)
         with pytest.raises(FloatingPointError, match=message):

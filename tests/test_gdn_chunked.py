@@ -43,6 +43,7 @@ from pallas_kernels import tpu_common
 from pallas_kernels.gated_delta import CHUNKED, tpu, triton
 from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_naive
 from pallas_kernels.triton_common import lower_for_gpu, triton_dots
+from ready_jax.step_options import StepOptions
 from ready_jax.training import target_recipe
 
 TRITON_DEFAULT = triton.GDNChunkedConfig()  # block_v = 32: the launch the GPU uses
@@ -246,8 +247,8 @@ def test_target_training_step_pallas_matches_xla():
     config = tiny_config(num_hidden_layers=4, layer_types=(GDN, GDN, GDN, ATTN))
     target = rj.Target.init(config, seed=3)
     windows = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 25)), jnp.int32)
-    results = [jax.value_and_grad(lambda p, impl=impl: target_recipe.target_loss(target.graphdef, config, p, windows,
-                                                                               impl)[0])(target.params)
+    results = [jax.value_and_grad(lambda p, impl=impl: target_recipe.target_loss(
+        target.graphdef, config, p, windows, StepOptions.resolve(impl, batch_invariant=False))[0])(target.params)
                for impl in ("xla", "pallas")]
     (loss_xla, grads_xla), (loss_pallas, grads_pallas) = results
     np.testing.assert_allclose(loss_pallas, loss_xla, rtol=1e-6)

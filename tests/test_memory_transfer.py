@@ -16,6 +16,7 @@ from ready_jax import generation
 from ready_jax import target as target_lib
 from ready_jax.cache import AttentionCache
 from ready_jax.layers import KV_CHUNK, round_up
+from ready_jax.step_options import StepOptions
 
 pytestmark = pytest.mark.slow
 
@@ -97,18 +98,19 @@ def _donation_cases(target):
     params, lengths = target.params, cache.lengths
     prompt, block, n = jnp.zeros((BATCH, 5), jnp.int32), jnp.zeros((BATCH, 4), jnp.int32), jnp.zeros((BATCH,),
                                                                                                          jnp.int32)
-    static = dict(hidden_layers=(), impl="xla", check_finite=False, batch_invariant=True)  # decode, verify on a CPU
-    cases = [(form, target._extend.lower(params, cache, tokens, None, form=form,
-                                         **{**static, "batch_invariant": form == "recurrent"}).compile(), cache)
-             for form, tokens in (("chunked", prompt), ("recurrent", prompt[:, :1]))]
+    options = {invariant: StepOptions(batch_invariant=invariant) for invariant in (False, True)}
+    cases = [(form, target._extend[form == "recurrent"].lower(params, cache, tokens, None, form=form, hidden_layers=(),
+                                                            options=options[form == "recurrent"]).compile(), cache)
+             for form, tokens in (("chunked", prompt), ("recurrent", prompt[:, :1]))]  # decode, verify on a CPU
     for rollback in ("replay", "checkpoint"):
         donated, kept = target_lib._split_layers(cache.layers, states=rollback == "replay")
-        verify = target._verify.lower(params, donated, kept, lengths, block, rollback=rollback, **static).compile()
+        verify = target._verify[True].lower(params, donated, kept, lengths, block, rollback=rollback, hidden_layers=(),
+                                            options=options[True]).compile()
         cases.append((f"verify_{rollback}", verify, donated))
         candidate = jax.eval_shape(lambda r=rollback: target_lib.verify(target.graphdef, params, cache, block,
                                                                         rollback=r)).cache
         donated, kept = target_lib._split_layers(candidate.layers, states=True)
-        commit = target_lib._commit_program().lower(donated, kept, candidate.lengths, n, batch_invariant=True)
+        commit = target_lib._commit_program(True).lower(donated, kept, candidate.lengths, n, options=options[True])
         cases.append((f"commit_{rollback}", commit.compile(), donated))
     return cache, cases
 

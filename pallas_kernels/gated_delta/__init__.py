@@ -49,7 +49,7 @@ def gated_delta_recurrent(
     *,
     output_all_states: bool = False,
     include_initial_state: bool = False,
-    impl: str = "xla",
+    impl: backend.Impl | backend.KernelChoice = "xla",
     config=None,
     looped: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -76,7 +76,7 @@ def gated_delta_chunked(
     *,
     output_all_states: bool = False,
     chunk_size: int = 64,
-    impl: str = "xla",
+    impl: backend.Impl | backend.KernelChoice = "xla",
     config=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gated DeltaNet over a whole sequence (prefill, training): ``reference.gated_delta_chunked``.

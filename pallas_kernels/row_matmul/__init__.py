@@ -33,8 +33,8 @@ ROW_MATMUL = backend.KernelOp("row_matmul", __name__, kernel="row_matmul", confi
                               families=("triton", "tpu", "mosaic_gpu"), axes=_axes)
 
 
-def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES, impl: str = "xla",
-               config=None) -> jax.Array:
+def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES,
+               impl: backend.Impl | backend.KernelChoice = "xla", config=None) -> jax.Array:
     """``x [M, K] @ w [K, N]`` -> ``[M, N]`` in x's dtype, each row rounded alike at any M:
     ``reference.row_matmul``."""
     return backend.run(ROW_MATMUL, reference.row_matmul, x, w, tiles=tiles, impl=impl, config=config)

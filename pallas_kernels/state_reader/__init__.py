@@ -73,7 +73,7 @@ def state_gather(
     value_basis: jax.Array | None,
     *,
     layers: Sequence[tuple[int, int]] | None = None,
-    impl: str = "xla",
+    impl: backend.Impl | backend.KernelChoice = "xla",
     config=None,
 ) -> jax.Array:
     """Committed-state gather + rank-r compression: ``reference.gather_prepare`` -> C ``[B, M, r, r]`` fp32, or
@@ -91,7 +91,7 @@ def state_reader(
     norm_weight: jax.Array,
     eps: float,
     *,
-    impl: str = "xla",
+    impl: backend.Impl | backend.KernelChoice = "xla",
     config=None,
 ) -> jax.Array:
     """The state read ``h + W_o(rmsnorm(concat_m C_m^T a_m))``: ``reference.read`` -> ``[B, G, d]``."""
@@ -107,7 +107,7 @@ def content_reader(
     norm_weight: jax.Array,
     eps: float,
     *,
-    impl: str = "xla",
+    impl: backend.Impl | backend.KernelChoice = "xla",
     config=None,
 ) -> jax.Array:
     """The read of full-key-space queries, ``h + W_o(rmsnorm(concat_m P_m^T q_m))``:
@@ -121,7 +121,7 @@ def content_read(
     queries: jax.Array,
     values: jax.Array,
     *,
-    impl: str = "xla",
+    impl: backend.Impl | backend.KernelChoice = "xla",
     config=None,
 ) -> jax.Array:
     """What each pair's state returns for a full-key-space query, ``P_m^T q_m`` with no norm or ``W_o`` after it

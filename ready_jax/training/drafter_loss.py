@@ -52,6 +52,7 @@ from ..drafter import DrafterModel, SharedWeights
 from ..drafter_config import KV, STATE
 from ..kv_read import KVReadState
 from ..reader import committed_states, source_kv
+from ..step_options import PLAIN, StepOptions
 
 CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
 POSITION_DECAY = 4.0
@@ -120,19 +121,19 @@ class Teacher:
 
 def teacher_pass(graphdef, params, config: TargetConfig, tokens: jax.Array, layout: AnchorLayout,
                  hidden_layers: Sequence[int], source_layers: Sequence[int] = (), reader_kind: str = STATE,
-                 impl: str = "xla") -> Teacher:
+                 options: StepOptions = PLAIN) -> Teacher:
     """The frozen target over ``tokens`` [B, T]; with ``source_layers``, also what the reader reads at each anchor.
 
     State reader: the pass runs in segments ending at the anchors (prompt, then ``stride`` tokens at a
     time, then the tail), reading ``committed_states`` of the cache after each: the same cache
     ``generate`` holds when the anchor's block is drafted. KV reader: one pass; the source layers' keys
-    and values of the whole sequence, which the reader masks to the ``a_j`` committed tokens. ``impl``: the
-    target's Gated DeltaNet as XLA or the fused Pallas kernel.
+    and values of the whole sequence, which the reader masks to the ``a_j`` committed tokens. ``options`` (static):
+    the target's steps' (``options.kernels``: its Gated DeltaNet as XLA or the fused Pallas kernel).
     """
     b, t = tokens.shape
     cache = cache_lib.init_cache(config, b, t, jax.tree.leaves(params)[0].dtype)
     extend = functools.partial(target_lib.extend, graphdef, params, form="chunked", hidden_layers=tuple(hidden_layers),
-                               impl=impl)
+                               options=options)
     if not source_layers or reader_kind == KV:
         out = extend(cache, tokens)
         if not source_layers:

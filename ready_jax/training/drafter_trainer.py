@@ -16,6 +16,7 @@ from flax import nnx
 from .. import data, sharding
 from ..drafter import Drafter, SharedWeights, shard_drafter
 from ..drafter_config import STATE
+from ..step_options import PLAIN, StepOptions
 from ..target import Target, shard_target
 from .drafter_loss import DEEPSPEC_LOSS, AnchorLayout, LossWeights, drafter_loss, draw_anchors, teacher_pass
 from .loop import LoopConfig, train_loop
@@ -29,14 +30,15 @@ def per_example(name: str) -> bool:
     return name.split(".")[0] in PER_EXAMPLE
 
 
-def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout, impl: str = "xla",
+def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout, options: StepOptions = PLAIN,
                  weights: LossWeights = DEEPSPEC_LOSS):
     """``loss_fn(params, batch, key)`` for :func:`ready_jax.training.train_state.make_train_step`.
 
     ``batch`` = ``{"tokens": [B, T], "rows": [B] (each sequence's row in the global batch), "target": target
     params, "shared": SharedWeights}``: the frozen target rides in the batch (not in the closure), so its weights
     are arguments, not HLO constants. The anchors are drawn from ``key`` and the rows
-    (:func:`~ready_jax.training.drafter_loss.draw_anchors`); ``key=None`` takes the whole grid.
+    (:func:`~ready_jax.training.drafter_loss.draw_anchors`); ``key=None`` takes the whole grid. ``options``: the
+    teacher pass's (:func:`~ready_jax.training.drafter_loss.teacher_pass`).
     """
     cfg = drafter.config
     source = cfg.reader.source_layers if cfg.reader is not None else ()
@@ -44,7 +46,7 @@ def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout, impl: s
 
     def loss_fn(params, batch, key):
         teacher = jax.lax.stop_gradient(teacher_pass(target.graphdef, batch["target"], target.config, batch["tokens"],
-                                                     layout, cfg.target_layer_ids, source, kind, impl))
+                                                     layout, cfg.target_layer_ids, source, kind, options))
         grid_index = draw_anchors(key, batch["rows"], layout)
         return drafter_loss(drafter.graphdef, params, batch["shared"], teacher, batch["tokens"], layout, grid_index,
                             weights)
@@ -70,13 +72,13 @@ def make_batch(tokens: np.ndarray, target: Target, shared: SharedWeights) -> dic
 
 
 def make_drafter_eval(drafter: Drafter, target: Target, layout: AnchorLayout, sequences: np.ndarray,
-                      batch_size: int, impl: str = "xla", weights: LossWeights = DEEPSPEC_LOSS,
+                      batch_size: int, options: StepOptions = PLAIN, weights: LossWeights = DEEPSPEC_LOSS,
                       mesh: sharding.Layout | None = None):
     """``eval_fn(params) -> {val_loss, val_tv, val_tau_teacher_forced, ...}`` over fixed held-out sequences, every
     grid anchor of each (on ``mesh`` when given: ``target`` and ``params`` placed there)."""
     if mesh is not None and target.layout is None:
         target = shard_target(target, mesh)
-    loss_fn = make_loss_fn(drafter, target, layout, impl, weights)
+    loss_fn = make_loss_fn(drafter, target, layout, options, weights)
     shared = SharedWeights.from_target(target)
     run = jax.jit(lambda params, batch: loss_fn(params, batch, None))
     batches = [sequences[i:i + batch_size] for i in range(0, len(sequences) - batch_size + 1, batch_size)]
@@ -109,6 +111,7 @@ def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_
     :func:`~ready_jax.training.step_batches.step_batches` dataset); default: seeded per-epoch permutations of
     ``train_seqs``.
     """
+    options = StepOptions.resolve(impl, batch_invariant=False)
     if mesh is not None:
         target, drafter = shard_target(target, mesh), shard_drafter(drafter, mesh)
     optimizer = make_optimizer(optim)
@@ -119,7 +122,7 @@ def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_
         state_shardings = sharding.train_state_shardings(state, mesh, drafter.config)
         state = sharding.place(state, state_shardings)
         batch_placement = batch_shardings(make_batch(train_seqs[:batch_size], target, shared), mesh, target.config)
-    step_fn = make_train_step(make_loss_fn(drafter, target, layout, impl, weights), optimizer, mesh, state_shardings,
+    step_fn = make_train_step(make_loss_fn(drafter, target, layout, options, weights), optimizer, mesh, state_shardings,
                               batch_placement, micro_batches=micro_batches, per_example=per_example)
 
     def batch_fn(step: int) -> dict:
@@ -130,6 +133,7 @@ def train_drafter(drafter: Drafter, target: Target, train_seqs: np.ndarray, val_
         batch = make_batch(tokens, target, shared)
         return batch if mesh is None else sharding.place(batch, batch_placement)
 
-    eval_fn = make_drafter_eval(drafter, target, layout, val_seqs, batch_size // micro_batches, impl, weights, mesh)
+    eval_fn = make_drafter_eval(drafter, target, layout, val_seqs, batch_size // micro_batches, options, weights,
+                                mesh)
     state = train_loop(state, step_fn, batch_fn, loop, workdir, eval_fn=eval_fn, meta=meta, log=log)
     return Drafter(nnx.merge(drafter.graphdef, state.params))

@@ -14,6 +14,7 @@ import optax
 from .. import cache as cache_lib
 from .. import target as target_lib
 from ..config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
+from ..step_options import PLAIN, StepOptions
 
 
 def small_target_config(vocab_size: int, *, hidden_size: int = 256, num_layers: int = 8,
@@ -35,25 +36,26 @@ def small_target_config(vocab_size: int, *, hidden_size: int = 256, num_layers: 
         tie_word_embeddings=True, eos_token_ids=(eos_token_id,), max_position_embeddings=4096)
 
 
-def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, impl: str = "xla",
+def target_loss(graphdef, config: TargetConfig, params, tokens: jax.Array, options: StepOptions = PLAIN,
                 attention_window: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Mean next-token cross-entropy of windows ``tokens`` [B, T + 1] with the chunked GDN form.
 
-    ``impl="pallas"`` runs the forward pass's Gated DeltaNet as the fused kernel (``pallas_kernels.gated_delta``);
-    its gradient is the XLA reference's either way. ``attention_window`` [B]: see :func:`attention_windows`.
+    ``options`` (static): the forward pass's; Pallas ``options.kernels`` run its Gated DeltaNet as the fused kernel
+    (``pallas_kernels.gated_delta``), whose gradient is the XLA reference's. ``attention_window`` [B]: see
+    :func:`attention_windows`.
     """
-    ce, correct = next_token_scores(graphdef, config, params, tokens, impl, attention_window)
+    ce, correct = next_token_scores(graphdef, config, params, tokens, options, attention_window)
     return ce.mean(), {"accuracy": correct.astype(jnp.float32).mean()}
 
 
-def next_token_scores(graphdef, config: TargetConfig, params, tokens: jax.Array, impl: str = "xla",
+def next_token_scores(graphdef, config: TargetConfig, params, tokens: jax.Array, options: StepOptions = PLAIN,
                       attention_window: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per position of windows ``tokens`` [B, T + 1]: the cross-entropy of the next token [B, T] and whether the
     target's argmax is that token [B, T] (chunked GDN form; ``attention_window`` [B]: ``target.extend``'s)."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = cache_lib.init_cache(config, inputs.shape[0], inputs.shape[1], dtype)
-    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", impl=impl,
+    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", options=options,
                                attention_window=attention_window).logits                       # [B, T, V]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return ce, jnp.argmax(logits, -1) == labels
@@ -79,9 +81,9 @@ def perplexity(loss: float) -> float:
 
 
 def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_size: int,
-                     impl: str = "xla") -> Callable:
+                     options: StepOptions = PLAIN) -> Callable:
     """``eval_fn(params) -> {val_loss, val_ppl, val_accuracy}`` over fixed windows [N, T + 1] (N cut to batches)."""
-    loss = jax.jit(lambda params, tokens: target_loss(graphdef, config, params, tokens, impl))
+    loss = jax.jit(lambda params, tokens: target_loss(graphdef, config, params, tokens, options))
     batches = [windows[i:i + batch_size] for i in range(0, len(windows) - batch_size + 1, batch_size)]
 
     def eval_fn(params) -> dict:
@@ -94,13 +96,13 @@ def make_target_eval(graphdef, config: TargetConfig, windows: np.ndarray, batch_
 
 
 def make_masked_eval(graphdef, config: TargetConfig, windows: np.ndarray, mask: np.ndarray, batch_size: int,
-                     name: str, impl: str = "xla", attention_window: int | None = None) -> Callable:
+                     name: str, options: StepOptions = PLAIN, attention_window: int | None = None) -> Callable:
     """``eval_fn(params) -> {<name>_loss, <name>_accuracy}``: mean next-token cross-entropy and greedy accuracy
     over the positions ``mask`` [N, T] marks in windows [N, T + 1] (N cut to batches), e.g. the answers of
     long-range queries (``long_range_task.LongRangeTask.answer_mask``); with ``attention_window``, every row's attention
     sees only that many positions back (what the Gated DeltaNet states alone carry further back)."""
     rows = None if attention_window is None else jnp.full((batch_size,), attention_window, jnp.int32)
-    scores = jax.jit(lambda params, tokens: next_token_scores(graphdef, config, params, tokens, impl, rows))
+    scores = jax.jit(lambda params, tokens: next_token_scores(graphdef, config, params, tokens, options, rows))
     starts = range(0, len(windows) - batch_size + 1, batch_size)
     if not mask[:len(starts) * batch_size].any():
         raise ValueError(f"the {name} mask marks no position of the evaluated windows")
