@@ -12,7 +12,7 @@ _PUBLIC = {
     "DrafterConfig": "drafter_config", "ReaderConfig": "drafter_config", "MTPConfig": "drafter_config",
     "MTPDrafter": "mtp",
     "Drafter": "drafter", "DraftOutput": "drafter", "SharedWeights": "drafter",
-    "GenerateOutput": "generation", "ScriptedDrafter": "generation", "generate": "generation",
+    "GenerateOutput": "generation", "ScriptedDrafter": "scripted_drafter", "generate": "generation",
     "Layout": "sharding", "make_mesh": "sharding",
     "StepOutput": "target", "Target": "target", "TargetModel": "target",
     "shard_target": "target", "shard_drafter": "drafter",

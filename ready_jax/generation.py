@@ -26,11 +26,11 @@ from .cache import TargetCache
 from .checks import as_array, check_int, check_real, check_seed, check_token_ids, check_type, is_int
 from .config import INT32_MAX
 from .drafter import Drafter
-from .drafter_config import MAX_BLOCK_SIZE
-from .generation_loop import PAD, ScriptedConfig, ScriptedInputs, Settings, program_jit
+from .generation_loop import PAD, Settings, program_jit
 from .layers import KV_CHUNK, round_up
 from .modes import Impl, Rollback
 from .mtp import MTPDrafter
+from .scripted_drafter import ScriptedDrafter, ScriptedInputs
 from .step_options import StepOptions
 from .target import Target
 
@@ -100,38 +100,6 @@ class GenerateOutput:
         return (f"{count(len(self.num_generated), 'sequence')}, {count(int(self.num_generated.sum()), 'token')} in "
                 f"{count(self.rounds, 'round')} (tau {tau}, {drafts}), {self.tokens_per_second:.1f} tok/s; run "
                 f"{self.run_seconds:.2f} s, compile {self.compile_seconds:.2f} s")
-
-
-@dataclasses.dataclass(frozen=True)
-class ScriptedDrafter:
-    """A drafter of known quality: proposes a given continuation (for example the target's own greedy
-    output), each draft replaced by another random token with probability ``error_rate``.
-
-    For tests (long and full-block accepts) and for timing the loop apart from drafter quality. Its
-    proposals are deterministic given the round, so the proposal distribution is one-hot. The fields are
-    checked here; the reference's batch and vocabulary by ``generate``, which knows the prompts and the target.
-    """
-
-    reference: np.ndarray   # [B, N] the continuation to propose; token i is generated token i
-    block_size: int = 7     # 1..MAX_BLOCK_SIZE, the learned drafter's bound
-    error_rate: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self):
-        reference = as_array(self.reference, "ScriptedDrafter.reference", "a [B, N] array of token ids")
-        if reference.ndim != 2 or 0 in reference.shape:
-            raise ValueError(f"ScriptedDrafter.reference must be [B, N] with B, N >= 1, got shape {reference.shape}")
-        if not np.issubdtype(reference.dtype, np.integer):
-            raise ValueError(f"ScriptedDrafter.reference must hold integer token ids, got {reference.dtype}")
-        check_int(self.block_size, "ScriptedDrafter.block_size", 1, MAX_BLOCK_SIZE)
-        rate = check_real(self.error_rate, "ScriptedDrafter.error_rate")
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"ScriptedDrafter.error_rate must lie in [0, 1], got {rate}")
-        check_int(self.seed, "ScriptedDrafter.seed", 0, 2**32 - 1)  # folded into the key as a uint32
-
-    @property
-    def config(self) -> ScriptedConfig:
-        return ScriptedConfig(self.block_size)
 
 
 PROGRAMS = compiled_programs.ProgramCache()  # settings, shapes and placements -> executable
@@ -246,7 +214,7 @@ def prepare(target: Target, prompt_ids, max_new_tokens: int,
         drafter_config, drafter_params, drafter_def = drafter.config, drafter.params, drafter.graphdef
     elif isinstance(drafter, ScriptedDrafter):
         drafter_config = drafter.config
-        drafter_params = _scripted_inputs(drafter, len(lengths), target.config.vocab_size, max_new_tokens_bucket)
+        drafter_params = drafter.inputs(len(lengths), target.config.vocab_size, max_new_tokens_bucket)
     gamma = 0 if drafter is None else drafter_config.block_size
     needed = int(lengths.max()) + max_new_tokens + gamma
     capacity = prompts.shape[1] + max_new_tokens_bucket + gamma if capacity is None else capacity
@@ -308,18 +276,6 @@ def effective_temperature(temperature) -> float:
     return 0.0 if temperature < drafter_lib.GREEDY_BELOW else temperature
 
 
-def _scripted_inputs(drafter: ScriptedDrafter, batch: int, vocab_size: int, new_tokens_bucket: int) -> ScriptedInputs:
-    """A :class:`ScriptedDrafter`'s program inputs, its reference checked against the prompts' batch and the
-    vocabulary (its constructor checked the rest). A reference shorter than the token bucket is padded with its
-    last column, which is what the drafts read past its end anyway, so references of any length up to the bucket
-    run one program."""
-    reference = np.asarray(drafter.reference)
-    if reference.shape[0] != batch:
-        raise ValueError(f"ScriptedDrafter.reference must be [B={batch}, N] (a row per prompt), got {reference.shape}")
-    if reference.min() < 0 or reference.max() >= vocab_size:
-        raise ValueError(f"ScriptedDrafter.reference has token ids outside the vocabulary 0..{vocab_size - 1}")
-    reference = np.pad(reference, ((0, 0), (0, max(0, new_tokens_bucket - reference.shape[1]))), mode="edge")
-    return ScriptedInputs(jnp.asarray(reference, jnp.int32), jnp.asarray(drafter.error_rate, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)

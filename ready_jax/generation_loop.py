@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from . import cache as cache_lib
-from . import debug, speculative
+from . import debug, scripted_drafter, speculative
 from . import drafter as drafter_lib
 from . import mtp as mtp_lib
 from . import sharding as sharding_lib
@@ -33,24 +32,12 @@ from .cache import ContextCache, TargetCache
 from .config import TargetConfig
 from .drafter_config import DrafterConfig, MTPConfig
 from .modes import Rollback
+from .scripted_drafter import ScriptedConfig
 from .step_options import StepOptions
 
 PAD = -1  # fills the token buffer (and GenerateOutput.tokens) after a sequence ended
 
 
-@dataclasses.dataclass(frozen=True)
-class ScriptedConfig:
-    """The static part of a :class:`ScriptedDrafter`: its block (its reference tokens and error rate are the
-    program's inputs, :class:`ScriptedInputs`, so a sweep over error rates runs one program)."""
-
-    block_size: int
-
-
-class ScriptedInputs(NamedTuple):
-    """A :class:`ScriptedDrafter`'s program inputs."""
-
-    reference: jax.Array   # int32 [B, N]: draft k of a row that has generated g tokens is reference[b, g + k]
-    error_rate: jax.Array  # float32 []: the probability that a draft is replaced by another token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +171,8 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
                 if s.options.check_finite:
                     debug.check_finite(draft.logits, "drafter logits")
             else:
-                draft_tokens = _scripted_drafts(drafter_params, carry.generated, s, draft_key)
+                draft_tokens = scripted_drafter.drafts(drafter_params, carry.generated, s.gamma,
+                                                         s.target_config.vocab_size, draft_key)
                 draft_probs = jax.nn.one_hot(draft_tokens, s.target_config.vocab_size, dtype=jnp.float32)
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
@@ -224,15 +212,6 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
         reader=reader, mtp=mtp)
 
 
-def _scripted_drafts(scripted: ScriptedInputs, generated: jax.Array, s: Settings, key: jax.Array) -> jax.Array:
-    """Drafts ``reference[b, generated[b] + k]`` for k < gamma, each corrupted with probability error_rate."""
-    reference, error_rate = scripted
-    index = generated[:, None] + jnp.arange(s.gamma)[None, :]                         # [B, gamma]
-    right = jnp.take_along_axis(reference, jnp.minimum(index, reference.shape[1] - 1), axis=1)
-    wrong_key, where_key = jax.random.split(key)
-    vocab = s.target_config.vocab_size
-    wrong = (right + jax.random.randint(wrong_key, right.shape, 1, vocab)) % vocab   # never equals `right`
-    return jnp.where(jax.random.uniform(where_key, right.shape) < error_rate, wrong, right).astype(jnp.int32)
 
 
 def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_new_tokens, *, target_def,

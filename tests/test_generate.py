@@ -182,7 +182,8 @@ def test_a_scripted_drafters_rate_and_reference_length_are_inputs(target):
     assert runs[0.0].rounds < runs[0.4].rounds < runs[1.0].rounds
     assert runs[1.0].accept_lengths.max() == 1 and runs[0.0].accept_lengths.max() == 4
     short = reference[:, :4]
-    padded = np.concatenate([short, np.repeat(short[:, -1:], 12, axis=1)], axis=1)
+    slots = generate_lib.new_tokens_bucket_of(10)               # the program's token slots: 12
+    padded = np.concatenate([short, np.repeat(short[:, -1:], slots - short.shape[1], axis=1)], axis=1)
     by_length = [rj.generate(target, prompts, 10, drafter=rj.ScriptedDrafter(r, 3, error_rate=0.0, seed=1))
                  for r in (short, padded)]
     np.testing.assert_array_equal(by_length[0].accept_lengths, by_length[1].accept_lengths)
