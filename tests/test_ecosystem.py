@@ -307,6 +307,14 @@ def _repo_module(installed: str) -> str:
     return installed
 
 
+def test_every_package_folder_is_listed_for_installation():
+    """A folder of modules left out of pyproject's package list is missing from a built wheel (and setuptools warns)."""
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    folders = {".".join(path.parent.relative_to(REPO).parts) for package in ("ready_jax", "pallas_kernels")
+               for path in (REPO / package).rglob("__init__.py")}
+    assert folders <= listed, sorted(folders - listed)
+
+
 def test_the_cli_folders_install_inside_the_ready_jax_namespace():
     setuptools = PYPROJECT["tool"]["setuptools"]
     assert not {"convert", "experiments"} & set(setuptools["packages"])
