@@ -35,7 +35,8 @@ from ready_jax.hf_format import (
     hf_config,
 )
 from ready_jax.hf_format import expected_hf_shapes as _expected_hf_shapes
-from ready_jax.target import Target, param_shapes
+from ready_jax.target import Target
+from ready_jax.target_model import param_shapes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")

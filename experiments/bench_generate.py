@@ -50,28 +50,30 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
     middle scripted drafter again with the checkpoint rollback, and with ``--impls xla,pallas`` AR and it with the
     Pallas kernels.
 
-    A progress line per drafter's generation, compiles counted apart: each drafter, the scripted drafters (one
-    program for every error rate), the checkpoint rollback and each Pallas run compile a program of their own.
-    AR's, run first, is left out of the estimate: its program compiles in a fraction of a drafter's time. A
-    generation weighs its rounds: a round per token for a random drafter (its drafts are all but never accepted),
-    a scripted drafter's expected share (1 / its expected tokens per round)."""
+    A progress line per drafter's generation, compiles counted apart and by kind (:func:`compile_kinds`): a
+    program with a drafter network and one of the target alone (the scripted drafters') compile in unequal times.
+    The scripted drafters run first, so that the first estimate stands on the compile that most programs share,
+    beside AR's (run before them and outside the count, a program of the target alone too): on a loaded machine one
+    compile's time strays by a third. A generation weighs its rounds: a round per token for a random drafter (its
+    drafts are all but never accepted), a scripted drafter's expected share (1 / its expected tokens per round).
+    The scripted drafter with the most wrong drafts (the most rounds) runs first: its time is the least swayed by
+    what every call costs beyond its rounds (a prefill), which the weights leave out."""
     run = functools.partial(run_generate, target, prompts, new_tokens, repeats=args.repeats, profile=args.profile)
     Progress("bench_generate").note("timing AR")
     results = {"ar": run(name="ar")}
     reference = results["ar"].pop("tokens")
     rates = args.error_rates
     scripted = f"scripted_error_{rates[len(rates) // 2]:g}"
-    variants = dict(variants)
-    for rate in rates:
-        variants[f"scripted_error_{rate:g}"] = rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size, rate,
-                                                                   seed=args.seed)
-    runs = {name: {"drafter": drafter} for name, drafter in variants.items()}
+    scripted_drafters = {f"scripted_error_{rate:g}": rj.ScriptedDrafter(np.maximum(reference, 0), args.block_size,
+                                                                         rate, seed=args.seed)
+                         for rate in sorted(rates, reverse=True)}
+    runs = {name: {"drafter": drafter} for name, drafter in scripted_drafters.items()}
     # generate's default rollback is replay; the middle scripted drafter again with the other strategy:
-    runs[f"{scripted}_checkpoint"] = {"drafter": variants[scripted], "rollback": "checkpoint"}
+    runs[f"{scripted}_checkpoint"] = {"drafter": scripted_drafters[scripted], "rollback": "checkpoint"}
+    runs.update({name: {"drafter": drafter} for name, drafter in variants.items()})
     if "pallas" in args.impls:
         runs["ar_pallas"] = {"drafter": None, "impl": "pallas"}
-        runs[f"{scripted}_pallas"] = {"drafter": variants[scripted], "impl": "pallas"}
-    programs = len(runs) - (len(rates) - 1)  # the scripted drafters share one
+        runs[f"{scripted}_pallas"] = {"drafter": scripted_drafters[scripted], "impl": "pallas"}
 
     def rounds_per_token(drafter) -> float:
         if not isinstance(drafter, rj.ScriptedDrafter):
@@ -80,7 +82,9 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
         return 1 / sum((1 - drafter.error_rate) ** i for i in range(args.block_size + 1))
 
     weights = tuple(rounds_per_token(kwargs["drafter"]) for kwargs in runs.values())
-    progress = Progress("bench_generate", len(runs), "generations timed", compiles=programs, weights=weights)
+    progress = Progress("bench_generate", len(runs), "generations timed", compiles=compile_kinds(runs),
+                        weights=weights)
+    progress.compiled_before("target", results["ar"]["compile_s"])
     for name, kwargs in runs.items():
         results[name] = run(name=name, **kwargs)
         progress.update(detail=name, compile_seconds=results[name]["compile_s"])
@@ -90,10 +94,38 @@ def generation_results(args, target: rj.Target, prompts: np.ndarray, new_tokens:
     return results
 
 
+def compile_kinds(runs: dict) -> tuple[str, ...]:
+    """The kind of each program ``runs`` (``{name: generate's keyword arguments}``) compiles, in order: ``drafter``
+    (a learned drafter's: the target and a drafter network), ``target`` (AR's or the scripted drafters', which
+    read their drafts from an array: the target's program alone) or ``pallas`` (the Pallas kernels'). The scripted
+    drafters of one rollback and one impl share a program."""
+    seen, kinds = set(), []
+    for name, kwargs in runs.items():
+        drafter, impl = kwargs.get("drafter"), kwargs.get("impl", "xla")
+        scripted = drafter is None or isinstance(drafter, rj.ScriptedDrafter)
+        program = ("scripted" if isinstance(drafter, rj.ScriptedDrafter) else name, kwargs.get("rollback"), impl)
+        if program not in seen:
+            seen.add(program)
+            kinds.append("pallas" if impl == "pallas" else "target" if scripted else "drafter")
+    return tuple(kinds)
+
+
+# The round breakdown's first step against one of its memory steps: the median ratio of their times in seven runs
+# on the cpu preset with the compilation cache cold (1.4-2.1; about 3 with it warm, where the phase takes 8-17 s).
+PIECES_WEIGHT = 1.9
+
+
 def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, repeats: int) -> dict:
     """``timing.round_breakdown`` of ``drafter``, with a progress line per step: the pieces prepared (a prefill and
-    one round, compiling each piece) and timed, then each rollback's verify + commit compiled for its memory."""
-    with Progress("bench_generate: round pieces", 1 + len(ROLLBACKS), "steps") as progress:
+    one round, compiling each piece) and timed, then each rollback's verify + commit compiled for its memory.
+
+    Compiling is nearly all of each step's time: the first step's many programs (a prefill, a draft, a verify per
+    rollback, the pieces) weigh :data:`PIECES_WEIGHT` memory steps, each one verify + commit of the whole target.
+    (A scripted drafter's generation compile, measured a minute before, predicted a memory step worse: the load of
+    a shared machine moves more in a minute than between two steps.)"""
+    weights = (PIECES_WEIGHT, *(1.0,) * len(ROLLBACKS))
+    with Progress("bench_generate: round pieces", 1 + len(ROLLBACKS), "steps", weights=weights) as progress:
+        progress.note("compiling and timing the pieces, then each rollback's verify + commit for its memory")
         pieces, (cache, block, ids) = round_pieces(target, drafter, prompts)
         result = {f"{name}_s": t for name, t in interleaved_medians(pieces, repeats).items()}
         progress.update(detail="pieces timed")
@@ -106,9 +138,10 @@ def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, rep
 def print_report(results: dict, breakdown: dict) -> None:
     """The variants' table (with the machine's load), the round's pieces and the rollbacks' memory."""
     print(provenance.load_note())
-    print(f"{'variant':28s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")
+    width = max(len("variant"), *map(len, results))
+    print(f"{'variant':{width}s} {'tok/s':>10s} {'vs AR':>7s} {'tau':>6s} {'compile s':>10s}")
     for name, r in results.items():
-        print(f"{name:28s} {r['tokens_per_s']:10.1f} {r.get('speedup_vs_ar', 1.0):7.2f} {r['tau']:6.2f} "
+        print(f"{name:{width}s} {r['tokens_per_s']:10.1f} {r.get('speedup_vs_ar', 1.0):7.2f} {r['tau']:6.2f} "
               f"{r['compile_s']:10.2f}" + ("" if r.get("identical_to_ar", True) else "  OUTPUT DIFFERS FROM AR"))
     print("per-round pieces (ReaDy drafter, median ms): " + ", ".join(
         f"{k[:-2]} {v * 1e3:.2f}" for k, v in breakdown.items() if k.endswith("_s")))
@@ -147,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=cli.positive_int, default=3,
                         help="timed runs per figure (the median is kept)")
     parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="weights, prompts and scripted errors")
-    parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"),
+    parser.add_argument("--impls", default="xla", choices=("xla", "xla,pallas"), metavar="xla | xla,pallas",
                         help="xla,pallas: also run AR and the middle scripted drafter with the Pallas kernels "
                              "(for a GPU or TPU: on a CPU they run interpreted, very slowly)")
     parser.add_argument("--out", help="write the figures as JSON here")
@@ -165,17 +198,21 @@ def main(argv=None) -> None:
     dtype = jnp.dtype(preset.dtype)
 
     config = preset.target
-    start = time.perf_counter()
-    target = rj.Target.init(config, seed=args.seed, dtype=dtype)
-    jax.block_until_ready(target.params)
-    init_s = time.perf_counter() - start
     device = jax.devices()[0]
     print(f"target: {args.preset}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{_parameter_bytes(config, dtype.itemsize) / dtype.itemsize / 1e6:.0f} M parameters ({dtype.name}); "
           f"device {device.device_kind}; batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
-          f"block size {args.block_size}")
+          f"block size {args.block_size}", flush=True)
+    # Initialising compiles a program per model (10-30 s on a CPU with the compilation cache cold): a line before.
+    started = Progress("bench_generate")
+    started.note("initialising the target's random weights")
+    start = time.perf_counter()
+    target = rj.Target.init(config, seed=args.seed, dtype=dtype)
+    jax.block_until_ready(target.params)
+    init_s = time.perf_counter() - start
     prompts = np.random.default_rng(args.seed).integers(0, config.vocab_size, size=(batch, prompt_len))
 
+    started.note("initialising a random DSpark and a random ReaDy drafter")
     dspark = rj.Drafter.init(config, preset.drafter(args.block_size), seed=1, dtype=dtype)
     ready = rj.Drafter.init(config, preset.drafter(args.block_size, rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
 
@@ -184,8 +221,8 @@ def main(argv=None) -> None:
 
     print_report(results, breakdown)
 
-    summary = {"preset": args.preset, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-               "block": args.block_size, "dtype": dtype.name, "init_s": init_s,
+    summary = {"settings": vars(args), "preset": args.preset, "batch": batch, "prompt": prompt_len,
+               "new_tokens": new_tokens, "block": args.block_size, "dtype": dtype.name, "init_s": init_s,
                "target_config": dataclasses.asdict(config), "results": results, "round_breakdown": breakdown}
     if device.platform == "gpu":
         kind = next((k for k in HBM_BYTES_PER_S if k in device.device_kind), None)

@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ready_jax as rj
-from ready_jax import cli, repository
-from ready_jax import target as target_lib
+from ready_jax import cli, repository, target_steps
 from ready_jax.step_options import StepOptions
 
 from .common import load_drafter_dir, write_json
@@ -47,9 +46,9 @@ MODES = {"off": False, "on": True}
 def step_programs(target: rj.Target, batch_invariant: bool):
     """Jitted decode and verify steps (no donation: the timed calls reuse one cache) with these numerics."""
     options = StepOptions.resolve(batch_invariant=batch_invariant)
-    decode = jax.jit(functools.partial(target_lib.extend, target.graphdef, form="recurrent", options=options),
+    decode = jax.jit(functools.partial(target_steps.extend, target.graphdef, form="recurrent", options=options),
                      compiler_options=options.compiler_options)
-    verify = jax.jit(functools.partial(target_lib.verify, target.graphdef, rollback="replay", options=options),
+    verify = jax.jit(functools.partial(target_steps.verify, target.graphdef, rollback="replay", options=options),
                      compiler_options=options.compiler_options)
     return decode, verify
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from ready_jax import files, repository
 from ready_jax.config import SUPPORTED_MODEL_TYPES, read_json
-from ready_jax.provenance import environment
+from ready_jax.provenance import environment, running_command
 
 
 def convert_module(name: str) -> ModuleType:
@@ -58,15 +58,16 @@ def load_drafter_dir(path: str | os.PathLike, dtype):
 
 
 def write_json(path: str | os.PathLike | None, data: dict) -> None:
-    """Write ``data`` (paths in it as strings) plus ``environment`` (:func:`ready_jax.provenance.environment`) to
+    """Write ``data`` (paths in it as strings) plus the ``command`` that made it
+    (:func:`ready_jax.provenance.running_command`) and ``environment`` (:func:`ready_jax.provenance.environment`) to
     ``path``; nothing when path is None. A NaN or infinite number is written as null (JSON has neither: a tau of
     no round, a ratio of nothing). The file is replaced whole (:func:`ready_jax.files.write_text`): a full disk or
     a kill leaves the previous one."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    text = json.dumps(finite_or_null(portable_paths({**data, "environment": environment()})), indent=2,
-                      default=os.fspath, allow_nan=False)
+    recorded = {**data, "command": running_command(), "environment": environment()}
+    text = json.dumps(finite_or_null(portable_paths(recorded)), indent=2, default=os.fspath, allow_nan=False)
     files.write_text(path, text)
     print(f"wrote {path}")
 

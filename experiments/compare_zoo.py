@@ -8,17 +8,18 @@ on), and generates greedily through ``ready_jax.generate`` with each drafter and
 first at batch 1 (the latency case speculative decoding is for: ``--batch1-prompts`` prompts one at a
 time), then all prompts as one batch.
 Every speculative output is checked token-for-token against AR. Prints, per method: tau (tokens
-committed per verification round, the target's own included; per prompt kind too), the rate of
+committed per verification round, the target's own included; per prompt kind too), the rounds, the rate of
 rounds in which all drafts survive, tokens/s of the compiled program (compile time separate) and
-the speedup over AR measured in the same run. Weights are shipped in bf16 and computed in fp32.
+the speedup over AR measured in the same run. Weights are shipped in bf16 and computed as saved (``--dtype``).
 
     python -m experiments.compare_zoo [--zoo zoo] [--prompts 16] [--batch1-prompts 4] [--max-new-tokens 96] \\
-        [--out results/zoo.json] [--profile DIR]
+        [--out results/compare_zoo_cpu.json] [--profile DIR]
 
 Where the time of a round goes, and what tau a drafter would need: ``python -m experiments.loop_efficiency``.
 
 On CPU the speedup mostly reflects how many target passes are saved against the drafter's own cost,
-which on a tiny target is not small; tau is the hardware-independent figure.
+which on a tiny target is not small. Tau and rounds do not move with the load, but bf16 greedy tokens, and with
+them tau, can differ between CPUs (``make results-check`` says what it compares where: docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -52,8 +53,21 @@ def distinct_programs(drafters: dict) -> int:
 
 def drafter_progress(label: str, drafters: dict) -> Progress:
     """A line per drafter timed. The time left comes from the drafters alone, compiles counted apart: AR, with no
-    drafter to compile or run, takes a fraction of one's time."""
-    return Progress(label, len(drafters), "drafters timed", every_s=0, compiles=distinct_programs(drafters))
+    drafter to compile or run, takes a fraction of one's time. Each drafter weighs what a token costs it
+    (:func:`token_costs`): the MTP head's generation takes about half a block drafter's."""
+    return Progress(label, len(drafters), "drafters timed", every_s=0, compiles=distinct_programs(drafters),
+                    weights=token_costs(drafters))
+
+
+def token_costs(drafters: dict) -> tuple[float, ...]:
+    """What a generated token costs each drafter, relative to the others: its round in AR steps over its tau, as
+    ``experiments.loop_efficiency`` measured them on the zoo at batch 1 (:data:`LOOP_EFFICIENCY`). A drafter it did
+    not measure weighs the mean of those it did; all weigh alike where it measured none."""
+    path = Path(repository.path(*LOOP_EFFICIENCY))
+    measured = json.loads(path.read_text()).get("zoo", {}).get("drafters", {}) if path.exists() else {}
+    costs = {name: r["round_in_ar_steps"] / r["tau"] for name, r in measured.items() if r.get("tau")}
+    fallback = float(np.mean(list(costs.values()))) if costs else 1.0
+    return tuple(costs.get(name, fallback) for name in drafters)
 
 
 def batch_one(target, prompts: list[np.ndarray], new_tokens: int, repeats: int, drafters: dict) -> dict:
@@ -114,9 +128,12 @@ LOOP_EFFICIENCY = ("results", "loop_efficiency_cpu.json")  # experiments.loop_ef
 
 
 def speed_note() -> str:
-    """Why the speed ratios above sit below 1 on a CPU, with the perfect drafter's measured speedup."""
-    note = ("On this CPU the zoo's tiny target is compute-bound: verifying a block costs several AR steps, so "
-            "speculation loses here; it pays where decode is bandwidth-bound.")
+    """Why the batch's speed ratios sit below 1 on a CPU, with the perfect drafter's measured speedup."""
+    note = ("At a batch of many sequences the zoo's tiny target is compute-bound on this CPU: a verify pass computes "
+            "block + 1 times a decode step's rows, so a verified token costs nearly as much as a decoded one and "
+            "speculation loses. At batch 1 a block of up to 8 positions fills one 8-row tile, as a decode step "
+            "does, and a drafter that is right often enough wins (the batch-1 table). Speculation pays where "
+            "decode is bandwidth-bound.")
     path = Path(repository.path(*LOOP_EFFICIENCY))
     if path.exists():
         perfect = json.loads(path.read_text())["preset"]["generation"]["scripted_error_0"]
@@ -175,13 +192,13 @@ def main(argv=None) -> None:
     progress.close()
 
     print(provenance.load_note())
-    print(f"{'method':<16}{'tau':>6}{'tau code':>10}{'tau prose':>10}{'all survive':>13}{'tok/s':>9}"
+    print(f"{'method':<16}{'tau':>6}{'tau code':>10}{'tau prose':>10}{'rounds':>8}{'all survive':>13}{'tok/s':>9}"
           f"{'speedup':>9}{'compile s':>11}  same as AR")
     for name, r in results.items():
         by_kind = r["tau_by_kind"]
         compile_s = "shared" if r.get("compiled_program_of") else f"{r['compile_seconds']:.1f}"
         print(f"{name:<16}{shown(r['tau'], '.2f'):>6}{shown(by_kind.get('code'), '.2f'):>10}"
-              f"{shown(by_kind.get('prose'), '.2f'):>10}"
+              f"{shown(by_kind.get('prose'), '.2f'):>10}{r['rounds']:>8d}"
               f"{'-' if r['all_drafts_survive'] is None else format(r['all_drafts_survive'], '.1%'):>13}"
               f"{r['tokens_per_second']:>9.1f}{r['speedup']:>8.2f}x{compile_s:>11}  "
               f"{'yes' if r['identical_to_ar'] else 'NO'}")

@@ -20,8 +20,7 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli
-from ready_jax import target as target_lib
+from ready_jax import cli, target_steps
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 
 from .common import write_json
@@ -34,9 +33,9 @@ def compile_seconds(config: rj.TargetConfig, batch: int, capacity: int, block_si
     graphdef, params = nnx.split(model)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(config, batch, capacity, dtype))
     steps = {
-        "decode": (functools.partial(target_lib.extend, graphdef, form="recurrent"), 1),
-        f"verify_{block_size + 1}": (functools.partial(target_lib.verify, graphdef), block_size + 1),
-        f"prefill_{prompt}": (functools.partial(target_lib.extend, graphdef, form="chunked"), prompt),
+        "decode": (functools.partial(target_steps.extend, graphdef, form="recurrent"), 1),
+        f"verify_{block_size + 1}": (functools.partial(target_steps.verify, graphdef), block_size + 1),
+        f"prefill_{prompt}": (functools.partial(target_steps.extend, graphdef, form="chunked"), prompt),
     }
     out = {}
     for name, (fn, length) in steps.items():

@@ -17,6 +17,7 @@ import numpy as np
 import ready_jax as rj
 from ready_jax import cli
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
+from ready_jax.progress import Progress
 
 GDN, ATTN = "linear_attention", "full_attention"
 
@@ -42,27 +43,33 @@ def main(argv=None) -> None:
         parser.error("--layers must be a multiple of 4")
 
     config = demo_config(args.layers)
-    target = rj.Target.init(config, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, config.vocab_size, size=n) for n in (24, 17, 9, 30)]
     print(f"target: {config.num_hidden_layers} layers ({config.group_size}-layer group x {config.num_groups}), "
           f"hidden {config.hidden_size}, vocab {config.vocab_size}; 4 prompts of lengths "
-          f"{[len(p) for p in prompts]}, {args.max_new_tokens} new tokens each")
+          f"{[len(p) for p in prompts]}, {args.max_new_tokens} new tokens each", flush=True)
+    # Initialising compiles the models' init programs (10-30 s on a loaded CPU with the compilation cache cold).
+    Progress("demo").note("initialising the target's and two drafters' random weights")
+    target = rj.Target.init(config, seed=args.seed)
+    drafter_base = dict(block_size=args.block_size, num_layers=2, markov_rank=64)
+    learned = {"DSpark (untrained)": rj.Drafter.init(config, rj.DrafterConfig(**drafter_base), seed=1),
+               "ReaDy (untrained)": rj.Drafter.init(config, rj.DrafterConfig(**drafter_base,
+                                                                              reader=rj.ReaderConfig()), seed=1)}
 
+    # Every method compiles a program of its own and runs it twice. AR's decode program is left out of the estimate:
+    # it compiles in about two thirds of a speculative program's time (11.6 s against 17.3-18.9 s, loaded, cold).
+    Progress("demo").note("timing autoregressive decoding")
     first_compile = {"autoregressive": rj.generate(target, prompts, args.max_new_tokens).compile_seconds}
     ar = rj.generate(target, prompts, args.max_new_tokens)  # compiled now: time the run alone
-    drafter_base = dict(block_size=args.block_size, num_layers=2, markov_rank=64)
-    drafters = {
-        "DSpark (untrained)": rj.Drafter.init(config, rj.DrafterConfig(**drafter_base), seed=1),
-        "ReaDy (untrained)": rj.Drafter.init(config, rj.DrafterConfig(**drafter_base, reader=rj.ReaderConfig()),
-                                             seed=1),
-        "scripted, 25% wrong": rj.ScriptedDrafter(np.maximum(ar.tokens, 0), args.block_size, error_rate=0.25),
-    }
+    progress = Progress("demo", len(learned) + 1, "drafters timed", every_s=0, compiles=len(learned) + 1)
+    drafters = {**learned, "scripted, 25% wrong": rj.ScriptedDrafter(np.maximum(ar.tokens, 0), args.block_size,
+                                                                      error_rate=0.25)}
     rows = [("autoregressive", ar, True)]
     for name, drafter in drafters.items():
         first_compile[name] = rj.generate(target, prompts, args.max_new_tokens, drafter=drafter).compile_seconds
         out = rj.generate(target, prompts, args.max_new_tokens, drafter=drafter)
         rows.append((name, out, bool(np.array_equal(out.tokens, ar.tokens))))
+        progress.update(detail=name, compile_seconds=first_compile[name])
 
     print(f"\n{'':22s} {'tau':>5s} {'all-survive':>11s} {'tok/s':>8s} {'vs AR':>6s} {'compile s':>9s}  same as AR")
     for name, out, same in rows:

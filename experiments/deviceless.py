@@ -19,9 +19,11 @@ without a driver.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib.util
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,6 +88,10 @@ class Compiled:
     memory: dict | None = None
     cost: dict | None = None
     error: str | None = None
+    # What the optimised program runs (:func:`compiled_ops`): Pallas kernel calls by kernel name, and XLA's own
+    # contractions (dots, convolutions, library GEMM calls).
+    kernels: dict[str, int] | None = None
+    contractions: int | None = None
 
     @property
     def out_of_memory(self) -> bool:
@@ -117,7 +123,36 @@ def _compile_on(trace: Callable[[], jax.stages.Traced], device, platform: str) -
             compiled = trace().lower(lowering_platforms=(platform,)).compile()
     except Exception as e:  # noqa: BLE001 - a failed compile is a result here
         return Compiled(time.perf_counter() - start, error=_first_line(e))
-    return Compiled(time.perf_counter() - start, _memory(compiled), _cost(compiled))
+    kernels, contractions = compiled_ops(compiled.as_text())
+    return Compiled(time.perf_counter() - start, _memory(compiled), _cost(compiled), kernels=dict(kernels),
+                    contractions=contractions)
+
+
+# An instruction of optimised HLO text: its opcode, and the custom call's target or the op's name where it has one.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z][a-z0-9-]*)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_PALLAS_NAME = re.compile(r'op_name="[^"]*?([A-Za-z0-9_]+)/pallas_call"')
+
+
+def compiled_ops(hlo_text: str) -> tuple[collections.Counter, int]:
+    """What an optimised (compiled) program runs: its Pallas kernel calls by kernel name (a custom call whose op
+    name ends in ``<kernel>/pallas_call``), and how many contractions XLA runs itself (``dot`` and
+    ``convolution`` instructions, cuBLAS GEMM custom calls). A loop body's instructions count once."""
+    kernels, contractions = collections.Counter(), 0
+    for line in hlo_text.splitlines():
+        instruction = _INSTRUCTION.match(line)
+        if not instruction:
+            continue
+        opcode = instruction.group(1)
+        if opcode in ("dot", "convolution"):
+            contractions += 1
+        elif opcode == "custom-call":
+            target, name = _TARGET.search(line), _PALLAS_NAME.search(line)
+            if name:
+                kernels[name.group(1)] += 1
+            elif target and "cublas" in target.group(1):
+                contractions += 1
+    return kernels, contractions
 
 
 def _first_line(error: Exception) -> str:

@@ -57,11 +57,12 @@ def _read_json(path) -> dict:
         return json.load(f)
 
 
-def abstract_models(geo: Geometry) -> tuple[rj.Target, rj.Drafter]:
+def abstract_models(geo: Geometry, group_layout: str = "stacked") -> tuple[rj.Target, rj.Drafter]:
     """Target and drafter whose weights are ``ShapeDtypeStruct`` s; the target's layer groups stacked, as an
-    accelerator runs them (one scan body whatever the depth)."""
+    accelerator runs them by default (one scan body whatever the depth), or split (``rj.Target``'s
+    ``group_layout``)."""
     target = rj.Target(nnx.eval_shape(lambda: rj.TargetModel(geo.target, rngs=nnx.Rngs(0), dtype=geo.dtype)),
-                       group_layout="stacked")
+                       group_layout=group_layout)
     drafter = rj.Drafter(nnx.eval_shape(lambda: drafter_lib.DrafterModel(geo.drafter, rngs=nnx.Rngs(0),
                                                                          dtype=geo.dtype)))
     return target, drafter

@@ -11,7 +11,8 @@ In one run, at batch 1:
   context append and reader prepare, each jitted alone and timed in turn with the others;
 * **prediction**: ``speedup(tau) = tau * t_AR / (draft + verify + commit + append + prepare)``, printed as a
   table over tau and checked against generation measured in the same run: ``ScriptedDrafter`` at error rates
-  0, 0.25 and 0.5 on the preset's random target, and the shipped zoo's drafters on held-out prompts.
+  0, 0.25 and 0.5 on the preset's random target, and the shipped zoo's drafters (its block drafters and its MTP
+  head, by their folder names) on held-out prompts.
 
 CPU figures are ratios within this run; the machine's load is printed beside them.
 
@@ -31,9 +32,9 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, provenance, repository
+from ready_jax import cli, provenance, repository, target_model, target_steps
 from ready_jax import drafter as drafter_lib
-from ready_jax import target as target_lib
+from ready_jax import mtp as mtp_lib
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.progress import Progress
 from ready_jax.step_options import StepOptions
@@ -116,7 +117,7 @@ def weight_matrices(target: rj.Target) -> dict[tuple[int, int], int]:
     more axes but the embedding (a gather) and the depthwise conv's taps, in the split layout (where a
     parameter's axes are its own); an expert axis counts each matrix."""
     counts: dict[tuple[int, int], int] = {}
-    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(target_lib.split_groups(target.model))):
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(target_model.split_groups(target.model))):
         name = jax.tree_util.keystr(path)
         if x.ndim < 2 or "embed_tokens" in name or "conv_weight" in name:
             continue
@@ -150,11 +151,11 @@ def target_piece_fns(target: rj.Target, prompt: np.ndarray, gammas: list[int]) -
 
     @functools.partial(jax.jit, donate_argnums=1, compiler_options=compiler_options)
     def decode(params, cache, tokens):
-        return target_lib.extend(target.graphdef, params, cache, tokens, form="recurrent", options=options)
+        return target_steps.extend(target.graphdef, params, cache, tokens, form="recurrent", options=options)
 
     @functools.partial(jax.jit, compiler_options=compiler_options)  # a candidate reshapes the cache: no donation
     def verify(params, cache, block):
-        return target_lib.verify(target.graphdef, params, cache, block, rollback="replay", options=options)
+        return target_steps.verify(target.graphdef, params, cache, block, rollback="replay", options=options)
 
     commit = jax.jit(cache_lib.commit, compiler_options=compiler_options)  # under the candidate's (verify's) options
     copies = functools.partial(jax.tree.map, jnp.copy)
@@ -189,6 +190,33 @@ def drafter_piece_fns(target: rj.Target, drafter: rj.Drafter, prompt: np.ndarray
     if drafter.config.reader:
         fns["prepare"] = lambda: drafter.prepare_reader(pre.cache)
     return fns
+
+
+def mtp_piece_fns(target: rj.Target, mtp: rj.MTPDrafter, prompt: np.ndarray) -> dict:
+    """Zero-argument functions running an MTP head's draft (its ``k`` chained steps) and its commit, which rewrites
+    ``k`` slots from the verified block (the head's counterpart of a context append, timed as ``append`` on a fresh
+    ``copy`` of its cache, which it donates as in the loop), at batch 1, each jitted as the loop runs it."""
+    k = mtp.config.block_size
+    capacity = prompt.shape[1] + 2 * (k + 1)
+    last_layer = (target.config.num_hidden_layers - 1,)  # the MTP's input: the last layer's output, normed
+    pre = target.prefill(target.init_cache(1, capacity), jnp.asarray(prompt), hidden_layers=last_layer)
+    hidden = target_steps.final_norm(target.graphdef, target.params, pre.hidden[0])           # [1, T, D]
+    shared = drafter_lib.SharedWeights.from_target(target)
+    starts = jnp.full((1,), prompt.shape[1], jnp.int32)
+    state = jax.jit(mtp_lib.prefill, static_argnums=0)(
+        mtp.graphdef, mtp.params, shared, mtp_lib.init_cache(mtp.config, 1, capacity, mtp.dtype),
+        jnp.asarray(prompt), hidden, starts)
+    anchor = jnp.argmax(pre.logits[:, -1], axis=-1).astype(jnp.int32)
+    draft = jax.jit(functools.partial(mtp_lib.draft, mtp.graphdef))
+    commit = jax.jit(functools.partial(mtp_lib.commit, mtp.graphdef), donate_argnums=2)
+    drafts, cache = draft(mtp.params, shared, state, anchor, starts)
+    block = jnp.concatenate([anchor[:, None], drafts.tokens], axis=1)                       # [1, k + 1]
+    block_hidden = hidden[:, -(k + 1):]
+    keep = jnp.full((1,), (k + 1) // 2, jnp.int32)
+    copies = functools.partial(jax.tree.map, jnp.copy)
+    return {"copy": lambda: copies(cache),
+            "draft": lambda: draft(mtp.params, shared, state, anchor, starts),
+            "append": lambda: commit(mtp.params, shared, copies(cache), block, block_hidden, starts, keep)}
 
 
 ON_A_COPY = ("ar_step", "append")  # pieces that run on a fresh copy of what they donate: the copy is taken off
@@ -231,10 +259,13 @@ def target_components(target: rj.Target, prompt: np.ndarray, gammas: list[int], 
     return time_pieces({"target": target_piece_fns(target, prompt, gammas)}, repeats)["target"]
 
 
-def drafter_components(target: rj.Target, drafter: rj.Drafter, prompt: np.ndarray, repeats: int) -> dict:
+def drafter_components(target: rj.Target, drafter: rj.Drafter | rj.MTPDrafter, prompt: np.ndarray,
+                       repeats: int) -> dict:
     """Median seconds of the drafter's draft, context append and (ReaDy) reader prepare at batch 1
-    (:func:`drafter_piece_fns`)."""
-    return time_pieces({"drafter": drafter_piece_fns(target, drafter, prompt)}, repeats)["drafter"]
+    (:func:`drafter_piece_fns`); of an MTP head's draft and commit, as ``draft`` and ``append``
+    (:func:`mtp_piece_fns`)."""
+    pieces = mtp_piece_fns if isinstance(drafter, rj.MTPDrafter) else drafter_piece_fns
+    return time_pieces({"drafter": pieces(target, drafter, prompt)}, repeats)["drafter"]
 
 
 def round_seconds(target_parts: dict, drafter_parts: dict, gamma: int) -> float:
@@ -346,8 +377,10 @@ def preset_section(args, clock: CompileClock) -> dict:
 
 
 def zoo_section(args, clock: CompileClock) -> dict:
-    """The zoo's drafters at batch 1 on held-out prompts: components, tau, predicted and measured speedup."""
-    from .zoo_runs import DRAFTERS, held_out_prompts
+    """The zoo's drafters (its block drafters and its MTP head) at batch 1 on held-out prompts: components, tau,
+    predicted and measured speedup."""
+    from .common import load_drafter_dir
+    from .zoo_runs import COMPARED, held_out_prompts
 
     zoo = Path(args.zoo)
     started = Progress("loop_efficiency: zoo")
@@ -380,7 +413,7 @@ def zoo_section(args, clock: CompileClock) -> dict:
     with Progress("loop_efficiency: zoo AR", len(ids), "prompts timed", compiles=1) as progress:
         ar_outs = fastest_runs(None, progress)
     ar_seconds = sum(o.run_seconds for o in ar_outs)
-    drafters = {name: rj.Drafter.load(zoo / name, dtype=jnp.float32) for name in DRAFTERS}
+    drafters = {name: load_drafter_dir(zoo / name, dtype=jnp.float32) for name in COMPARED}
     configs = [d.config for d in drafters.values()]
     new_configs = [c not in configs[:i] for i, c in enumerate(configs)]
     progress = Progress("loop_efficiency: zoo", len(drafters), "drafters timed", every_s=0,

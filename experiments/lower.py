@@ -17,8 +17,9 @@ Lowering stops at StableHLO, where each Pallas kernel is one custom call carryin
 (a TPU: needs libtpu, the ``tpu`` extra) or ``--compile h100,h200`` (a GPU: needs jax-cuda12-plugin) then compiles
 every program for one chip of each kind with none attached, which runs Mosaic's own passes or compiles the
 Triton kernels to cubins (``experiments.deviceless``), and reports per program the compile seconds, XLA's
-memory analysis (arguments, outputs, temporaries; whether they fit the chip's HBM) and cost analysis (flops,
-bytes accessed); ``--mesh v5e:2x4`` compiles ``generate`` for a whole TPU slice with the tensor-parallel layout;
+memory analysis (arguments, outputs, temporaries; whether they fit the chip's HBM), cost analysis (flops,
+bytes accessed) and what the optimised program runs (Pallas kernel calls by name, XLA's own contractions);
+``--mesh v5e:2x4`` compiles ``generate`` for a whole TPU slice with the tensor-parallel layout;
 ``--out`` writes it all as JSON with the environment. ``--programs verify,decode`` picks programs;
 ``--batch-invariant`` builds them as ``ready_jax.numerics`` has it on (a CPU's default), to read its cost on an
 accelerator from XLA's cost analysis.
@@ -52,11 +53,12 @@ import numpy as np
 
 from pallas_kernels import backend, triton_common
 from ready_jax import cache as cache_lib
-from ready_jax import cli, generation, sharding
+from ready_jax import cli, generation, sharding, target_steps
 from ready_jax import drafter as drafter_lib
 from ready_jax import target as target_lib
 from ready_jax.modes import IMPLS, ROLLBACKS
 from ready_jax.step_options import PLAIN, StepOptions
+from ready_jax.target_model import GROUP_LAYOUTS
 
 from . import deviceless
 from .common import write_json
@@ -72,6 +74,7 @@ KERNEL_OPS = {
     "state_reader": "state_reader", "reader_query": "state_reader", "reader_out": "state_reader",
     "reader_content": "content_reader", "content_reader": "content_reader",  # a content reader's (Triton, TPU)
     "content_read": "content_read",  # a tied read-out's raw read (both families)
+    "row_matmul": "row_matmul",  # the batch-invariant mode's matmuls
 }
 # A kernel custom call in lowered StableHLO text, per platform, and where its kernel's name sits in that line.
 _KERNEL_CALL = {"tpu": re.compile(r"custom_call @tpu_custom_call\("),
@@ -82,12 +85,12 @@ _FUNCTION = re.compile(r'^\s*func\.func (?:public |private )?@"?([^"\s(]+)"?\(')
 _FUNC_CALL = re.compile(r'(?<![\w.])(?:func\.)?call @"?([^"\s(]+)"?\(')  # "func.call @f(" or "call @f("
 
 
-def program_tracers(geo: Geometry, impl: str, rollback: str,
-                    batch_invariant: bool = False) -> dict[str, Callable[[], jax.stages.Traced]]:
+def program_tracers(geo: Geometry, impl: str, rollback: str, batch_invariant: bool = False,
+                    group_layout: str = "stacked") -> dict[str, Callable[[], jax.stages.Traced]]:
     """Per program, a function tracing it on abstract arguments (called where the kernels are chosen: inside
     :func:`lowering_context`, where it resolves its step options); ``batch_invariant`` as ``ready_jax.numerics``
-    has it (off: an accelerator's default)."""
-    target, drafter = abstract_models(geo)
+    has it (off: an accelerator's default); ``group_layout``: the target's (``rj.Target``)."""
+    target, drafter = abstract_models(geo, group_layout)
     graphdef, params = target.graphdef, target.params
     ids = geo.drafter.target_layer_ids
     batch, gamma = geo.batch, geo.drafter.block_size
@@ -102,14 +105,14 @@ def program_tracers(geo: Geometry, impl: str, rollback: str,
         return StepOptions.resolve(impl, batch_invariant)
 
     def prefill(params, cache, prompts_bt, lengths_b, *, options):
-        return target_lib.extend(graphdef, params, cache, prompts_bt, lengths_b, form="chunked", hidden_layers=ids,
+        return target_steps.extend(graphdef, params, cache, prompts_bt, lengths_b, form="chunked", hidden_layers=ids,
                                  options=options, logits_at=lengths_b - 1)
 
     def decode(params, cache, anchor_b1, *, options):
-        return target_lib.extend(graphdef, params, cache, anchor_b1, form="recurrent", options=options)
+        return target_steps.extend(graphdef, params, cache, anchor_b1, form="recurrent", options=options)
 
     def verify(params, cache, block_bt, *, options):
-        return target_lib.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback,
+        return target_steps.verify(graphdef, params, cache, block_bt, hidden_layers=ids, rollback=rollback,
                                  options=options)
 
     def with_options(candidate: cache_lib.Candidate) -> cache_lib.Candidate:
@@ -196,13 +199,15 @@ def kernel_calls(stablehlo_text: str, platform: str) -> collections.Counter:
     return launched("main")
 
 
-def expected_ops(program: str, impl: str, rollback: str) -> set[str]:
-    """The ops whose kernels ``program`` must call with ``impl``; the others it must not call."""
+def expected_ops(program: str, impl: str, rollback: str, batch_invariant: bool = False) -> set[str]:
+    """The ops whose kernels ``program`` must call with ``impl``; the others it must not call. In the
+    batch-invariant mode every target step's matmuls are ``row_matmul`` calls (``ready_jax.rows``)."""
     if impl == "xla":
         return set()
-    return {"prefill": {"gdn_chunked"}, "decode": {"gdn_recurrent"}, "verify": {"gdn_recurrent"},
-            "commit": {"gdn_recurrent"} if rollback == "replay" else set(),
-            "generate": {"gdn_chunked", "gdn_recurrent", "state_gather", "state_reader"}}[program]
+    ops = {"prefill": {"gdn_chunked"}, "decode": {"gdn_recurrent"}, "verify": {"gdn_recurrent"},
+           "commit": {"gdn_recurrent"} if rollback == "replay" else set(),
+           "generate": {"gdn_chunked", "gdn_recurrent", "state_gather", "state_reader"}}[program]
+    return ops | ({"row_matmul"} if batch_invariant and program != "commit" else set())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +232,7 @@ class Lowered:
 
 
 def lower_program(name: str, trace: Callable[[], jax.stages.Traced], platform: str, impl: str,
-                  rollback: str) -> Lowered:
+                  rollback: str, batch_invariant: bool = False) -> Lowered:
     """Trace and lower one program for ``platform``; its kernel calls checked against :func:`expected_ops`."""
     start = time.perf_counter()
     try:
@@ -237,7 +242,7 @@ def lower_program(name: str, trace: Callable[[], jax.stages.Traced], platform: s
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return Lowered(name, {}, time.perf_counter() - start, f"{type(e).__name__}: {message}"[:300])
     result = Lowered(name, dict(kernel_calls(text, platform)), time.perf_counter() - start)
-    expected = expected_ops(name, impl, rollback)
+    expected = expected_ops(name, impl, rollback, batch_invariant)
     missing, unexpected = sorted(expected - result.ops), sorted(result.ops - expected)
     if missing or unexpected:
         problems = ([f"no kernel of {', '.join(missing)}"] if missing else []) + (
@@ -247,21 +252,23 @@ def lower_program(name: str, trace: Callable[[], jax.stages.Traced], platform: s
 
 
 def lower_all(platform: str, preset: str, impl: str, rollback: str = "replay",
-              programs: tuple[str, ...] = PROGRAMS, batch_invariant: bool = False) -> list[Lowered]:
+              programs: tuple[str, ...] = PROGRAMS, batch_invariant: bool = False,
+              group_layout: str = "stacked") -> list[Lowered]:
     """Lower ``programs`` of ``preset`` for ``platform`` with ``impl``, printing one line per program."""
-    tracers = program_tracers(geometry(preset), impl, rollback, batch_invariant)
+    tracers = program_tracers(geometry(preset), impl, rollback, batch_invariant, group_layout)
     results = []
     for name in programs:
-        results.append(lower_program(name, tracers[name], platform, impl, rollback))
+        results.append(lower_program(name, tracers[name], platform, impl, rollback, batch_invariant))
         print(results[-1].line(), flush=True)
     return results
 
 
 def compile_all(platform: str, preset: str, impl: str, rollback: str, chips: list[str],
-                programs: tuple[str, ...] = PROGRAMS, batch_invariant: bool = False) -> dict:
+                programs: tuple[str, ...] = PROGRAMS, batch_invariant: bool = False,
+                group_layout: str = "stacked") -> dict:
     """Compile ``programs`` of ``preset`` for one of each chip (TPU generations, or GPUs for cuda), printing one
     line per program; {chip: {program: deviceless.Compiled as a dict, with ``fits_hbm``}}."""
-    tracers = program_tracers(geometry(preset), impl, rollback, batch_invariant)
+    tracers = program_tracers(geometry(preset), impl, rollback, batch_invariant, group_layout)
     compile_for = deviceless.compile_for_tpu if platform == "tpu" else deviceless.compile_for_gpu
     memory = deviceless.TPU_HBM_BYTES if platform == "tpu" else deviceless.GPU_HBM_BYTES
     report = {}
@@ -283,6 +290,8 @@ def compile_all(platform: str, preset: str, impl: str, rollback: str, chips: lis
                 if result.cost is not None:
                     detail += (f", {result.cost['flops'] / 1e9:9.2f} GFLOP, "
                                f"{result.cost['bytes_accessed'] / 1e9:7.2f} GB moved")
+                kernels = ", ".join(f"{name} x{n}" for name, n in sorted(result.kernels.items())) or "no kernels"
+                detail += f"; compiled: {kernels}, {result.contractions} XLA contractions"
             print(f"{chip:4s} {name:9s} compiled in {result.seconds:6.1f} s  {detail}", flush=True)
     return report
 
@@ -354,6 +363,9 @@ def main(argv=None) -> list[Lowered]:
                         help="which programs to lower and compile, comma-separated")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the programs as batch-invariant (ready_jax.numerics; off: an accelerator's default)")
+    parser.add_argument("--group-layout", choices=GROUP_LAYOUTS, default="stacked",
+                        help="the target's layer groups: stacked (a scan, an accelerator's default) or split (one "
+                             "module per group: every weight read in place by a kernel)")
     parser.add_argument("--out", help="write the lowering (and compile) report here as JSON")
     args = parser.parse_args(argv)
     chips = _chips(args.compile, args.platform) if args.compile else []
@@ -370,14 +382,16 @@ def main(argv=None) -> list[Lowered]:
     print(f"lowering for {args.platform}: preset {args.preset} ({geo.target.num_hidden_layers} layers, hidden "
           f"{geo.target.hidden_size}, {geo.dtype.name}; batch {geo.batch}, prompt {geo.prompt}, "
           f"{geo.max_new_tokens} new tokens, block {geo.drafter.block_size}), impl {args.impl}, rollback "
-          f"{args.rollback}, batch_invariant {args.batch_invariant}; jax {jax.__version__}", flush=True)
+          f"{args.rollback}, batch_invariant {args.batch_invariant}, {args.group_layout} groups; jax "
+          f"{jax.__version__}", flush=True)
     start = time.perf_counter()
-    results = lower_all(args.platform, args.preset, args.impl, args.rollback, args.programs, args.batch_invariant)
+    results = lower_all(args.platform, args.preset, args.impl, args.rollback, args.programs, args.batch_invariant,
+                        args.group_layout)
     failed = [r for r in results if r.error]
     print(f"{len(results) - len(failed)} of {len(results)} programs lowered as expected in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     compiled = (compile_all(args.platform, args.preset, args.impl, args.rollback, chips, args.programs,
-                            args.batch_invariant) if chips else {})
+                            args.batch_invariant, args.group_layout) if chips else {})
     meshes = [compile_on_mesh(args.preset, name, args.impl, args.model) for name in args.mesh]
     write_json(args.out, {"settings": vars(args), "lowered": [dataclasses.asdict(r) for r in results],
                           "compiled": compiled, "meshes": meshes})

@@ -33,8 +33,7 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli
-from ready_jax import target as target_lib
+from ready_jax import cli, target_steps
 from ready_jax.drafter_config import MAX_BLOCK_SIZE
 from ready_jax.modes import ROLLBACKS
 
@@ -46,7 +45,7 @@ from .timing import verify_commit_timings
 def candidate_state_bytes(graphdef, params, cache: rj.TargetCache, block_bt, ids, rollback: str) -> int:
     """Bytes of the verify candidate's Gated DeltaNet entries (the KV buffers are the same for both), from
     abstract shapes."""
-    out = jax.eval_shape(lambda p, c, b: target_lib.verify(graphdef, p, c, b, hidden_layers=ids, rollback=rollback),
+    out = jax.eval_shape(lambda p, c, b: target_steps.verify(graphdef, p, c, b, hidden_layers=ids, rollback=rollback),
                          params, cache, block_bt)
     entries = [e for e in out.cache.layers if not isinstance(e, cache_lib.AttentionCache)]
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(entries)))

@@ -23,9 +23,8 @@ from flax import nnx
 
 import ready_jax as rj
 from ready_jax import cache as cache_lib
-from ready_jax import cli, generation_loop
+from ready_jax import cli, generation_loop, target_model, target_steps
 from ready_jax import drafter as drafter_lib
-from ready_jax import target as target_lib
 
 from . import deviceless
 from . import geometry as geometry_lib
@@ -38,7 +37,7 @@ PAPER_ROUND_S, PAPER_READER_S = 14.9e-3, 0.07e-3
 def pieces(geo: geometry_lib.Geometry) -> dict:
     """Per piece of a round, a function tracing it on abstract arguments (XLA's ops, groups unrolled)."""
     model = nnx.eval_shape(lambda: rj.TargetModel(geo.target, rngs=nnx.Rngs(0), dtype=geo.dtype))
-    target = rj.Target(target_lib.split_groups(model), group_layout="split")
+    target = rj.Target(target_model.split_groups(model), group_layout="split")
     _, drafter = geometry_lib.abstract_models(geo)
     no_reader = rj.Drafter(nnx.eval_shape(lambda: drafter_lib.DrafterModel(
         dataclasses.replace(geo.drafter, reader=None), rngs=nnx.Rngs(0), dtype=geo.dtype)))
@@ -49,7 +48,7 @@ def pieces(geo: geometry_lib.Geometry) -> dict:
     n = s((batch,), jnp.int32)
     shared = generation_loop.shared_weights(target.params, geo.target)  # works on abstract weights too
     context = jax.eval_shape(lambda: drafter_lib.init_context(geo.drafter, batch, geo.capacity, geo.dtype))
-    candidate = jax.eval_shape(lambda p, c, b: target_lib.verify(target.graphdef, p, c, b, rollback="replay"),
+    candidate = jax.eval_shape(lambda p, c, b: target_steps.verify(target.graphdef, p, c, b, rollback="replay"),
                                target.params, cache, block).cache
     reader = jax.eval_shape(lambda p, c: drafter_lib.prepare_reader(drafter.graphdef, p, c), drafter.params, cache)
 
@@ -57,9 +56,9 @@ def pieces(geo: geometry_lib.Geometry) -> dict:
         return lambda: jax.jit(fn).trace(*args)
 
     return {
-        "decode": trace(functools.partial(target_lib.extend, target.graphdef, form="recurrent"), target.params,
+        "decode": trace(functools.partial(target_steps.extend, target.graphdef, form="recurrent"), target.params,
                         cache, s((batch, 1), jnp.int32)),
-        "verify": trace(functools.partial(target_lib.verify, target.graphdef, hidden_layers=ids, rollback="replay"),
+        "verify": trace(functools.partial(target_steps.verify, target.graphdef, hidden_layers=ids, rollback="replay"),
                         target.params, cache, block),
         "commit": trace(cache_lib.commit, candidate, n),
         "draft": trace(functools.partial(drafter_lib.draft_block, drafter.graphdef), drafter.params, shared, context,

@@ -17,7 +17,7 @@ from flax import nnx
 import ready_jax as rj
 from ready_jax import cache as cache_lib
 from ready_jax import drafter as drafter_lib
-from ready_jax import target as target_lib
+from ready_jax import target_steps
 from ready_jax.modes import ROLLBACKS
 
 
@@ -25,8 +25,8 @@ def median_seconds(fn, repeats: int) -> float:
     return interleaved_medians({"fn": fn}, repeats)["fn"]
 
 
-def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each zero-argument function after a warm-up (and compile) of each, running them in
+def interleaved_samples(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of every run of each zero-argument function after a warm-up (and compile) of each, running them in
     turn once per repeat so that drift in a shared machine's load hits all of them alike."""
     for fn in fns.values():
         jax.block_until_ready(fn())
@@ -36,7 +36,12 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
             start = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return times
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each zero-argument function (:func:`interleaved_samples`)."""
+    return {name: float(np.median(t)) for name, t in interleaved_samples(fns, repeats).items()}
 
 
 def run_generate(target, prompts, new_tokens, drafter=None, repeats=3, *, name: str, profile: str | None = None,
@@ -180,7 +185,7 @@ def verify_commit_memory(target, cache, block, ids, rollback) -> dict:
     """XLA's compiled memory figures (bytes) of verify followed by commit, for one rollback strategy."""
 
     def step(params, cache, block, n):
-        out = target_lib.verify(target.graphdef, params, cache, block, hidden_layers=ids, rollback=rollback)
+        out = target_steps.verify(target.graphdef, params, cache, block, hidden_layers=ids, rollback=rollback)
         return out.logits, cache_lib.commit(out.cache, n)
 
     n = jnp.ones((block.shape[0],), jnp.int32)

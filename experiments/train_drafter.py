@@ -467,6 +467,9 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
                       resume_unverified=args.resume_unverified)
     meta = {**settings, "optim": dataclasses.asdict(optim)}
     start = time.perf_counter()
+    # The first progress line comes after --log-every steps, the first of which compiles the step (20-30 s on a
+    # loaded CPU): say so before the wait.
+    print(f"training {args.steps} steps: compiling the step, then a line every {args.log_every} steps", flush=True)
     if args.variant == "mtp":
         trained = mtp_training.train_mtp(drafter, target, train_seqs, val_seqs, args.prompt_len, optim, loop, workdir,
                                          batch_size=args.batch_size, seed=args.seed, meta=meta, batches=batches)
@@ -483,9 +486,10 @@ def train(args, argv: list[str], workdir: Path, distill_cache: str, target: rj.T
     summary = {"variant": args.variant, "steps": steps_done, "params": num_params,
                "wall_seconds_this_run": time.perf_counter() - start, **final}
     print(json.dumps(summary))
-    params = processes.host_copy(trained.params)  # every process takes part; process 0 writes
     if processes.writes_shared_files():
         files.write_text(workdir / "summary.json", json.dumps(summary, indent=1))
+    # Exporting gathers the weights to one host: every process takes part, process 0 writes.
+    params = processes.host_copy(trained.params) if args.save_dir else None
     if args.save_dir and processes.writes_shared_files():
         exported = type(trained)(nnx.merge(trained.graphdef, artifacts.cast(params, jnp.dtype(args.export_dtype))))
         files.write_directory(args.save_dir, exported.save, replace=args.replace_save_dir)

@@ -170,7 +170,10 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class KernelOp:
     """Where an op's kernels live: in ``<package>.<family>`` for each of ``families`` (imported on first use, so a
-    machine loads only the kernels it runs), the function ``kernel`` and its block config class ``config``."""
+    machine loads only the kernels it runs), the function ``kernel`` and its block config class ``config``.
+
+    A family's module may also define ``takes(*args, **kwargs) -> bool``: False for operands its kernel cannot run
+    (a Hopper WGMMA has no fp32 products), which then run on the family's :data:`FALLBACK` kernel."""
 
     name: str
     package: str
@@ -237,6 +240,9 @@ def run(op: KernelOp, reference: Callable[..., T], *args: Any, impl: Impl | Kern
     target = choice.target
     family = target.family if target.family in op.families else FALLBACK.get(target.family, target.family)
     kernels = op.module(family)
+    if family in FALLBACK and not getattr(kernels, "takes", lambda *_, **__: True)(*args, **kwargs):
+        family = FALLBACK[family]
+        kernels = op.module(family)
     config = check_config(config, getattr(kernels, op.config), op.name)
     kernel = functools.partial(getattr(kernels, op.kernel), **kwargs, interpret=target.interpret, config=config)
     if op.axes is None:

@@ -14,7 +14,7 @@ _PUBLIC = {
     "Drafter": "drafter", "DraftOutput": "drafter", "SharedWeights": "drafter",
     "GenerateOutput": "generation", "ScriptedDrafter": "scripted_drafter", "generate": "generation",
     "Layout": "sharding", "make_mesh": "sharding",
-    "StepOutput": "target", "Target": "target", "TargetModel": "target",
+    "StepOutput": "target_steps", "Target": "target", "TargetModel": "target_model",
     "shard_target": "target", "shard_drafter": "drafter",
 }
 _SUBMODULES = ("debug", "numerics", "sharding")

@@ -199,6 +199,17 @@ def commit(candidate: Candidate, n_accepted: jax.Array) -> TargetCache:
     return TargetCache(layers=tuple(layers), lengths=candidate.lengths + n)
 
 
+def committed_source(candidate: Candidate, committed: TargetCache,
+                     n_accepted: jax.Array) -> tuple[Candidate, jax.Array] | tuple[TargetCache, None]:
+    """Where the state that ``commit(candidate, n_accepted)`` keeps can be read, whichever rollback made the
+    candidate: ``(candidate, n_accepted)`` when it holds the state after every block position (read in place,
+    without waiting for the commit), else ``(committed, None)`` (a replay candidate holds only the state before the
+    block; the commit recomputed the kept one)."""
+    if any(isinstance(entry, DeltaNetReplay) for entry in candidate.layers):
+        return committed, None
+    return candidate, n_accepted
+
+
 def _replay_state(entry: DeltaNetReplay, n: jax.Array, options: StepOptions) -> jax.Array:
     """Re-run the delta rule over the block with tokens >= n[b] given g = beta = 0 (which leave the
     state exactly unchanged), so the result is the state after the first n[b] tokens."""

@@ -49,8 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import state_reader as state_reader_ops
-
 from . import checkpoint, sharding
 from .cache import Candidate, ContextCache, TargetCache
 from .checks import (
@@ -66,19 +64,10 @@ from .checks import (
     int_array,
 )
 from .config import INT32_MAX, TargetConfig
-from .drafter_config import KV, STATE, DrafterConfig
+from .drafter_config import DrafterConfig
 from .layers import MLP, apply_rope, linear
 from .modes import Impl
-from .reader import (
-    ContentStateReader,
-    KVReader,
-    Qwen3RMSNorm,
-    StateReader,
-    TiedReadReader,
-    TiedStateReader,
-    gather_sources,
-    source_kv,
-)
+from .reader import Qwen3RMSNorm, reader_class
 from .step_options import PLAIN, StepOptions
 
 FORMAT = "ready-jax-drafter"
@@ -227,25 +216,15 @@ class DraftLayer(nnx.Module):
         self.self_attn = DraftAttention(config, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = Qwen3RMSNorm(d, eps, dtype=dtype)
         self.mlp = MLP(d, config.intermediate_size, rngs=rngs, dtype=dtype)
-        self.reader = _reader_for(config, layer, rngs=rngs, dtype=dtype)
+        rc = config.reader
+        self.reader = (reader_class(rc)(rc, d, eps, rngs=rngs, dtype=dtype)
+                       if rc is not None and layer in rc.inject_layers else None)
 
     def __call__(self, h, positions, ctx_k, ctx_v, ctx_len, reader_state=None, options: StepOptions = PLAIN):
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, ctx_len)
         if self.reader is not None:
             h = self.reader(h, reader_state, impl=options.kernels)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def _reader_for(config: DrafterConfig, layer: int, *, rngs: nnx.Rngs, dtype) -> StateReader | KVReader | None:
-    rc = config.reader
-    if rc is None or layer not in rc.inject_layers:
-        return None
-    if rc.kind != STATE:
-        reader_cls = KVReader
-    else:
-        reader_cls = (TiedReadReader if rc.readout != "learned" else
-                      {"basis": StateReader, "content": ContentStateReader, "tied": TiedStateReader}[rc.query])
-    return reader_cls(rc, config.hidden_size, config.rms_norm_eps, rngs=rngs, dtype=dtype)
 
 
 class MarkovHead(nnx.Module):
@@ -375,9 +354,10 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
     """Per-round reader input from the target's cache, one entry per inject layer (ascending).
 
     ``source`` is a committed ``TargetCache``, or a verify ``Candidate`` plus ``n_committed`` [B] (the
-    block tokens being committed), which reads the same states without waiting for the commit.
-    State reader: ``C [B, M, r, r]`` per inject layer, gathered and compressed by ``state_reader_ops.state_gather``
-    with ``options.kernels`` (the Pallas kernel reads the cache buffers in place); KV baseline: a ``KVReadState``.
+    block tokens being committed), which reads the same states without waiting for the commit. The reader finds its
+    data there (``locate``) and prepares it with ``options.kernels``: a state reader's committed states gathered and
+    compressed (``C [B, M, r, r]`` for the paper's; the Pallas kernel reads the cache buffers in place), the KV
+    baseline's a ``KVReadState``.
     """
     model = nnx.merge(graphdef, params)
     rc = model.config.reader
@@ -385,16 +365,8 @@ def prepare_reader(graphdef, params, source: TargetCache | Candidate,
         raise ValueError("this drafter has no reader")
     readers = [model.layers[i].reader for i in rc.inject_layers]
     with jax.named_scope("reader_prepare"):
-        if rc.kind == KV:
-            if isinstance(source, Candidate) and n_committed is None:
-                raise ValueError("reading from a verify Candidate needs n_committed (tokens kept per sequence)")
-            keys, values = source_kv(source, rc.source_layers)
-            lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
-            return tuple(r.prepare(keys, values, lengths) for r in readers)
-        arrays, layers, n = gather_sources(source, rc.source_layers, n_committed)
-        return tuple(state_reader_ops.state_gather(arrays, n, r.key_basis[...] if rc.query == "basis" else None,
-                                                   r.value_basis_matrix(), layers=layers, impl=options.kernels)
-                     for r in readers)
+        located = readers[0].locate(source, rc.source_layers, n_committed)
+        return tuple(r.prepare(located, options.kernels) for r in readers)
 
 
 def sample_block(base_logits: jax.Array, anchor: jax.Array, markov: MarkovHead | None, key: jax.Array | None,

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.sizes import round_up
+
 from . import compiled_programs, debug, modes, numerics
 from . import drafter as drafter_lib
 from . import sharding as sharding_lib
@@ -27,7 +29,7 @@ from .checks import as_array, check_int, check_real, check_seed, check_token_ids
 from .config import INT32_MAX
 from .drafter import Drafter
 from .generation_loop import PAD, Settings, program_jit
-from .layers import KV_CHUNK, round_up
+from .layers import KV_CHUNK
 from .modes import Impl, Rollback
 from .mtp import MTPDrafter
 from .scripted_drafter import ScriptedDrafter, ScriptedInputs

@@ -23,17 +23,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import cache as cache_lib
-from . import debug, scripted_drafter, speculative
+from . import debug, scripted_drafter, speculative, target_steps
 from . import drafter as drafter_lib
 from . import mtp as mtp_lib
 from . import sharding as sharding_lib
-from . import target as target_lib
 from .cache import ContextCache, TargetCache
 from .config import TargetConfig
 from .drafter_config import DrafterConfig, MTPConfig
 from .modes import Rollback
 from .scripted_drafter import ScriptedConfig
 from .step_options import StepOptions
+from .target_model import with_column_blocks
 
 PAD = -1  # fills the token buffer (and GenerateOutput.tokens) after a sequence ended
 
@@ -104,7 +104,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, shared, pro
     batch = prompts.shape[0]
     dtype = target_params["embed_tokens"]["embedding"].dtype
     cache = sharding_lib.constrain(cache_lib.init_cache(s.target_config, batch, s.capacity, dtype), s.layout)
-    out = target_lib.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
+    out = target_steps.extend(target_def, target_params, cache, prompts, prompt_lengths, form="chunked",
                             hidden_layers=s.hidden_layers, options=s.options, logits_at=prompt_lengths - 1)
     key, first_key = jax.random.split(key)
     last = out.logits[:, 0]                                                                # [B, V]
@@ -114,7 +114,7 @@ def _prefill(target_def, target_params, drafter_def, drafter_params, shared, pro
     if s.is_mtp:
         mtp_cache = mtp_lib.init_cache(s.drafter_config, batch, s.capacity, dtype)  # placed as its inputs are
         mtp = mtp_lib.prefill(drafter_def, drafter_params, shared, mtp_cache, prompts,
-                              target_lib.final_norm(target_def, target_params, out.hidden[0]), prompt_lengths)
+                              target_steps.final_norm(target_def, target_params, out.hidden[0]), prompt_lengths)
     if s.learned:
         context = sharding_lib.constrain(drafter_lib.init_context(s.drafter_config, batch, s.capacity, dtype),
                                          s.layout)
@@ -146,7 +146,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
     if s.drafter_config is None:
         with jax.named_scope("decode"):
             # A finished sequence stays in the batch but commits nothing (num_new = 0).
-            step = target_lib.extend(target_def, target_params, carry.cache, anchor[:, None],
+            step = target_steps.extend(target_def, target_params, carry.cache, anchor[:, None],
                                      jnp.where(done, 0, 1).astype(jnp.int32), form="recurrent", options=s.options,
                                      head=head)
         n_accepted = jnp.zeros_like(anchor)
@@ -176,7 +176,7 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
                 draft_probs = jax.nn.one_hot(draft_tokens, s.target_config.vocab_size, dtype=jnp.float32)
         block = jnp.concatenate([anchor[:, None], draft_tokens], axis=1)                   # [B, gamma+1]
         with jax.named_scope("verify"):
-            ver = target_lib.verify(target_def, target_params, carry.cache, block, hidden_layers=s.hidden_layers,
+            ver = target_steps.verify(target_def, target_params, carry.cache, block, hidden_layers=s.hidden_layers,
                                     rollback=s.rollback, options=s.options, head=head)
         with jax.named_scope("accept"):
             if s.temperature == 0.0:
@@ -196,12 +196,11 @@ def _round(carry: LoopState, target_def, target_params, drafter_def, drafter_par
                 context = drafter_lib.append_context(drafter_def, drafter_params, context, ver.hidden, keep)
             if s.is_mtp:
                 mtp = mtp_lib.commit(drafter_def, drafter_params, shared, mtp_cache, block,
-                                     target_lib.final_norm(target_def, target_params, ver.hidden[0]),
+                                     target_steps.final_norm(target_def, target_params, ver.hidden[0]),
                                      carry.cache.lengths, keep)
         if s.has_reader:
             with jax.named_scope("reader_prepare"):
-                # Read from the candidate (before commit) when it holds per-position states.
-                source, n = (ver.cache, keep) if s.rollback == "checkpoint" else (cache, None)
+                source, n = cache_lib.committed_source(ver.cache, cache, keep)
                 reader = drafter_lib.prepare_reader(drafter_def, drafter_params, source, n, options=s.options)
     if context is not None:
         context = sharding_lib.constrain(context, s.layout)
@@ -226,10 +225,13 @@ def _program(target_params, drafter_params, prompts, prompt_lengths, key, max_ne
     with jax.named_scope("prefill"):
         carry = _prefill(target_def, target_params, drafter_def, drafter_params, shared, prompts, prompt_lengths,
                          key, max_new_tokens, settings)
+    round_params, round_head = target_params, head
+    if settings.options.column_blocks:  # laid out once, here, not in every round
+        round_params, round_head = with_column_blocks(target_def, target_params, head)
     carry = jax.lax.while_loop(
         lambda c: ~jnp.all(c.done),
-        lambda c: _round(c, target_def, target_params, drafter_def, drafter_params, shared, head, max_new_tokens,
-                         settings),
+        lambda c: _round(c, target_def, round_params, drafter_def, drafter_params, shared, round_head,
+                         max_new_tokens, settings),
         carry)
     tokens = (carry.buffer, carry.generated, carry.accepted, carry.round)
     if settings.layout is not None:  # small: replicated, so every process can read them (multi-host)

@@ -463,7 +463,7 @@ def convert_hf_state(config: TargetConfig, tensors: Mapping[str, SourceTensor], 
                      dtype=jnp.float32, *, what: str = "HF checkpoint") -> dict[str, np.ndarray]:
     """HF tensors -> {internal dotted path: array of ``dtype``}, or one ValueError listing every problem.
 
-    ``expected``: {internal dotted path: shape} of the target's parameters (``ready_jax.target.param_shapes``).
+    ``expected``: {internal dotted path: shape} of the target's parameters (``ready_jax.target_model.param_shapes``).
 
     All checks (table coverage, missing / unexpected keys, shapes, a stray tied ``lm_head``) run on the
     headers before the first tensor is loaded; tensors holding NaN / Inf are reported after loading.

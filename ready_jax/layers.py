@@ -14,9 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import gated_delta
+from pallas_kernels.sizes import round_up
 
 from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
+from .rows import PLAIN_ROWS, ROW_TILE, Rows
 from .step_options import PLAIN, StepOptions
 
 _normal = nnx.initializers.normal(0.02)
@@ -35,65 +37,11 @@ def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype, bias: 
                       kernel_init=_normal, rngs=rngs)
 
 
-# Rows per matmul in the batch-invariant mode. XLA's CPU dots (Eigen) choose their kernel and blocking by the
-# row count: a matrix-vector kernel for one row, other blockings for 2-7 rows, and at 8 against 16 rows, or across
-# prompt batches of hundreds of rows, blockings that round a row differently too (docs/numerics.md, "A row's tokens
-# and its batch"). So every matmul of the mode runs on tiles of exactly this many rows, one tile after another: a
-# decode step or verify position on ROW_TILE rows (the batch padded up to whole tiles), a prompt on PROMPT_TILE.
-ROW_TILE = 8
-PROMPT_TILE = 64
 # Key slots per step of the batch-invariant attention: every sum over keys runs over chunks of this many slots,
 # in slot order, and stops after the last chunk holding a visible key, so no sum depends on the cache's capacity.
 KV_CHUNK = 128
 # Tokens per chunk of the Gated DeltaNet's chunked form (prefill, training).
 GDN_CHUNK = 64
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def row_tiles(fn, x: jax.Array, tile: int) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` of x [N, ...], computed on tiles of exactly ``tile`` rows (x padded with zero
-    rows to whole tiles, the tiles a loop), so that every matmul inside has the same shape whatever N and a row's
-    result depends on neither N nor the other rows. The padding rows' results are dropped."""
-    n = x.shape[0]
-    tiles = jnp.pad(x, [(0, round_up(n, tile) - n)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, tile, *x.shape[1:])
-    out = fn(tiles[0])[None] if tiles.shape[0] == 1 else jax.lax.map(fn, tiles)
-    return out.reshape(-1, *out.shape[2:])[:n]
-
-
-def padded_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` (matmuls, an MLP) of x [..., D]; with ``batch_invariant``, x's rows
-    flattened and run on tiles of :data:`PROMPT_TILE` rows (:func:`row_tiles`): a prompt's tokens round alike
-    whatever its padding, the batch and the other prompts."""
-    if not batch_invariant:
-        return fn(x)
-    out = row_tiles(fn, x.reshape(-1, x.shape[-1]), PROMPT_TILE)
-    return out.reshape(*x.shape[:-1], *out.shape[1:])
-
-
-def invariant_rows(fn, batch_invariant: bool, x: jax.Array, prefill: bool) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` of x [B, T, D], as ``batch_invariant`` needs it: a prefill on tiles of
-    prompt rows (:func:`padded_rows`), a decode step or verify block on tiles of :data:`ROW_TILE` rows
-    (:func:`step_rows`), so that a verify block's every matmul and the fusions around it have a decode step's
-    shapes, and neither depends on the batch."""
-    return (padded_rows if prefill else step_rows)(fn, batch_invariant, x)
-
-
-def step_rows(fn, batch_invariant: bool, x: jax.Array) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` of x [B, T, ...] (a decode step, T = 1, or a verify block); with
-    ``batch_invariant``, the B * T rows on tiles of exactly :data:`ROW_TILE` rows (:func:`row_tiles`). Every matmul
-    then has one shape, whatever the batch and the block, and a row's result depends on neither its neighbours in a
-    tile nor its place there (``tests/test_numerics.py``): a verify position rounds as a decode step of the same
-    row, and a block of 8 positions at batch 1 reads each weight once. For the MoE, whose experts see the tokens
-    routed to them together, the tile is what they share. The tiles are a loop (``lax.map``), so the program holds
-    one copy of ``fn``'s kernels (each takes memory maps of its own on a CPU: ``ready_jax.compiled_programs``)."""
-    if not batch_invariant:
-        return fn(x)
-    b, t = x.shape[:2]
-    out = row_tiles(fn, x.reshape(b * t, 1, *x.shape[2:]), ROW_TILE)
-    return out.reshape(b, t, *out.shape[2:])
 
 
 class RMSNorm(nnx.Module):
@@ -153,8 +101,10 @@ class MLP(nnx.Module):
         self.up_proj = linear(hidden, intermediate, rngs=rngs, dtype=dtype)
         self.down_proj = linear(intermediate, hidden, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, rows: Rows = PLAIN_ROWS) -> jax.Array:
+        """x [..., D] -> [..., D]; ``rows``: how the projections run (``ready_jax.rows``)."""
+        hidden = jax.nn.silu(rows.linear(self.gate_proj, x)) * rows.linear(self.up_proj, x)
+        return rows.linear(self.down_proj, hidden)
 
 
 class SparseMoE(nnx.Module):
@@ -176,10 +126,12 @@ class SparseMoE(nnx.Module):
         self.shared_expert = MLP(d, config.shared_expert_intermediate_size, rngs=rngs, dtype=dtype)
         self.shared_expert_gate = linear(d, 1, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: Rows = PLAIN_ROWS) -> jax.Array:
+        """x [..., D] -> [..., D]; ``rows``: how the router's, the shared expert's and its gate's projections run
+        (``ready_jax.rows``; the experts' ``ragged_dot`` runs as it comes: the caller tiles the rows)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                          # [N, D]
-        probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)  # [N, E]
+        probs = jax.nn.softmax(rows.linear(self.router, x).astype(jnp.float32), axis=-1)  # [N, E]
         top_p, top_e = jax.lax.top_k(probs, self.top_k)                       # [N, k]
         if self.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
@@ -194,8 +146,8 @@ class SparseMoE(nnx.Module):
         ys = jax.lax.ragged_dot(h, self.expert_down[...], group_sizes)         # [N*k, D]
         ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
         routed = jnp.zeros_like(x).at[token].add(ys)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32)).astype(x.dtype)
-        return (routed + shared * self.shared_expert(x)).reshape(shape)
+        shared = jax.nn.sigmoid(rows.linear(self.shared_expert_gate, x).astype(jnp.float32)).astype(x.dtype)
+        return (routed + shared * self.shared_expert(x, rows)).reshape(shape)
 
 
 class GatedAttention(nnx.Module):
@@ -215,27 +167,27 @@ class GatedAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, cache: AttentionCache, starts: jax.Array,
                  group: jax.Array | None = None, window: jax.Array | None = None, *,
-                 batch_invariant: bool = False, prefill: bool = False) -> tuple[jax.Array, AttentionCache]:
+                 rows: Rows = PLAIN_ROWS) -> tuple[jax.Array, AttentionCache]:
         """x: [B, T, D]; the block sits at positions ``starts[b] + t``. ``cache`` holds every group's
         buffers (k, v: [G, B, S, H_kv, D]) and this layer is group ``group``, or (``group=None``) just
         this layer's [B, S, H_kv, D]. Returns the output and the buffers with the block's K/V written at
         those slots: only T slots are written, so a donated cache is updated in place, not copied.
         ``window`` [B]: row b's queries see only the last ``window[b]`` positions, their own included (a
         training-time restriction, see ``training.target_recipe.attention_windows``; None: every earlier position).
-        ``batch_invariant``: every matmul as :func:`invariant_rows` runs it (``prefill``: the block is a prompt)
-        and attention over fixed chunks of key slots up to the last visible one (:meth:`_attend_in_chunks`), so
-        that a token's result depends on neither the block, the padding nor the cache's capacity."""
+        ``rows``: how the projections run (``ready_jax.rows``); in the invariant mode (``rows.invariant``) attention
+        runs over fixed chunks of key slots up to the last visible one (:meth:`_attend_in_chunks`), so that a token's
+        result depends on neither the block, the padding nor the cache's capacity."""
         if group is None:
             out, stacked = self(x, jax.tree.map(lambda a: a[None], cache), starts, jnp.int32(0), window,
-                                batch_invariant=batch_invariant, prefill=prefill)
+                                rows=rows)
             return out, jax.tree.map(lambda a: a[0], stacked)
         b, t, _ = x.shape
         hd = self.head_dim
         positions = starts[:, None] + jnp.arange(t)[None, :]                   # [B, T]
-        query_gate = invariant_rows(self.q_proj, batch_invariant, x, prefill).reshape(b, t, self.num_heads, 2 * hd)
+        query_gate = rows.linear(self.q_proj, x).reshape(b, t, self.num_heads, 2 * hd)
         query, gate = query_gate[..., :hd], query_gate[..., hd:].reshape(b, t, self.num_heads * hd)
-        key = invariant_rows(self.k_proj, batch_invariant, x, prefill).reshape(b, t, self.num_kv_heads, hd)
-        value = invariant_rows(self.v_proj, batch_invariant, x, prefill).reshape(b, t, self.num_kv_heads, hd)
+        key = rows.linear(self.k_proj, x).reshape(b, t, self.num_kv_heads, hd)
+        value = rows.linear(self.v_proj, x).reshape(b, t, self.num_kv_heads, hd)
         query = apply_rope(self.q_norm(query), positions, self.rotary_dim, self.rope_theta)
         key = apply_rope(self.k_norm(key), positions, self.rotary_dim, self.rope_theta)
 
@@ -247,7 +199,7 @@ class GatedAttention(nnx.Module):
         k_all = jax.lax.dynamic_index_in_dim(k_cache, group, keepdims=False)   # [B, S, H_kv, D]
         v_all = jax.lax.dynamic_index_in_dim(v_cache, group, keepdims=False)
 
-        if batch_invariant:
+        if rows.invariant:
             out = self._attend_in_chunks(query, positions, k_all, v_all, window)
         else:
             slots = jnp.arange(k_all.shape[1])
@@ -256,7 +208,7 @@ class GatedAttention(nnx.Module):
                 visible &= slots[None, None, :] > positions[:, :, None] - window[:, None, None]
             out = self._attend(query, visible, k_all, v_all)                   # [B, T, H * D]
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-        return invariant_rows(self.o_proj, batch_invariant, out, prefill), AttentionCache(k=k_cache, v=v_cache)
+        return rows.linear(self.o_proj, out), AttentionCache(k=k_cache, v=v_cache)
 
     def _attend(self, query: jax.Array, visible: jax.Array, k_all: jax.Array, v_all: jax.Array) -> jax.Array:
         """Softmax attention of query [B, T, H, D] over the buffers k_all, v_all [B, S, H_kv, D] at the slots
@@ -346,21 +298,20 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dtype)
         self.out_proj = linear(c.linear_value_dim, c.hidden_size, rngs=rngs, dtype=dtype)
 
-    def decay(self, x: jax.Array, batch_invariant: bool = False, prefill: bool = False) -> jax.Array:
+    def decay(self, x: jax.Array, rows: Rows = PLAIN_ROWS) -> jax.Array:
         """g = log of the share of the state each token of x [B, T, D] keeps: [B, T, H_v] float32, <= 0."""
-        a = invariant_rows(self.in_proj_a, batch_invariant, x, prefill).astype(jnp.float32)
+        a = rows.linear(self.in_proj_a, x).astype(jnp.float32)
         a = a + self.dt_bias[...].astype(jnp.float32)
         return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
 
-    def delta_inputs(self, x: jax.Array, conv: jax.Array, batch_invariant: bool = False,
-                     prefill: bool = False) -> tuple[jax.Array, ...]:
+    def delta_inputs(self, x: jax.Array, conv: jax.Array, rows: Rows = PLAIN_ROWS) -> tuple[jax.Array, ...]:
         """The delta rule's q, k ``[B, T, H_k, d_k]`` and v ``[B, T, H_v, d_v]`` for the new tokens x [B, T, D]
         (before the rule's L2 norm of q and k), after the projections of the ``K-1`` tokens before them,
         ``conv`` [B, K-1, C] (zeros at a sequence's start), through the causal conv and SiLU; and the conv
-        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``batch_invariant``, ``prefill``: see
-        :func:`invariant_rows`."""
+        window [B, K-1+T, C] the cache keeps its last K-1 rows of. ``rows``: how the projection runs
+        (``ready_jax.rows``)."""
         b, t, _ = x.shape
-        projected = invariant_rows(self.in_proj_qkv, batch_invariant, x, prefill)
+        projected = rows.linear(self.in_proj_qkv, x)
         window = jnp.concatenate([conv, projected.astype(conv.dtype)], axis=1)
         w = self.conv_weight[...]
         mixed = jax.nn.silu(sum(window[:, j:j + t].astype(w.dtype) * w[j] for j in range(self.kernel_size)))
@@ -394,17 +345,17 @@ class GatedDeltaNet(nnx.Module):
         block and the block's delta-rule inputs instead; ``cache.commit`` recomputes the kept tokens.
         ``options.kernels`` runs every form with XLA or the fused Pallas kernels (``pallas_kernels.gated_delta``:
         ``gdn_chunked`` for the chunked form, ``gdn_recurrent`` for the others). ``options.batch_invariant``: a
-        token rounds the same in a block as alone (:func:`invariant_rows`, and the recurrence one token per
+        token rounds the same in a block as alone (``ready_jax.rows``, and the recurrence one token per
         iteration), and a prefill's chunked form runs whole chunks whatever the prompt's length.
         """
         b, t, _ = x.shape
         k_minus_1 = self.kernel_size - 1
-        prefill, batch_invariant = form == "chunked", options.batch_invariant
-        q, k, v, window = self.delta_inputs(x, cache.conv, batch_invariant, prefill)
-        beta = jax.nn.sigmoid(invariant_rows(self.in_proj_b, batch_invariant, x, prefill).astype(jnp.float32))
-        g = self.decay(x, batch_invariant, prefill)
+        rows = Rows.of(options, prompt=form == "chunked")
+        q, k, v, window = self.delta_inputs(x, cache.conv, rows)
+        beta = jax.nn.sigmoid(rows.linear(self.in_proj_b, x).astype(jnp.float32))
+        g = self.decay(x, rows)
         recurrent = functools.partial(gated_delta.gated_delta_recurrent, impl=options.kernels,
-                                      looped=batch_invariant)
+                                      looped=options.batch_invariant)
 
         if form == "candidates":
             o, states = recurrent(q, k, v, g, beta, cache.state, output_all_states=True,
@@ -424,7 +375,7 @@ class GatedDeltaNet(nnx.Module):
             n = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
             new_cache = DeltaNetCache(state=state, conv=select_conv_state(window[None], n, k_minus_1)[0])
 
-        z = invariant_rows(self.in_proj_z, batch_invariant, x, prefill)
+        z = rows.linear(self.in_proj_z, x)
         z = z.reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(o, z).reshape(b, t, self.num_v_heads * self.head_v_dim)
-        return invariant_rows(self.out_proj, batch_invariant, out, prefill), new_cache
+        return rows.linear(self.out_proj, out), new_cache

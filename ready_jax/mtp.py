@@ -41,7 +41,7 @@ from .config import TargetConfig
 from .drafter import GREEDY_BELOW, DraftOutput, SharedWeights
 from .drafter_config import MTPConfig
 from .layers import RMSNorm, linear
-from .target import DecoderLayer
+from .target_model import DecoderLayer
 
 FORMAT = "ready-jax-mtp"
 

@@ -9,14 +9,18 @@ matmul's per-row result depends on its row count below 8 rows; a sum over the wh
 buffer's size; XLA's fusion recomputes a chain of Gated DeltaNet states inside one kernel, contracting
 multiply-adds differently by context; and excess precision keeps a bf16 intermediate in fp32 in one program and
 not in another. The target's ``batch_invariant`` steps avoid the first three by construction
-(every matmul on tiles of a fixed row count, ``layers.row_tiles``; attention over fixed chunks of key slots; the
-recurrence's ``looped`` form) and compile with the options below for the last, which also keep the CPU's YNNPACK
-from fusing a matmul with its neighbours. On a dense target a row's tokens then depend on its own prompt alone,
-not on the batch, the other rows or the prompt bucket; an MoE's experts still share rows with the other tokens
-routed to them.
+(every matmul on fixed row tiles, ``ready_jax.rows``: XLA dots of one shape whatever the row count, over column
+blocks of each weight in a decode step or verify block, or with ``impl="pallas"`` one ``row_matmul`` kernel over all
+the step's rows; attention over fixed chunks of key slots; the recurrence's
+``looped`` form) and compile with the options below for the last, which also keep the CPU's YNNPACK from fusing a
+matmul with its neighbours. A row's tokens then depend on its own prompt alone, not on the batch, the other rows or
+the prompt bucket (checked on XLA's CPU backend for dense and MoE targets, and for a dense one in the Pallas
+kernels' interpreters).
 
-On a GPU or TPU the same steps run but are not checked here (no device): there the default is off, and
-``generate`` says once that greedy output may differ from the autoregressive one.
+On a GPU or TPU the default is off, and ``generate`` says once that greedy output may differ from the
+autoregressive one. With it on and ``impl="pallas"`` the matmuls are row-invariant by the kernel's construction
+there too; attention, the norms and an MoE's experts stay XLA's, which nothing here can check on a device
+(docs/numerics.md).
 """
 
 from __future__ import annotations

@@ -20,16 +20,25 @@ class Progress:
     without its compile for every item left, plus the mean compile for every compile left. Otherwise the
     first items' compiles would stand for every later item, which reuses their programs. Items of known unequal
     cost give their relative ``weights``, one per item in order; the time left is then per unit of weight.
+
+    Programs of unequal size compile in unequal times: ``compiles`` may instead name the kind of each compile in
+    the order they come (``("target", "drafter", "drafter")``). A compile still to come is then counted at the
+    mean of the compiles of its kind so far, or of all compiles so far where none of its kind has run;
+    :meth:`compiled_before` adds a compile measured before the count started, of a program that compiles about as
+    long as a kind's.
     """
 
     def __init__(self, label: str, total: int | None = None, unit: str = "", *, every_s: float = 5.0,
-                 compiles: int = 0, weights: tuple[float, ...] | None = None):
+                 compiles: int | tuple[str, ...] = 0, weights: tuple[float, ...] | None = None):
         if weights is not None and len(weights) != total:
             raise ValueError(f"{len(weights)} weights for {total} items")
-        self.label, self.total, self.unit, self.every_s, self.compiles = label, total, unit, every_s, compiles
+        self.kinds = tuple(compiles) if isinstance(compiles, (tuple, list)) else ("",) * compiles
+        self.label, self.total, self.unit, self.every_s = label, total, unit, every_s
+        self.compiles = len(self.kinds)
         self.weights = weights
         self.done = self.compiled = 0
         self.compile_seconds = 0.0
+        self._by_kind: dict[str, list[float]] = {}  # measured compile seconds per kind
         self.start = self._last = time.perf_counter()
         self._printed = ""
 
@@ -44,11 +53,18 @@ class Progress:
         it is due (``detail`` is appended to it)."""
         self.done += n
         if compile_seconds > 0:
+            kind = self.kinds[self.compiled] if self.compiled < self.compiles else ""
+            self._by_kind.setdefault(kind, []).append(compile_seconds)
             self.compiled += 1
             self.compile_seconds += compile_seconds
         if time.perf_counter() - self._last >= self.every_s:
             self._print(self.line(detail))
             self._printed = self.line()
+
+    def compiled_before(self, kind: str, seconds: float) -> None:
+        """A compile that took ``seconds`` before this count started (in no item's time): it stands for the compiles
+        of ``kind`` still to come, beside those of the kind measured in the count."""
+        self._by_kind.setdefault(kind, []).append(seconds)
 
     def note(self, text: str) -> None:
         """Print ``label: text, elapsed`` now (a stage that has no count of its own)."""
@@ -73,8 +89,14 @@ class Progress:
         class)."""
         weights = self.weights or (1.0,) * self.total
         per_weight = (elapsed - self.compile_seconds) / sum(weights[:self.done])
-        per_compile = self.compile_seconds / self.compiled if self.compiled else 0.0
-        return per_weight * sum(weights[self.done:]) + per_compile * max(self.compiles - self.compiled, 0)
+        measured = [t for times in self._by_kind.values() for t in times]
+        overall = sum(measured) / len(measured) if measured else 0.0
+
+        def mean(kind: str) -> float:
+            times = self._by_kind.get(kind)
+            return sum(times) / len(times) if times else overall
+
+        return per_weight * sum(weights[self.done:]) + sum(mean(kind) for kind in self.kinds[self.compiled:])
 
     def _print(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -118,6 +118,15 @@ def command_line(module: str, argv: Sequence[str]) -> str:
     return f"python -m {module} {shlex.join(argv)}".strip()
 
 
+def running_command() -> str:
+    """The command that started this process: ``python -m <module> <args>`` for a module run (how every script
+    here runs), else ``python <argv>``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return command_line(spec.name.removesuffix(".__main__"), sys.argv[1:])
+    return f"python {shlex.join(sys.argv)}"
+
+
 def record(module: str, argv: Sequence[str]) -> dict:
     """How a run was started: its command, the UTC date and :func:`environment`."""
     return {"command": command_line(module, argv), "date": utc_now(), "environment": environment()}

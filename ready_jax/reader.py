@@ -23,17 +23,23 @@ same per-pair query ``a_{i,m}``: ``y_{i,m} = softmax(a_{i,m} K~_m^T / sqrt(r), m
 tokens) V~_m``, then the same ``W_o(rmsnorm(.))`` residual. Prepared data is ``M * t * 2r`` numbers
 and the read costs ``O(gamma M t r)``: both grow with the prefix, unlike the state read.
 
-Here: the parameters (:class:`StateReader`, :class:`KVReader`) and the helpers that find the source
-data in the target's cache. The state read's array math is ``pallas_kernels.state_reader`` (its reference, and the
-switch between XLA and the fused Pallas kernels); the KV-read baseline's is ``ready_jax.kv_read``.
+Here: the helpers that find the source data in the target's cache, and the readers. Every reader kind has one
+interface, which inference and training share: ``locate(source, source_layers, n_committed)`` finds its data in a
+committed ``TargetCache`` or a verify ``Candidate`` (:class:`CachedStates`, :class:`CachedKV`), ``prepare(...)``
+turns that (or the training teacher's gathered states) into the per-round input, and calling the reader is the read
+``h -> h'``. :func:`reader_class` is the one place a :class:`ReaderConfig` chooses the reader. The state read's array
+math is ``pallas_kernels.state_reader`` (its reference, and the switch between XLA and the fused Pallas kernels); the
+KV-read baseline's is ``ready_jax.kv_read``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels import state_reader as state_reader_ops
@@ -41,7 +47,7 @@ from pallas_kernels.backend import KernelChoice
 from pallas_kernels.state_reader.reference import Layers, compress, gather_states, merge_pairs, rms_norm
 
 from .cache import AttentionCache, Candidate, DeltaNetCache, DeltaNetCandidate, TargetCache
-from .drafter_config import ReaderConfig
+from .drafter_config import KV, ReaderConfig
 from .kv_read import KVReadState, prepare_kv, read_kv
 from .layers import gated_rms_norm, linear
 from .modes import Impl
@@ -133,6 +139,50 @@ def gather_sources(source: TargetCache | Candidate, source_layers: Sequence[int]
     return arrays, tuple(layers), n
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CachedStates:
+    """The committed GDN states of the source layers where the target cache keeps them (:func:`gather_sources`), for
+    a state reader's :meth:`~_ReadsStates.prepare`: the fused gather reads them in place."""
+
+    buffers: tuple[jax.Array, ...]  # per in-group position [G, B, T+1, H_v, d_k, d_v] (a committed cache's T+1 = 1)
+    n_committed: jax.Array          # [B] the position each sequence keeps
+    layers: Layers = dataclasses.field(metadata=dict(static=True))  # (buffer, group) of each source layer
+
+    @classmethod
+    def of(cls, source: TargetCache | Candidate, source_layers: Sequence[int],
+           n_committed: jax.Array | None = None) -> CachedStates:
+        """The states of a committed ``TargetCache``, or of a verify ``Candidate`` plus ``n_committed`` [B]."""
+        buffers, layers, n = gather_sources(source, source_layers, n_committed)
+        return cls(buffers=tuple(buffers), n_committed=n, layers=layers)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CachedKV:
+    """Cached keys and values of the full-attention source layers, for :meth:`KVReader.prepare`, and the tokens each
+    reading row sees.
+
+    ``lengths`` has one entry per row: B (one row per sequence), or ``B * N`` (training's N anchors per sequence),
+    rows ``b * N + j`` then sharing sequence b's keys and values, which are prepared once and not copied per row.
+    """
+
+    keys: jax.Array     # [L_src, B, S, H_kv, hd]
+    values: jax.Array   # [L_src, B, S, H_kv, hd]
+    lengths: jax.Array  # [R] int32 committed tokens each row reads, R = B * N
+
+    @classmethod
+    def of(cls, source: TargetCache | Candidate, source_layers: Sequence[int],
+           n_committed: jax.Array | None = None) -> CachedKV:
+        """The KV of a committed ``TargetCache``, or of a verify ``Candidate`` plus ``n_committed`` [B] (the block
+        tokens it keeps, which lengthen what each sequence reads)."""
+        if isinstance(source, Candidate) and n_committed is None:
+            raise ValueError("reading from a verify Candidate needs n_committed (tokens kept per sequence)")
+        keys, values = source_kv(source, source_layers)
+        lengths = source.lengths + n_committed if isinstance(source, Candidate) else source.lengths
+        return cls(keys=keys, values=values, lengths=lengths)
+
+
 # ---- parameter holders -----------------------------------------------------------------------------------
 class Qwen3RMSNorm(nnx.Module):
     """:func:`rms_norm` with its weight (the drafter uses Qwen3's norm throughout, as DeepSpec does)."""
@@ -151,6 +201,30 @@ def _orthonormal_bases(key: jax.Array, num_pairs: int, dim: int, rank: int, dtyp
     return q.astype(dtype)
 
 
+class _ReadsStates(nnx.Module):
+    """What every state reader shares: where its data is, and its prepare. A subclass's ``bases()`` names the key
+    basis U [M, d_k, r] and value basis V [M, d_v, r] it compresses by (None: that side kept whole)."""
+
+    locate = staticmethod(CachedStates.of)
+    # The training teacher runs the target in segments ending at the anchors and takes the committed states after
+    # each (``training.drafter_loss.teacher_pass``): what ``locate`` finds in generate's cache at that anchor.
+    teacher_segments = True
+
+    def prepare(self, states: CachedStates | jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
+        """The per-round input of the read, from the committed states: ``U^T S V`` [B, M, r, r], ``S V``
+        [B, M, d_k, r] or ``S`` [B, M, d_k, d_v] in fp32, by the subclass's ``bases()``.
+
+        ``states``: where the target cache keeps them (:class:`CachedStates`, inference: gathered and compressed in
+        one pass, XLA or the fused kernel by ``impl``), or already gathered, [B, M, d_k, d_v] (the training
+        teacher's; :func:`committed_states`).
+        """
+        key_basis, value_basis = self.bases()
+        if isinstance(states, CachedStates):
+            return state_reader_ops.state_gather(list(states.buffers), states.n_committed, key_basis, value_basis,
+                                                 layers=states.layers, impl=impl)
+        return compress(states, key_basis, value_basis)
+
+
 class _ReaderParams(nnx.Module):
     def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
         if not config.resolved:
@@ -164,14 +238,11 @@ class _ReaderParams(nnx.Module):
         self.norm = Qwen3RMSNorm(m * r, eps, dtype=dtype)
 
 
-class StateReader(_ReaderParams):
+class StateReader(_ReadsStates, _ReaderParams):
     """Parameters of one state-reader sub-block: U [M, d_k, r], V [M, d_v, r], W_q, W_o (zero), norm."""
 
-    def value_basis_matrix(self) -> jax.Array:
-        return self.value_basis[...]
-
-    def prepare(self, states_bmkv: jax.Array) -> jax.Array:
-        return compress(states_bmkv, self.key_basis[...], self.value_basis[...])
+    def bases(self) -> tuple[jax.Array, jax.Array]:
+        return self.key_basis[...], self.value_basis[...]
 
     def __call__(self, h: jax.Array, compressed: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         with jax.named_scope("state_reader"):
@@ -179,7 +250,7 @@ class StateReader(_ReaderParams):
                                          self.norm.weight[...], self.norm.eps, impl=impl)
 
 
-class _ValueSideParams(nnx.Module):
+class _ValueSideParams(_ReadsStates):
     """What every full-key-space reader holds: V [M, d_v, r], the norm and W_o, either one zero matrix
     ``o_proj`` [M r, d] or, with ``output_rank`` r_o, ``o_down`` [M r, r_o] then ``o_up`` [r_o, d] (zero); no key
     basis."""
@@ -204,17 +275,14 @@ class _ValueSideParams(nnx.Module):
                                    kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
         self.norm = Qwen3RMSNorm(m * r, eps, dtype=dtype)
 
-    def value_basis_matrix(self) -> jax.Array | None:
-        """V [M, d_v, r], or None when the value side is kept whole (the gather then keeps the states as they are)."""
-        return None if self.value_basis is None else self.value_basis[...]
-
-    def prepare(self, states_bmkv: jax.Array) -> jax.Array:
-        """``P_m = S_m V_m`` [B, M, d_k, r]: the value side compressed (or ``S_m`` whole), the key side whole."""
-        return compress(states_bmkv, None, self.value_basis_matrix())
+    def bases(self) -> tuple[None, jax.Array | None]:
+        """The key side whole; V [M, d_v, r], or None when the value side is kept whole too: the prepare makes
+        ``P_m = S_m V_m`` [B, M, d_k, r] (or keeps ``S_m``)."""
+        return None, None if self.value_basis is None else self.value_basis[...]
 
     def __call__(self, h: jax.Array, values: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         """The read of the subclass's ``queries(h)``, one full-key-space query per (source layer, key head) and
-        position [B, G, Q, d_k], over ``values`` (:meth:`prepare`'s)."""
+        position [B, G, Q, d_k], over ``values`` (:meth:`~_ReadsStates.prepare`'s)."""
         with jax.named_scope("state_reader"):
             queries = self.queries(h)
             if self.output_rank is None:
@@ -248,7 +316,7 @@ class TiedStateReader(_ValueSideParams):
     """A reader whose query is the source layer's own: the target's input norm, the query part of its
     ``in_proj_qkv`` and the current-token tap of its causal conv, then SiLU (the delta rule's L2 norm follows in
     the read), applied to the draft hidden through a zero-initialised low-rank adapter ``h + B(A h)`` (rank
-    ``query_rank``). The target's weights are copied in (:func:`tied_query_weights`) and frozen: gradients stop at
+    ``query_rank``). The target's weights are copied in (:meth:`target_weights`) and frozen: gradients stop at
     them and weight decay skips them (their names start with ``frozen_``). The conv's taps over earlier
     positions are dropped: a draft position's earlier inputs are mostly other drafts, unknown when it is
     drafted."""
@@ -265,6 +333,12 @@ class TiedStateReader(_ValueSideParams):
                                            * hidden_size**-0.5)
         self.frozen_query_conv = nnx.Param(jnp.ones((num_src, width), dtype))
         self.eps_target = eps
+
+    @staticmethod
+    def target_weights(source_layers: Sequence, config: ReaderConfig) -> dict:
+        """The frozen weights, by name, from the target's source decoder layers: their query path (input norm,
+        ``in_proj_qkv``'s query columns, the conv's current tap)."""
+        return _query_path_weights(source_layers, config)
 
     def queries(self, h: jax.Array) -> jax.Array:
         return _tied_queries(self, _tied_layer_inputs(self, h), self.num_query_heads, self.key_dim)
@@ -289,7 +363,7 @@ def _tied_queries(reader, inputs: jax.Array, num_query_heads: int, key_dim: int)
     return q.reshape(b, g, num_query_heads, key_dim)
 
 
-class TiedReadReader(nnx.Module):
+class TiedReadReader(_ReadsStates):
     """A reader that reads the state the way the source layers themselves would (``ReaderConfig.readout``
     ``"tied"`` or ``"tied_ungated"``).
 
@@ -300,7 +374,7 @@ class TiedReadReader(nnx.Module):
     ``tied_ungated``), then ``out_proj``. The layers' outputs are summed, as the target's residual sums them, and
     a learned map ``W`` ([d, d], or ``W_down W_up`` through ``output_rank``; zero at the start, so an untrained
     reader changes nothing) adds the sum to the draft hidden. The target's weights are copied in
-    (:func:`tied_read_weights`) and frozen."""
+    (:meth:`target_weights`) and frozen."""
 
     def __init__(self, config: ReaderConfig, hidden_size: int, eps: float, *, rngs: nnx.Rngs, dtype):
         if not config.resolved:
@@ -332,17 +406,25 @@ class TiedReadReader(nnx.Module):
                                          * width_v**-0.5)
         self.eps_target = eps
 
-    def value_basis_matrix(self) -> None:
-        """No value basis: the gather keeps the committed states whole."""
-        return None
+    @staticmethod
+    def target_weights(source_layers: Sequence, config: ReaderConfig) -> dict:
+        """The frozen weights, by name, from the target's source decoder layers: :class:`TiedStateReader`'s plus
+        their output path, the output-norm weights [L_src, d_v], ``out_proj`` kernels [L_src, H_v d_v, d] and, for
+        a gated read-out, ``in_proj_z`` kernels [L_src, d, H_v d_v]."""
+        attention = [layer.linear_attn for layer in source_layers]
+        gate = ({"frozen_gate_proj": np.stack([a.in_proj_z.kernel[...] for a in attention])}
+                if config.readout == "tied" else {})
+        return _query_path_weights(source_layers, config) | gate | {
+            "frozen_out_norm": np.stack([a.norm.weight[...] for a in attention]),
+            "frozen_out_proj": np.stack([a.out_proj.kernel[...] for a in attention])}
 
-    def prepare(self, states_bmkv: jax.Array) -> jax.Array:
-        """The committed states [B, M, d_k, d_v], whole, in fp32."""
-        return compress(states_bmkv, None, None)
+    def bases(self) -> tuple[None, None]:
+        """No basis: the prepare keeps the committed states [B, M, d_k, d_v] whole, in fp32."""
+        return None, None
 
     def layer_outputs(self, h: jax.Array, states: jax.Array, impl: Impl | KernelChoice = "xla") -> jax.Array:
         """What each source layer's output path makes of its read for the draft hidden h [B, G, d], from
-        :meth:`prepare`'s states: [B, G, L_src, d]."""
+        :meth:`~_ReadsStates.prepare`'s states: [B, G, L_src, d]."""
         b, g, _ = h.shape
         inputs = _tied_layer_inputs(self, h)                                                  # [B, G, L, d]
         num_src = inputs.shape[2]
@@ -364,32 +446,48 @@ class TiedReadReader(nnx.Module):
             return h + self.out_up(summed if self.out_down is None else self.out_down(summed))
 
 
-def tied_query_weights(norm_weights, qkv_kernels, conv_weights, width: int) -> dict:
-    """A :class:`TiedStateReader`'s frozen weights, by name, from the source layers' input-norm weights
-    [L_src, d], ``in_proj_qkv`` kernels [L_src, d, C] and conv weights [L_src, K, C] (C = 2 H_k d_k + H_v d_v,
-    the queries' ``width = H_k d_k`` channels first)."""
-    return {"frozen_input_norm": norm_weights, "frozen_query_proj": qkv_kernels[..., :width],
-            "frozen_query_conv": conv_weights[:, -1, :width]}
-
-
-def tied_read_weights(norm_weights, qkv_kernels, conv_weights, out_norm_weights, out_kernels, width: int,
-                      z_kernels=None) -> dict:
-    """A :class:`TiedReadReader`'s frozen weights, by name: :func:`tied_query_weights`' plus the source layers'
-    output-norm weights [L_src, d_v], ``out_proj`` kernels [L_src, H_v d_v, d] and, for a gated read-out, their
-    ``in_proj_z`` kernels [L_src, d, H_v d_v]."""
-    gate = {} if z_kernels is None else {"frozen_gate_proj": z_kernels}
-    return tied_query_weights(norm_weights, qkv_kernels, conv_weights, width) | gate | {
-        "frozen_out_norm": out_norm_weights, "frozen_out_proj": out_kernels}
+def _query_path_weights(source_layers: Sequence, config: ReaderConfig) -> dict:
+    """The source layers' frozen query path, by name, from the target's decoder layers: input-norm weights
+    [L_src, d], and the query channels (the first ``H_k d_k`` of ``C = 2 H_k d_k + H_v d_v``) of ``in_proj_qkv``
+    [L_src, d, H_k d_k] and of the conv's current tap [L_src, H_k d_k]."""
+    width = config.num_query_heads // len(source_layers) * config.key_dim
+    attention = [layer.linear_attn for layer in source_layers]
+    return {"frozen_input_norm": np.stack([layer.input_layernorm.weight[...] for layer in source_layers]),
+            "frozen_query_proj": np.stack([a.in_proj_qkv.kernel[...] for a in attention])[..., :width],
+            "frozen_query_conv": np.stack([a.conv_weight[...] for a in attention])[:, -1, :width]}
 
 
 class KVReader(_ReaderParams):
     """The KV-read baseline's sub-block: same parameters, bases over the attention head dim."""
 
-    def prepare(self, keys: jax.Array, values: jax.Array, lengths: jax.Array) -> KVReadState:
-        return prepare_kv(keys, values, lengths, self.key_basis[...], self.value_basis[...])
+    locate = staticmethod(CachedKV.of)
+    # The training teacher runs the target in one pass: the read masks the sequence's keys and values to each
+    # anchor's committed tokens.
+    teacher_segments = False
+
+    def prepare(self, kv: CachedKV, impl: Impl | KernelChoice = "xla") -> KVReadState:
+        """The source keys and values compressed, once per sequence, and handed to each row with its length."""
+        del impl  # the KV-read baseline has no fused kernel
+        prepared = prepare_kv(kv.keys, kv.values, kv.lengths, self.key_basis[...], self.value_basis[...])
+        rows_per_sequence = kv.lengths.shape[0] // kv.keys.shape[1]
+        if rows_per_sequence == 1:
+            return prepared
+        return KVReadState(keys=jnp.repeat(prepared.keys, rows_per_sequence, axis=0),
+                           values=jnp.repeat(prepared.values, rows_per_sequence, axis=0), lengths=prepared.lengths)
 
     def __call__(self, h: jax.Array, kv: KVReadState, impl: Impl | KernelChoice = "xla") -> jax.Array:
         del impl  # the KV-read baseline has no fused kernel
         with jax.named_scope("kv_reader"):
             return read_kv(h, kv, self.q_proj.kernel[...], self.o_proj.kernel[...],
                            self.norm.weight[...], self.norm.eps)
+
+
+# ---- the one place a config chooses the reader ------------------------------------------------------------------
+def reader_class(config: ReaderConfig) -> type[StateReader | ContentStateReader | TiedStateReader | TiedReadReader
+                                              | KVReader]:
+    """The reader sub-block of ``config``: its ``kind``, then (a state reader) its ``readout`` and ``query``."""
+    if config.kind == KV:
+        return KVReader
+    if config.readout != "learned":
+        return TiedReadReader
+    return {"basis": StateReader, "content": ContentStateReader, "tied": TiedStateReader}[config.query]

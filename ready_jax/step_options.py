@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from pallas_kernels import backend
 from pallas_kernels.mesh import KernelMesh
 
@@ -30,6 +32,9 @@ class StepOptions:
     # A token's result depends on neither the rows sharing its step, the padding nor the cache's capacity.
     batch_invariant: bool = False
     check_finite: bool = False  # the NaN / Inf checks of ready_jax.debug, compiled in
+    # In the invariant mode on XLA's CPU backend, a decode step's or verify block's matmuls run over float32 column
+    # blocks of each weight (ready_jax.rows.blocked_matmul); elsewhere XLA's row tiles need no float32 copy.
+    column_blocks: bool = False
 
     @classmethod
     def resolve(cls, impl: Impl = "xla", batch_invariant: bool | None = None, check_finite: bool = False,
@@ -37,9 +42,12 @@ class StepOptions:
         """The options of a step entered now: ``impl`` checked and, for ``"pallas"``, its kernels chosen from the
         defaults (``backend.choose``: ``$READY_JAX_PALLAS_INTERPRET`` and the like), run per device of
         ``placement``; ``batch_invariant`` as given or the backend's default (``numerics.resolve``);
-        ``check_finite`` a flag. ValueErrors and TypeErrors name the bad argument."""
+        ``check_finite`` a flag; ``column_blocks`` where the mode runs XLA's dots on this machine's CPU.
+        ValueErrors and TypeErrors name the bad argument."""
         kernels = backend.choose(impl, placement)
-        return cls(kernels, numerics.resolve(batch_invariant), check_flag(check_finite, "check_finite"))
+        invariant = numerics.resolve(batch_invariant)
+        return cls(kernels, invariant, check_flag(check_finite, "check_finite"),
+                   column_blocks=invariant and kernels.impl == "xla" and jax.default_backend() == "cpu")
 
     @property
     def impl(self) -> Impl:

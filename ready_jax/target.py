@@ -1,21 +1,6 @@
-"""The hybrid target model (Qwen3.5 / Qwen3-Next) in Flax NNX, and its jittable step functions.
-
-Depth is organised as ``G`` copies of a group of ``p`` layers (``TargetConfig.group_size``; ``p = 4``
-for the usual three Gated DeltaNet layers + one attention layer), held in one of two layouts:
-
-* **stacked** (how models are built, saved, sharded and trained): the group's parameters carry a leading
-  ``G`` axis and the forward pass is a ``lax.scan`` over groups, so compile time does not grow with depth;
-* **split** (:func:`split_groups`): ``G`` separate group modules and a Python loop over them. XLA's CPU
-  backend copies each group's weights out of the stacked arrays before every matmul inside the scan (a
-  decode step then moves every weight three times); split, each matmul reads its weights in place. The
-  :class:`Target` wrapper splits on a single CPU device.
-
-Hidden features: ``hidden_layers=(l, ...)`` asks for the residual stream *output of decoder layer
-l* (0-based, after its MLP residual add, before the final norm). In HF terms that is
-``output_hidden_states[l + 1]``; ``hidden_states[0]`` (the embeddings) has no index here.
-
-Step functions are pure: ``(params, cache, tokens) -> (logits, hidden, new cache or candidate)``. The
-:class:`Target` wrapper splits the NNX graph once and jits each step with the cache donated.
+"""``Target``: a target model (``ready_jax.target_model``) with its step functions (``ready_jax.target_steps``)
+jitted once per numerics mode, the cache donated, and every input checked on the host; loading, saving and
+sharding it.
 """
 
 from __future__ import annotations
@@ -24,7 +9,6 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -47,215 +31,14 @@ from .checks import (
     int_array,
     is_int,
 )
-from .config import FULL_ATTENTION, INT32_MAX, TargetConfig
+from .config import INT32_MAX, TargetConfig
 from .init_programs import init_state
-from .layers import MLP, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE, invariant_rows, step_rows
-from .modes import Form, Impl, Rollback
-from .step_options import PLAIN, StepOptions
+from .modes import Impl, Rollback
+from .step_options import StepOptions
+from .target_model import GROUP_LAYOUTS, GroupLayout, TargetModel, param_shapes, split_groups, stack_groups
+from .target_steps import StepOutput, extend, verify
 
 FORMAT = "ready-jax-target"  # the ``format`` of a target checkpoint's config.json
-GroupLayout = Literal["split", "stacked"]  # how a Target holds its layer groups (see the module docstring)
-GROUP_LAYOUTS: tuple[str, ...] = get_args(GroupLayout)
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: token mixer (Gated DeltaNet or gated attention), then MLP or MoE."""
-
-    def __init__(self, config: TargetConfig, layer: int, *, rngs: nnx.Rngs, dtype):
-        self.is_attention = config.layer_types[layer] == FULL_ATTENTION
-        if self.is_attention:
-            self.self_attn = GatedAttention(config, rngs=rngs, dtype=dtype)
-        else:
-            self.linear_attn = GatedDeltaNet(config, rngs=rngs, dtype=dtype)
-        if config.is_moe_layer(layer):
-            self.mlp = SparseMoE(config, rngs=rngs, dtype=dtype)
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-
-    def __call__(self, h, layer_cache, starts, num_new, group=None, *, form, options: StepOptions = PLAIN,
-                 attention_window=None):
-        """``layer_cache``: this group's entry, or for attention with ``group`` given every group's KV
-        buffers (written at ``group``). ``options``, ``attention_window`` [B]: see :func:`extend`."""
-        x, batch_invariant = self.input_layernorm(h), options.batch_invariant
-        if self.is_attention:
-            mixed, layer_cache = self.self_attn(x, layer_cache, starts, group, attention_window,
-                                                batch_invariant=batch_invariant, prefill=form == "chunked")
-        else:
-            mixed, layer_cache = self.linear_attn(x, layer_cache, num_new, form=form, options=options)
-        h = h + mixed
-        # An MoE's experts run the tokens routed to them together, so a decode or verify step's MoE runs on the
-        # step's row tiles (a prefill's runs whole).
-        if isinstance(self.mlp, SparseMoE):
-            mlp = step_rows(self.mlp, batch_invariant and form != "chunked", self.post_attention_layernorm(h))
-        else:
-            mlp = invariant_rows(self.mlp, batch_invariant, self.post_attention_layernorm(h), form == "chunked")
-        return h + mlp, layer_cache
-
-
-class LayerGroup(nnx.Module):
-    """``p`` consecutive decoder layers: the unit that repeats through the depth."""
-
-    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype):
-        self.layers = nnx.List([DecoderLayer(config, j, rngs=rngs, dtype=dtype)
-                                for j in range(config.group_size)])
-
-
-class TargetModel(nnx.Module):
-    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.config = config
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        # G independent groups, stacked on a leading axis (what nnx.vmap would build).
-        group_def = nnx.graphdef(nnx.eval_shape(lambda: LayerGroup(config, rngs=nnx.Rngs(0), dtype=dtype)))
-        keys = jax.random.split(rngs.params(), config.num_groups)
-        stacked = jax.vmap(lambda key: nnx.state(LayerGroup(config, rngs=nnx.Rngs(key), dtype=dtype)))(keys)
-        self.groups = nnx.merge(group_def, stacked)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
-                                      param_dtype=dtype, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
-
-    @property
-    def dtype(self):
-        return self.embed_tokens.embedding.dtype
-
-    def logits(self, h: jax.Array, head: jax.Array | None = None, batch_invariant: bool = False,
-               prefill: bool = False) -> jax.Array:
-        """Final norm and LM head (tied to the embedding when the config says so). [.., D] -> [.., V]
-
-        ``head`` [D, V]: the same LM head laid out for a plain matmul, used instead of the model's own (a
-        tied embedding transposed once before generation's loop: see ``generation.transposes_tied_head``).
-        ``batch_invariant``, ``prefill``: as ``layers.invariant_rows`` runs a matmul.
-        """
-        if batch_invariant:
-            return invariant_rows(lambda h: self.logits(h, head), True, h, prefill)
-        h = self.norm(h)
-        if head is not None:
-            return jnp.einsum("...d,dv->...v", h, head.astype(h.dtype))
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(h)
-        return self.lm_head(h)
-
-    def run_layers(self, h, layers_cache, starts, num_new, *, form: Form, hidden_layers: Sequence[int],
-                   options: StepOptions = PLAIN, attention_window: jax.Array | None = None):
-        """All decoder layers over h: [B, T, D]. Returns (h, per-layer cache entries, hidden [n, B, T, D]).
-
-        Entries that keep their shape (KV buffers always; Gated DeltaNet states when the form advances
-        them) ride in the scan's carry and are updated at their group's index, so a step whose cache is
-        donated writes what changed in place. As scanned inputs and stacked outputs they would be copied
-        whole every step. Verify's per-position candidates are new buffers, stacked over groups. Stacked
-        groups run as a scan, split ones (an ``nnx.List``, see :func:`split_groups`) as an unrolled loop; there
-        XLA may copy the small GDN states and conv windows once in a standalone step (it reads the next
-        group's slice from the original buffer), never the KV buffers, and nothing inside generate's loop.
-        ``options.check_finite``: test each layer's Gated DeltaNet state and output (``ready_jax.debug``).
-        ``options``, ``attention_window`` [B]: see :func:`extend`.
-        """
-        cfg = self.config
-        p, num_hidden = cfg.group_size, len(hidden_layers)
-        # Slot of each layer in the hidden-feature buffer; layers nobody asked for write to a spare slot.
-        slot_of_layer = np.full((cfg.num_hidden_layers,), num_hidden, np.int32)
-        for slot, layer in enumerate(hidden_layers):
-            slot_of_layer[layer] = slot
-        in_place = tuple(isinstance(e, AttentionCache) or form in ("chunked", "recurrent") for e in layers_cache)
-        carried = tuple(e if keep else None for e, keep in zip(layers_cache, in_place, strict=True))
-        scanned = tuple(None if keep else e for e, keep in zip(layers_cache, in_place, strict=True))
-
-        def run_group(group: LayerGroup, g, h, hidden, carried, scanned, group_slots):
-            """Group ``g``'s layers over h: ``carried`` entries are read and written at index g, ``scanned``
-            ones are this group's slice; returns the new carry and this group's new scanned entries."""
-            carried, stacked = list(carried), []
-            for j, layer in enumerate(group.layers):
-                entry = scanned[j]
-                if in_place[j] and not layer.is_attention:  # this group's Gated DeltaNet state and conv
-                    entry = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, g, keepdims=False), carried[j])
-                elif in_place[j]:
-                    entry = carried[j]
-                with jax.named_scope(f"layer_{j}"):
-                    h, entry = layer(h, entry, starts, num_new, g, form=form, options=options,
-                                     attention_window=attention_window)
-                if options.check_finite:
-                    if not layer.is_attention:
-                        for x in jax.tree.leaves(entry):
-                            debug.check_finite(x, "Gated DeltaNet state", layer=jnp.asarray(g) * p + j)
-                    debug.check_finite(h, "hidden state", layer=jnp.asarray(g) * p + j)
-                if in_place[j] and not layer.is_attention:
-                    entry = jax.tree.map(lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x, g, 0),
-                                         carried[j], entry)
-                if in_place[j]:
-                    carried[j] = entry
-                stacked.append(None if in_place[j] else entry)
-                hidden = jax.lax.dynamic_update_index_in_dim(hidden, h, group_slots[j], axis=0)
-            return (h, hidden, tuple(carried)), tuple(stacked)
-
-        hidden = jnp.zeros((num_hidden + 1, *h.shape), h.dtype)
-        if isinstance(self.groups, nnx.List):  # split groups: a Python loop, each group's weights read in place
-            per_group = []
-            for g, group in enumerate(self.groups):
-                group_scanned = jax.tree.map(lambda x, g=g: x[g], scanned)
-                (h, hidden, carried), group_stacked = run_group(group, g, h, hidden, carried, group_scanned,
-                                                                slot_of_layer[g * p:(g + 1) * p])
-                per_group.append(group_stacked)
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_group)
-        else:
-            group_def, group_state = nnx.split(self.groups)
-
-            def body(carry, xs):
-                state, scanned, group_slots, g = xs
-                return run_group(nnx.merge(group_def, state), g, *carry, scanned, group_slots)
-
-            xs = (group_state, scanned, jnp.asarray(slot_of_layer.reshape(cfg.num_groups, p)),
-                  jnp.arange(cfg.num_groups))
-            (h, hidden, carried), stacked = jax.lax.scan(body, (h, hidden, carried), xs)
-        new_layers = tuple(c if keep else s for c, s, keep in zip(carried, stacked, in_place, strict=True))
-        return h, new_layers, hidden[:num_hidden]
-
-
-def split_groups(model: TargetModel) -> TargetModel:
-    """The same model with its ``G`` stacked layer groups as ``G`` separate modules (an ``nnx.List``), each
-    weight its own buffer. The forward pass is then a Python loop over groups with the same results.
-    Works on abstract models (``ShapeDtypeStruct`` weights) too."""
-    if isinstance(model.groups, nnx.List):
-        return model
-    graphdef, state = nnx.split(model)
-    split = nnx.merge(graphdef, state)
-    group_def, stacked = nnx.split(split.groups)
-    split.groups = nnx.List([nnx.merge(group_def, jax.tree.map(lambda x, g=g: _group_slice(x, g), stacked))
-                             for g in range(model.config.num_groups)])
-    return split
-
-
-def stack_groups(model: TargetModel) -> TargetModel:
-    """The inverse of :func:`split_groups`: the groups' weights stacked on a leading ``G`` axis again."""
-    if not isinstance(model.groups, nnx.List):
-        return model
-    graphdef, state = nnx.split(model)
-    stacked_model = nnx.merge(graphdef, state)
-    group_def = nnx.graphdef(stacked_model.groups[0])
-    states = [nnx.state(group) for group in stacked_model.groups]
-    stacked_model.groups = nnx.merge(group_def, jax.tree.map(_stack_groups, *states))
-    return stacked_model
-
-
-def _group_slice(x, g: int):
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=None)
-    return x[g]
-
-
-def _stack_groups(*xs):
-    if isinstance(xs[0], jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
-    return jnp.stack(xs)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    logits: jax.Array  # [B, T, V] float32
-    hidden: jax.Array  # [len(hidden_layers), B, T, D]
-    cache: TargetCache | Candidate
 
 
 def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[int, ...]:
@@ -269,90 +52,6 @@ def _check_layers(config: TargetConfig, hidden_layers: Sequence[int]) -> tuple[i
     if len(set(layers)) != len(layers):
         raise ValueError(f"hidden_layers {layers} has repeats")
     return layers
-
-
-def extend(graphdef, params, cache: TargetCache, tokens: jax.Array, num_new: jax.Array | None = None, *,
-           form: Form = "chunked", hidden_layers: Sequence[int] = (), options: StepOptions = PLAIN,
-           logits_at: jax.Array | None = None, attention_window: jax.Array | None = None,
-           head: jax.Array | None = None) -> StepOutput:
-    """Run ``tokens`` [B, T] after each sequence's committed tokens and commit ``num_new[b]`` of them.
-
-    Rows may be right-padded: only the first ``num_new[b]`` tokens of row b are committed (None: all
-    T). ``form`` picks the Gated DeltaNet algorithm: ``"chunked"`` (prefill) or ``"recurrent"``
-    (a few tokens, e.g. decode). Logits / hidden of padding positions are meaningless. ``options``
-    (``ready_jax.step_options``, static): ``options.kernels`` runs the Gated DeltaNet of either form with XLA or
-    the fused Pallas kernels; ``options.check_finite`` adds the checks of ``ready_jax.debug`` (run the function
-    through ``debug.checked``).
-    Contract (checked on the host by :class:`Target`, and in here only under ``check_finite``): token ids lie
-    in ``0..vocab_size-1`` and ``0 <= num_new[b] <= T``; outside it the result is undefined.
-    ``logits_at`` [B]: logits of that position of each row only ([B, 1, V]): a prefill needs just the last
-    prompt token's, and [B, T, V] float32 logits of long prompts outweigh the cache.
-    ``attention_window`` [B] int: row b's full-attention layers see only its last ``attention_window[b]``
-    positions; a training-time restriction (``training.target_recipe.attention_windows``) that makes the Gated DeltaNet
-    states carry what lies further back. None: full attention, the architecture as it is.
-    ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
-    ``options.batch_invariant``: each token's result depends on neither how many rows share the step, the padding nor
-    the cache's capacity: every matmul runs as ``layers.invariant_rows`` has it (a prompt on rows padded to a
-    multiple of 8, a decode or verify block one position at a time), attention sums over fixed chunks of key
-    slots up to the last visible one, the Gated DeltaNet recurrence runs one token per loop iteration and its
-    chunked form whole chunks, so a decode step and a verify block round every token alike, and a prompt
-    whatever its padding (docs/numerics.md). Not differentiable (attention's chunk loop has a data-dependent trip
-    count).
-    """
-    model = nnx.merge(graphdef, params)
-    if options.check_finite:
-        debug.check_in_range(tokens, 0, model.config.vocab_size - 1, "token ids")
-        if num_new is not None:
-            debug.check_in_range(num_new, 0, tokens.shape[1], "num_new")
-    with jax.named_scope("embed"):
-        h = model.embed_tokens(tokens)
-    if options.check_finite:
-        debug.check_finite(h, "token embeddings")
-    h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, num_new, form=form,
-                                         hidden_layers=hidden_layers, options=options,
-                                         attention_window=attention_window)
-    with jax.named_scope("lm_head"):
-        if logits_at is not None:
-            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)          # [B, 1, D]
-        logits = model.logits(h, head, options.batch_invariant, form == "chunked").astype(jnp.float32)
-    if options.check_finite:
-        debug.check_finite(logits, "target logits")
-    n = jnp.full_like(cache.lengths, tokens.shape[1]) if num_new is None else num_new.astype(jnp.int32)
-    return StepOutput(logits, hidden, TargetCache(layers=layers, lengths=cache.lengths + n))
-
-
-def verify(graphdef, params, cache: TargetCache, block: jax.Array, *, hidden_layers: Sequence[int] = (),
-           rollback: Rollback = "checkpoint", options: StepOptions = PLAIN,
-           head: jax.Array | None = None) -> StepOutput:
-    """Score a block [B, T] (anchor + drafts) and return a :class:`Candidate`, which records ``options``.
-
-    ``cache_lib.commit(candidate, n)`` then keeps the first n block tokens of each sequence. With
-    ``rollback="checkpoint"`` the candidate holds the recurrent state after every block position and
-    commit selects one; with ``"replay"`` it holds the state before the block and the block's
-    delta-rule inputs, and commit recomputes the kept tokens' updates. Both give the same cache.
-    ``head`` [D, V]: the LM head to use instead of the model's (:meth:`TargetModel.logits`).
-    ``options``: as in :func:`extend`; with ``batch_invariant`` each block position's logits equal a decode step's.
-    """
-    modes.check(rollback, modes.ROLLBACKS, "rollback")
-    model = nnx.merge(graphdef, params)
-    if options.check_finite:
-        debug.check_in_range(block, 0, model.config.vocab_size - 1, "token ids")
-    h = model.embed_tokens(block)
-    if options.check_finite:
-        debug.check_finite(h, "token embeddings")
-    form = "candidates" if rollback == "checkpoint" else "replay"
-    h, layers, hidden = model.run_layers(h, cache.layers, cache.lengths, None, form=form,
-                                         hidden_layers=hidden_layers, options=options)
-    logits = model.logits(h, head, options.batch_invariant).astype(jnp.float32)
-    if options.check_finite:
-        debug.check_finite(logits, "target logits")
-    return StepOutput(logits, hidden, Candidate(layers=layers, lengths=cache.lengths, options=options))
-
-
-def final_norm(graphdef, params, hidden: jax.Array) -> jax.Array:
-    """The target's final norm over decoder-layer outputs [..., D]: the last layer's output through it is what HF
-    returns as ``hidden_states[-1]``, the hidden state an MTP head reads."""
-    return nnx.merge(graphdef, params).norm(hidden)
 
 
 class Target:
@@ -611,12 +310,6 @@ def shard_target(target: Target, layout: sharding_lib.Layout) -> Target:
     graphdef, params = nnx.split(model)
     params = sharding_lib.place(params, sharding_lib.param_shardings(params, layout, target.config))
     return Target(nnx.merge(graphdef, params), layout=layout)
-
-
-def param_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
-    """{dotted parameter path: shape} of a target with ``config``, without running its initialisers."""
-    model = nnx.eval_shape(lambda: TargetModel(config, rngs=nnx.Rngs(0), dtype=jnp.float32))
-    return {k: tuple(v.shape) for k, v in checkpoint.flat_state(nnx.split(model)[1]).items()}
 
 
 def _check_layout(layout) -> None:

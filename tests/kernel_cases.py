@@ -115,17 +115,19 @@ def gdn_specs(batch, seq_len, dims=QWEN35_27B, dtype=BF16, with_state=True):
 
 
 # ---- the reader --------------------------------------------------------------------------------------------
-def gather_inputs(layers, heads, batch, positions, head_dim, rank, dtype, *, sources=None, seed=0):
-    """states ``[L, B, T+1, H_v, d, d]`` in ``dtype``, n ``[B]`` covering T, 0 and a middle position, and fp32 bases
-    U, V ``[M, d, r]`` for M = ``sources`` (default L) source layers x H_v heads."""
+def gather_inputs(layers, heads, batch, positions, head_dim, rank, dtype, *, sources=None, value_dim=None, seed=0):
+    """states ``[L, B, T+1, H_v, d_k, d_v]`` in ``dtype`` (d_k = ``head_dim``, d_v = ``value_dim``, default d_k), n
+    ``[B]`` covering T, 0 and a middle position, and fp32 bases U ``[M, d_k, r]``, V ``[M, d_v, r]`` for M =
+    ``sources`` (default L) source layers x H_v heads."""
     rng = np.random.default_rng(seed)
-    states = np.asarray(rng.standard_normal((layers, batch, positions, heads, head_dim, head_dim)), dtype)
+    value_dim = head_dim if value_dim is None else value_dim
+    states = np.asarray(rng.standard_normal((layers, batch, positions, heads, head_dim, value_dim)), dtype)
     n = rng.integers(0, positions, batch)
     n[0] = positions - 1
     n[1:2] = 0
     n[2:3] = positions // 2
     m = (layers if sources is None else sources) * heads
-    u, v = (np.asarray(rng.standard_normal((m, head_dim, rank)) / head_dim**0.5, np.float32) for _ in range(2))
+    u, v = (np.asarray(rng.standard_normal((m, dim, rank)) / dim**0.5, np.float32) for dim in (head_dim, value_dim))
     return states, np.asarray(n, np.int32), u, v
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from ready_jax import cache as cache_lib
 from ready_jax import target as target_lib
+from ready_jax import target_steps
 from ready_jax.layers import GatedAttention, GatedDeltaNet
 from ready_jax.training import target_init, target_recipe
 
@@ -44,7 +45,7 @@ def test_windowed_attention_equals_attention_over_the_last_w_positions():
 def test_a_window_as_long_as_the_sequence_is_full_attention_and_a_short_one_is_not(tiny_target):
     config = tiny_target.config
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, config.vocab_size, (2, 24)), jnp.int32)
-    run = jax.jit(lambda params, window: target_lib.extend(
+    run = jax.jit(lambda params, window: target_steps.extend(
         tiny_target.graphdef, params, cache_lib.init_cache(config, 2, 24), tokens, attention_window=window).logits)
 
     def logits(window):
@@ -98,7 +99,7 @@ def test_lengthened_linear_memory_decays_at_its_half_life_whatever_the_input(app
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (2, 12)), jnp.int32)
 
     def gates(p):                                             # per GDN layer: [B, T, H_v]
-        return applied_decays(lambda: target_lib.extend(target.graphdef, p, cache_lib.init_cache(config, 2, 12),
+        return applied_decays(lambda: target_steps.extend(target.graphdef, p, cache_lib.init_cache(config, 2, 12),
                                                         tokens, form="chunked").logits)
 
     before, after = gates(target.params), gates(params)

@@ -4,6 +4,7 @@ the scripts' own cross-checks), so these tests call each script's ``main`` in-pr
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from experiments import demo as random_demo
 from experiments.long_range import demo as long_range_demo
 from experiments.long_range import main as long_range
 from pallas_kernels import backend
-from ready_jax import cli
+from ready_jax import cli, repository
 
 REPO = Path(__file__).resolve().parent.parent
 ZOO = REPO / "zoo"
@@ -132,6 +133,21 @@ def test_a_tau_of_no_round_is_null_in_json_and_n_a_in_tables(tmp_path):
     common.write_json(tmp_path / "r.json", {"tau": math.nan, "rows": [{"ratio": math.inf}, 2.0]})
     written = json.loads((tmp_path / "r.json").read_text())      # strict JSON: no NaN token
     assert written["tau"] is None and written["rows"] == [{"ratio": None}, 2.0]
+
+
+def test_a_result_names_the_command_that_made_it(tmp_path):
+    """Every results JSON records the command line that wrote it: ``python -m <module> <args>`` for a script run
+    as a module (every experiment), ``python <argv>`` otherwise."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "__init__.py").write_text("")
+    (tmp_path / "scripts" / "writes.py").write_text(
+        "import sys\nfrom experiments.common import write_json\nwrite_json(sys.argv[1], {'x': 1})\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(repository.root())]))
+    out = tmp_path / "a result.json"
+    subprocess.run([sys.executable, "-m", "scripts.writes", str(out)], check=True, env=env)
+    assert json.loads(out.read_text())["command"] == f"python -m scripts.writes '{out}'"
+    subprocess.run([sys.executable, str(tmp_path / "scripts" / "writes.py"), str(out)], check=True, env=env)
+    assert json.loads(out.read_text())["command"] == f"python {tmp_path / 'scripts' / 'writes.py'} '{out}'"
 
 
 def test_the_long_range_demo_names_readers_by_their_zoo_name_and_the_zoo_it_read(tmp_path):

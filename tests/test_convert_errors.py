@@ -16,8 +16,7 @@ from safetensors.numpy import save_file
 
 import ready_jax as rj
 from convert import hf_target
-from ready_jax import hf_format
-from ready_jax import target as target_lib
+from ready_jax import hf_format, target_model
 from ready_jax.config import TargetConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +64,7 @@ def test_hf_config_round_trip(layout):
 
 def test_every_transform_inverts_and_predicts_its_hf_shape():
     rng = np.random.default_rng(0)
-    expected = target_lib.param_shapes(CONFIG)
+    expected = target_model.param_shapes(CONFIG)
     for fused_gdn in (False, True):
         for fused_experts in (False, True):
             for b in hf_format.bind(CONFIG, hf_format.rules(fused_gdn, fused_experts), "model"):

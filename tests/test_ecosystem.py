@@ -203,7 +203,7 @@ def test_train_drafter_encodes_the_corpus_with_the_targets_tokenizer(saved, smal
     target = _target_dir(tmp_path / "target", saved["target"], "elsewhere", listed)
     _stand_ins(monkeypatch)
     monkeypatch.setattr(distillation, "generate", lambda target, prompts, new_tokens, **kwargs: SimpleNamespace(
-        tokens=np.full((len(prompts), new_tokens), 5, np.int32)))
+        tokens=np.full((len(prompts), new_tokens), 5, np.int32), compile_seconds=0.0))
     workdir = tmp_path / "work" / "run"
     train_drafter.main(_drafter_argv(tmp_path / "corpus", target, workdir, num_layers=1))
     corpus = tmp_path / "corpus"
@@ -254,6 +254,26 @@ def test_progress_counts_compiles_apart_in_the_time_left():
     progress.update(compile_seconds=10.0)
     progress.update()
     assert progress.seconds_left(elapsed=26.0) == pytest.approx(3 * 2.0)   # both compiled: runs alone
+
+
+def test_progress_counts_each_compile_at_its_kinds_mean():
+    """Compiles of two kinds, the target's alone (10 s) and a drafter's (30 s): while no drafter has compiled, a
+    drafter compile counts at the mean of all; once one has, at its kind's mean."""
+    progress = Progress("job", 5, "runs", every_s=3600, compiles=("target", "target", "drafter", "drafter"))
+    progress.update(compile_seconds=10.0)
+    assert progress.seconds_left(elapsed=12.0) == pytest.approx(4 * 2.0 + 3 * 10.0)
+    progress.update(compile_seconds=12.0)
+    progress.update(compile_seconds=30.0)
+    assert progress.seconds_left(elapsed=58.0) == pytest.approx(2 * 2.0 + 30.0)
+    progress.update()
+    progress.update(compile_seconds=20.0)
+    assert progress.seconds_left(elapsed=80.0) == 0.0
+    before = Progress("job", 3, "steps", every_s=3600, compiles=("memory", "memory"), weights=(1.0, 0.0, 0.0))
+    before.compiled_before("memory", 10.0)                                 # measured before the count
+    before.update()
+    assert before.seconds_left(elapsed=5.0) == pytest.approx(2 * 10.0)
+    before.update(compile_seconds=6.0)
+    assert before.seconds_left(elapsed=11.0) == pytest.approx(8.0)        # (10 + 6) / 2
 
 
 def test_progress_weighs_items_of_unequal_cost():

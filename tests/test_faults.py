@@ -22,9 +22,9 @@ from safetensors.numpy import load_file, save_file
 
 import ready_jax as rj
 from convert import deepspec, hf_target
-from ready_jax import checkpoint, data, debug, generation, hf_format
-from ready_jax import target as target_lib
-from ready_jax.layers import KV_CHUNK, round_up
+from pallas_kernels.sizes import round_up
+from ready_jax import checkpoint, data, debug, generation, hf_format, target_model, target_steps
+from ready_jax.layers import KV_CHUNK
 from ready_jax.step_options import StepOptions
 
 REPO = Path(__file__).resolve().parent.parent
@@ -354,7 +354,7 @@ def test_capacity_exactly_enough_and_one_short(eos_runs):
 def _poisoned(target: rj.Target, path: tuple, group: int | None, value: float) -> rj.Target:
     """A copy of the target with one parameter (of one layer group) set to NaN / Inf (a new state tree:
     the original target is untouched)."""
-    stacked = target_lib.stack_groups(target.model)  # paths and group indices of the stacked layout
+    stacked = target_model.stack_groups(target.model)  # paths and group indices of the stacked layout
     graphdef, params = nnx.split(stacked)
     params = jax.tree.map(lambda x: x, params)
     node = params
@@ -380,7 +380,7 @@ def test_debug_mode_names_the_layer_where_nan_or_inf_appears(eos_runs):
     with pytest.raises(FloatingPointError, match=message):  # through the Target API
         _poisoned(target, path, group, value).prefill(target.init_cache(1, 8), ids, check_finite=True)
     # The other poisons through one shared compiled step (same shapes, other weights).
-    step = jax.jit(debug.checked(lambda params, cache, tokens: target_lib.extend(
+    step = jax.jit(debug.checked(lambda params, cache, tokens: target_steps.extend(
         target.graphdef, params, cache, tokens, form="chunked", options=StepOptions(check_finite=True))))
     for path, group, value, message in POISON[1:]:
         error, _ = step(_poisoned(target, path, group, value).params, target.init_cache(1, 8), ids)

@@ -11,7 +11,7 @@ from conftest import tiny_config
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import target as target_lib
+from ready_jax import target_model, target_steps
 
 
 def _both(target: rj.Target) -> tuple[rj.Target, rj.Target]:
@@ -57,19 +57,19 @@ def test_generation_is_the_same_in_both_layouts(tiny_target):
 
 def test_split_and_stack_round_trip_exactly(tiny_target):
     model = tiny_target.model
-    split = target_lib.split_groups(model)
-    assert target_lib.split_groups(split) is split
-    again = target_lib.stack_groups(split)
+    split = target_model.split_groups(model)
+    assert target_model.split_groups(split) is split
+    again = target_model.stack_groups(split)
     assert not isinstance(again.groups, nnx.List)
-    _assert_trees_equal(nnx.state(again), nnx.state(target_lib.stack_groups(target_lib.split_groups(again))))
+    _assert_trees_equal(nnx.state(again), nnx.state(target_model.stack_groups(target_model.split_groups(again))))
     _assert_trees_equal(tiny_target.stacked_params(), nnx.state(again))
     # Abstract models (``ShapeDtypeStruct`` weights) split and stack too, with the right shapes.
     abstract = nnx.eval_shape(lambda: rj.TargetModel(tiny_config(), rngs=nnx.Rngs(0)))
-    parts = target_lib.split_groups(abstract)
+    parts = target_model.split_groups(abstract)
     first = jax.tree.leaves(nnx.state(parts.groups[0]))
     stacked = jax.tree.leaves(nnx.state(abstract.groups))
     assert [x.shape for x in first] == [x.shape[1:] for x in stacked]
-    assert [x.shape for x in jax.tree.leaves(nnx.state(target_lib.stack_groups(parts).groups))] == [
+    assert [x.shape for x in jax.tree.leaves(nnx.state(target_model.stack_groups(parts).groups))] == [
         x.shape for x in stacked]
 
 
@@ -101,7 +101,7 @@ def test_split_decode_reads_weights_in_place():
     largest = max(x.nbytes for x in jax.tree.leaves(split.params["groups"][0]))
 
     def temp_bytes(target):
-        step = jax.jit(lambda p, c, x: target_lib.extend(target.graphdef, p, c, x, form="recurrent"),
+        step = jax.jit(lambda p, c, x: target_steps.extend(target.graphdef, p, c, x, form="recurrent"),
                        donate_argnums=1)
         compiled = step.lower(target.params, target.init_cache(1, 8), jnp.zeros((1, 1), jnp.int32)).compile()
         return compiled.memory_analysis().temp_size_in_bytes

@@ -153,8 +153,18 @@ def _content_bad_calls(raw: bool) -> list[BadCall]:
 
 def _row_matmul_bad_calls() -> list[BadCall]:
     x, w = matmul_inputs(3, 200, 300, F32)
+    stack = np.stack([w, w])
     return [BadCall((x, w[:-1]), {}, r"row_matmul: x \(3, 200\) and w \(199, 300\) must be \[M, K\] and \[K, N\]"),
-            BadCall((x[0], w), {}, r"row_matmul: x \(200,\) and w \(200, 300\) must be")]
+            BadCall((x[0], w), {}, r"row_matmul: x \(200,\) and w \(200, 300\) must be"),
+            BadCall((x, stack, np.float32(1)), {}, "row_matmul: group must be an integer scalar, got float32"),
+            BadCall((x, stack, np.zeros(1, np.int32)), {}, r"row_matmul: group must be .* of shape \(1,\)"),
+            BadCall((x, w, np.int32(0)), {}, r"row_matmul: .* must be \[M, K\] and \[G, K, N\] \(group given\)"),
+            BadCall((x, stack), {}, r"row_matmul: x \(3, 200\) and w \(2, 200, 300\) must be \[M, K\] and \[K, N\]")]
+
+
+def _row_matmul_calls() -> list[Call]:
+    x, w = matmul_inputs(3, 200, 300, BF16)
+    return [Call((x, w)), Call((x, np.stack([w, w[::-1]]), np.int32(1)))]
 
 
 def _gather_calls() -> list[Call]:
@@ -206,7 +216,7 @@ CASES = {
         functools.partial(_content_bad_calls, raw=True), CONTENT_FIELDS),
     "row_matmul": Case(
         row_matmul.row_matmul, row_matmul_reference.row_matmul,
-        lambda: [Call(matmul_inputs(3, 200, 300, BF16))], _compare_matmul, _row_matmul_bad_calls,
+        _row_matmul_calls, _compare_matmul, _row_matmul_bad_calls,
         {"triton": [dict(block_n=24), dict(num_warps=3)], "tpu": [dict(block_n=100), dict(generation="v3")],
          "mosaic_gpu": [dict(block_n=96), dict(max_concurrent_steps=0)]}),
 }

@@ -17,8 +17,7 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from experiments import zoo_runs
 from experiments.long_range import arms, cost, evaluate, main, probes
-from ready_jax import data, files, repository
-from ready_jax import target as target_lib
+from ready_jax import data, files, repository, target_steps
 from ready_jax.long_range_task import (
     LONG_RANGE_POOL,
     LONG_RANGE_TASK_FILE,
@@ -512,7 +511,7 @@ def test_state_retention_is_the_decay_each_gdn_layer_applies_after_the_record(ap
     ids = np.random.default_rng(4).integers(3, config.vocab_size, (3, 20)).astype(np.int32)
     distance = 12
     retention = probes.state_retention(target, ids, distance)
-    decays = applied_decays(lambda: target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape),
+    decays = applied_decays(lambda: target_steps.extend(target.graphdef, target.params, target.init_cache(*ids.shape),
                                                       jnp.asarray(ids)).logits)
     assert len(retention) == len(decays) == config.layer_types.count("linear_attention")
     for got, g in zip(retention, decays, strict=True):

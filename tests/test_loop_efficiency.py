@@ -50,6 +50,17 @@ def test_components_are_timed_for_every_gamma(tiny_target):
     assert le.round_seconds(parts, d_parts, 3) > 0
 
 
+def test_an_mtp_heads_components_are_its_draft_and_its_commit(tiny_target):
+    """An MTP head is timed as the block drafters are: its k chained draft steps as ``draft``, its commit (k slots
+    rewritten from the verified block) as ``append``; the round adds verify of k + 1 tokens and the target's commit."""
+    prompt = np.random.default_rng(0).integers(0, tiny_target.config.vocab_size, (1, 9))
+    mtp = rj.MTPDrafter.init(tiny_target.config, num_steps=3, seed=0)
+    d_parts = le.drafter_components(tiny_target, mtp, prompt, repeats=2)
+    assert set(d_parts) == {"draft", "append"} and all(t >= 0 for t in d_parts.values())
+    parts = le.target_components(tiny_target, prompt, [mtp.config.block_size], repeats=2)
+    assert le.round_seconds(parts, d_parts, mtp.config.block_size) > parts["verify_4"]
+
+
 def test_last_level_cache_is_read_or_none():
     size = le.last_level_cache_bytes()
     assert size is None or size >= 1 << 15

@@ -80,7 +80,7 @@ def test_a_failing_program_exits_1_with_one_line_per_failure(monkeypatch, capsys
         raise ValueError("no verify here\nsecond line")
 
     tracers = {**dict.fromkeys(lower.PROGRAMS, no_kernels), "verify": fails}
-    monkeypatch.setattr(lower, "program_tracers", lambda geo, impl, rollback, batch_invariant: tracers)
+    monkeypatch.setattr(lower, "program_tracers", lambda geo, impl, rollback, batch_invariant, group_layout: tracers)
     with pytest.raises(SystemExit) as exit_info:
         lower.main(["--platform", "tpu", "--impl", "pallas", "--no-compile-cache"])
     assert exit_info.value.code == 1

@@ -12,10 +12,11 @@ from conftest import tiny_config
 
 import ready_jax as rj
 from experiments.memory import analyse
-from ready_jax import generation
+from pallas_kernels.sizes import round_up
+from ready_jax import generation, target_steps
 from ready_jax import target as target_lib
 from ready_jax.cache import AttentionCache
-from ready_jax.layers import KV_CHUNK, round_up
+from ready_jax.layers import KV_CHUNK
 from ready_jax.step_options import StepOptions
 
 pytestmark = pytest.mark.slow
@@ -98,7 +99,7 @@ def _donation_cases(target):
     params, lengths = target.params, cache.lengths
     prompt, block, n = jnp.zeros((BATCH, 5), jnp.int32), jnp.zeros((BATCH, 4), jnp.int32), jnp.zeros((BATCH,),
                                                                                                          jnp.int32)
-    options = {invariant: StepOptions(batch_invariant=invariant) for invariant in (False, True)}
+    options = {invariant: StepOptions.resolve("xla", invariant) for invariant in (False, True)}
     cases = [(form, target._extend[form == "recurrent"].lower(params, cache, tokens, None, form=form, hidden_layers=(),
                                                             options=options[form == "recurrent"]).compile(), cache)
              for form, tokens in (("chunked", prompt), ("recurrent", prompt[:, :1]))]  # decode, verify on a CPU
@@ -107,7 +108,7 @@ def _donation_cases(target):
         verify = target._verify[True].lower(params, donated, kept, lengths, block, rollback=rollback, hidden_layers=(),
                                             options=options[True]).compile()
         cases.append((f"verify_{rollback}", verify, donated))
-        candidate = jax.eval_shape(lambda r=rollback: target_lib.verify(target.graphdef, params, cache, block,
+        candidate = jax.eval_shape(lambda r=rollback: target_steps.verify(target.graphdef, params, cache, block,
                                                                         rollback=r)).cache
         donated, kept = target_lib._split_layers(candidate.layers, states=True)
         commit = target_lib._commit_program(True).lower(donated, kept, candidate.lengths, n, options=options[True])

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import gather_inputs, gdn_inputs, rel_err
 
 from pallas_kernels.gated_delta import mosaic_gpu as gdn_mosaic
 from pallas_kernels.gated_delta.reference import gated_delta_recurrent
@@ -28,24 +29,8 @@ FP32_TOL = 2e-6
 BF16_OUT_TOL = 2.0**-8
 
 
-def _rel_err(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
-
-
-def _gdn_inputs(batch, seq_len, h_k, h_v, k_dim, v_dim, dtype, with_state, seed=0):
-    """Raw q, k, v in ``dtype``; fp32 log-decays g <= 0, beta in (0, 1) and (optionally) an fp32 state."""
-    keys = jax.random.split(jax.random.key(seed), 6)
-    q, k = ((2.0 * jax.random.normal(key, (batch, seq_len, h_k, k_dim))).astype(dtype) for key in keys[:2])
-    v = jax.random.normal(keys[2], (batch, seq_len, h_v, v_dim)).astype(dtype)
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (batch, seq_len, h_v)))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, seq_len, h_v)))
-    state = jax.random.normal(keys[5], (batch, h_v, k_dim, v_dim)) if with_state else None
-    return q, k, v, g, beta, state
-
-
 def _check_gdn(batch, seq_len, heads, dims, dtype, with_state, all_states, first, config=None):
-    q, k, v, g, beta, state = _gdn_inputs(batch, seq_len, *heads, *dims, dtype, with_state)
+    q, k, v, g, beta, state = gdn_inputs(batch, seq_len, *heads, *dims, with_state=with_state, dtype=dtype)
     o, states = gdn_mosaic.gated_delta_recurrent(q, k, v, g, beta, state, output_all_states=all_states,
                                          include_initial_state=first, interpret=True, config=config)
     o_ref, states_ref = gated_delta_recurrent(q, k, v, g, beta, state, output_all_states=all_states)
@@ -54,8 +39,8 @@ def _check_gdn(batch, seq_len, heads, dims, dtype, with_state, all_states, first
         states_ref = jnp.concatenate([entering[:, None], states_ref], axis=1)
     assert o.dtype == o_ref.dtype and o.shape == o_ref.shape
     assert states.dtype == jnp.float32 and states.shape == states_ref.shape
-    assert _rel_err(o, o_ref) <= (FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL)
-    assert _rel_err(states, states_ref) <= FP32_TOL
+    assert rel_err(o, o_ref) <= (FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL)
+    assert rel_err(states, states_ref) <= FP32_TOL
 
 
 # (B, T, (H_k, H_v), (d_k, d_v), dtype, with_state, output_all_states, include_initial_state)
@@ -81,13 +66,10 @@ def test_gdn_recurrent_at_real_head_size(dtype):
         _check_gdn(1, 8, (2, 4), (128, 128), dtype, True, True, True, config)
 
 
-def _gather_inputs(num_src, batch, positions, heads, k_dim, v_dim, rank, state_dtype, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    states = jax.random.normal(keys[0], (num_src, batch, positions, heads, k_dim, v_dim)).astype(state_dtype)
-    n_committed = jax.random.randint(keys[1], (batch,), 0, positions)
-    key_basis = jax.random.normal(keys[2], (num_src * heads, k_dim, rank))
-    value_basis = jax.random.normal(keys[3], (num_src * heads, v_dim, rank))
-    return states, n_committed, key_basis, value_basis
+def _gather_inputs(num_src, batch, positions, heads, k_dim, v_dim, rank, state_dtype):
+    """:func:`kernel_cases.gather_inputs` in this file's argument order, as jax arrays."""
+    inputs = gather_inputs(num_src, heads, batch, positions, k_dim, rank, state_dtype, value_dim=v_dim)
+    return tuple(jnp.asarray(x) for x in inputs)
 
 
 # mode: which bases are given ("both": C [B, M, r, r]; "value": S V [B, M, d_k, r]; "none": S [B, M, d_k, d_v])
@@ -112,7 +94,7 @@ def test_state_gather_matches_reference(case):
     out = gather_mosaic.state_gather(states, n_committed, *bases, interpret=True)
     expected = gather_prepare(states, n_committed, *bases)
     assert out.dtype == jnp.float32 and out.shape == expected.shape
-    assert _rel_err(out, expected) <= FP32_TOL
+    assert rel_err(out, expected) <= FP32_TOL
 
 
 @needs_interpreter
@@ -123,7 +105,7 @@ def test_state_gather_reads_listed_layers_in_place():
     out = gather_mosaic.state_gather(buffers, n_committed, key_basis[:4], value_basis[:4], layers=layers,
                                      interpret=True)
     expected = gather_prepare(buffers, n_committed, key_basis[:4], value_basis[:4], layers=layers)
-    assert _rel_err(out, expected) <= FP32_TOL
+    assert rel_err(out, expected) <= FP32_TOL
 
 
 @needs_interpreter
@@ -132,7 +114,7 @@ def test_state_gather_at_real_head_size():
     for rank in (8, 128):
         states, n_committed, key_basis, value_basis = _gather_inputs(2, 2, 4, 2, 128, 128, rank, jnp.bfloat16)
         out = gather_mosaic.state_gather(states, n_committed, key_basis, value_basis, interpret=True)
-        assert _rel_err(out, gather_prepare(states, n_committed, key_basis, value_basis)) <= FP32_TOL
+        assert rel_err(out, gather_prepare(states, n_committed, key_basis, value_basis)) <= FP32_TOL
 
 
 def test_state_gather_names_the_tiles_it_needs():
@@ -150,7 +132,7 @@ def test_state_gather_rejects_what_the_reference_contract_rejects():
 
 
 def test_gdn_recurrent_rejects_bad_arguments():
-    q, k, v, g, beta, state = _gdn_inputs(1, 2, 1, 2, 64, 8, jnp.float32, True)
+    q, k, v, g, beta, state = gdn_inputs(1, 2, 1, 2, 64, 8)
     with pytest.raises(ValueError, match="include_initial_state=True needs output_all_states=True"):
         gdn_mosaic.gated_delta_recurrent(q, k, v, g, beta, state, include_initial_state=True, interpret=True)
     with pytest.raises(ValueError, match="g must be"):
@@ -168,7 +150,7 @@ def test_configs_name_their_bad_field(make):
 
 @pytest.mark.skipif(supports_mosaic_gpu_kernels(), reason="this jax runs the Mosaic GPU kernels")
 def test_a_jax_without_what_the_kernels_need_says_so():
-    q, k, v, g, beta, state = _gdn_inputs(1, 1, 1, 1, 64, 8, jnp.float32, True)
+    q, k, v, g, beta, state = gdn_inputs(1, 1, 1, 1, 64, 8)
     with pytest.raises(ValueError, match="cannot run the Mosaic GPU kernels"):
         gdn_mosaic.gated_delta_recurrent(q, k, v, g, beta, state, interpret=True)
 

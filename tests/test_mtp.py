@@ -13,7 +13,7 @@ from flax import nnx
 import ready_jax as rj
 from ready_jax import mtp as mtp_lib
 from ready_jax.drafter import SharedWeights
-from ready_jax.target import final_norm
+from ready_jax.target_steps import final_norm
 
 _draft = jax.jit(mtp_lib.draft, static_argnums=0, static_argnames="temperature")
 _commit = jax.jit(mtp_lib.commit, static_argnums=0)

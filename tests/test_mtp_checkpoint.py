@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import ready_jax as rj
 from ready_jax import mtp as mtp_lib
 from ready_jax.drafter import SharedWeights
-from ready_jax.target import final_norm
+from ready_jax.target_steps import final_norm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "data", "mtp_qwen3_5")

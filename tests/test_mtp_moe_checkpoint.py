@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 import ready_jax as rj
 from ready_jax import mtp as mtp_lib
 from ready_jax.drafter import SharedWeights
-from ready_jax.target import final_norm
+from ready_jax.target_steps import final_norm
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FAMILIES = ("qwen3_next", "qwen3_5_moe")

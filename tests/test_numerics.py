@@ -17,13 +17,15 @@ from tokenizers import Tokenizer
 import ready_jax as rj
 from ready_jax import cache as cache_lib
 from ready_jax.cache import AttentionCache
-from ready_jax.layers import KV_CHUNK, PROMPT_TILE, ROW_TILE, row_tiles
+from ready_jax.layers import KV_CHUNK
+from ready_jax.rows import PLAIN_ROWS, PROMPT_TILE, ROW_TILE, Rows, row_tiles
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
 BLOCK = 6
+INVARIANT_STEP, INVARIANT_PROMPT = Rows(invariant=True, column_blocks=True), Rows(invariant=True, prompt=True)
 
 
 @cache
@@ -147,6 +149,37 @@ def test_row_tiles_round_a_row_alike_at_any_row_count(dtype, k, n, tile):
         assert not np.array_equal(one_row, want)
 
 
+def _transposes(jaxpr, in_loop: bool = False) -> list[tuple[bool, tuple]]:
+    """(inside a loop, operand shape) of every ``transpose`` in ``jaxpr`` and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose":
+            found.append((in_loop, eqn.invars[0].aval.shape))
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    found += _transposes(inner, in_loop or eqn.primitive.name in ("while", "scan"))
+    return found
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_a_generation_program_lays_out_the_column_blocks_once_before_its_loop(drafter):
+    """In the invariant mode on XLA the decode and verify matmuls read their weights as column blocks
+    (``rows.ColumnBlocks``): the program lays every linear layer's kernel and the LM head out once, before its loop,
+    and no loop lays one out again (made inside a step, XLA does not hoist the transposing copy)."""
+    target = _target("bfloat16")
+    scripted = rj.ScriptedDrafter(np.zeros((1, 8), np.int32), block_size=3) if drafter else None
+    jaxpr = rj.generation.prepare(target, [np.arange(5, 20)], 4, drafter=scripted).trace().jaxpr.jaxpr
+    cfg = target.config
+    layouts = [(in_loop, shape) for in_loop, shape in _transposes(jaxpr) if len(shape) == 3 and shape[0] in (
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim,
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim)]
+    assert layouts and not any(in_loop for in_loop, _ in layouts), layouts
+    per_group = {shape for _, shape in layouts}
+    assert (cfg.hidden_size, 1, cfg.vocab_size) in per_group or cfg.tie_word_embeddings, per_group
+
+
 def _attention_cache(b: int, capacity: int, dtype, seed: int):
     rng = np.random.default_rng(seed)
     shape = (1, b, capacity, 2, 8)
@@ -168,7 +201,7 @@ def test_chunked_attention_matches_whole_buffer_attention(dtype, window):
     windows = jnp.array([2, 40, 150]) if window else None
     cache = _attention_cache(b, capacity, dtype, 2)
     whole, whole_cache = layer(x, cache, starts, jnp.int32(0), windows)
-    chunked, chunked_cache = layer(x, cache, starts, jnp.int32(0), windows, batch_invariant=True)
+    chunked, chunked_cache = layer(x, cache, starts, jnp.int32(0), windows, rows=INVARIANT_STEP)
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(chunked, np.float32), np.asarray(whole, np.float32), rtol=tolerance,
                                atol=tolerance)
@@ -191,9 +224,9 @@ def test_attention_depends_on_no_capacity_and_no_neighbour(dtype):
         cache = jax.tree.map(lambda a, capacity=capacity: a[:, :, :capacity], full)
         for invariant in (True, False):
             outputs[capacity, invariant] = np.asarray(layer(x, cache, starts, jnp.int32(0),
-                                                            batch_invariant=invariant)[0])
+                                                            rows=INVARIANT_STEP if invariant else PLAIN_ROWS)[0])
         in_batch, alone = (np.asarray(layer(x[rows], jax.tree.map(lambda a, rows=rows: a[:, rows], cache),
-                                            starts[rows], jnp.int32(0), batch_invariant=True, prefill=True)[0])
+                                            starts[rows], jnp.int32(0), rows=INVARIANT_PROMPT)[0])
                            for rows in (slice(0, 3), slice(1, 2)))
         np.testing.assert_array_equal(alone[0], in_batch[1])
         np.testing.assert_array_equal(outputs[capacity, True], outputs[KV_CHUNK + 8, True])
@@ -262,13 +295,13 @@ def _drafter(target: rj.Target, kind: str, block_size: int, reference: np.ndarra
 @hypothesis.given(config=geometries(), data=st.data())
 def test_greedy_speculation_equals_ar_on_random_targets(config, data):
     """Random geometries and weights (near-flat logits, ties within a rounding step all the time), bf16 and
-    float32, 128-160 tokens, blocks 1-16, batch 1-5 and 8 with ragged prompts, perfect and noisy scripted drafters and
-    learned ones, both rollbacks, default and explicit capacities: speculative greedy output equals AR's, AR's own
-    output does not change with the capacity or the prompt bucket, and a row generated alone gives its tokens in
-    the batch."""
+    float32, 128-160 tokens, blocks 1-16, batch 1-5, 8, 13 and 16 with ragged prompts, perfect and noisy scripted
+    drafters and learned ones, both rollbacks, default and explicit capacities: speculative greedy output equals AR's,
+    AR's own output does not change with the capacity or the prompt bucket, and a row generated alone gives its tokens
+    in the batch."""
     dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float32]), label="dtype")
     target = rj.Target.init(config, seed=data.draw(st.integers(0, 2**16), label="weights seed"), dtype=dtype)
-    batch = data.draw(st.sampled_from([1, 2, 3, 4, 5, 8]), label="batch")
+    batch = data.draw(st.sampled_from([1, 2, 3, 4, 5, 8, 13, 16]), label="batch")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="prompt seed"))
     prompts = [rng.integers(0, config.vocab_size, int(rng.integers(1, 40))) for _ in range(batch)]
     new_tokens = data.draw(st.integers(128, 160), label="max_new_tokens")

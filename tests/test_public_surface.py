@@ -237,13 +237,12 @@ def test_inside_jit_the_contract_is_checked_under_check_finite(small):
     """Traced ids cannot be checked on the host; the debug program checks them instead."""
     import jax
 
-    from ready_jax import debug
-    from ready_jax import target as target_lib
+    from ready_jax import debug, target_steps
     from ready_jax.step_options import StepOptions
 
     target, _ = small
     cache = target.init_cache(1, 8)
-    step = jax.jit(debug.checked(lambda params, cache, tokens, n: target_lib.extend(
+    step = jax.jit(debug.checked(lambda params, cache, tokens, n: target_steps.extend(
         target.graphdef, params, cache, tokens, n, options=StepOptions(check_finite=True))))
     error, _ = step(target.params, cache, jnp.array([[3, 4]]), jnp.array([2]))
     debug.raise_if_failed(error)

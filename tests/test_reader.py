@@ -1,6 +1,7 @@
 """The ReaDy reader: gather + prepare and read against naive loops, cost independent of the prefix, and
 configuration errors that name the bad setting."""
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +13,8 @@ from flax import nnx
 
 import ready_jax as rj
 from pallas_kernels.state_reader.reference import gather_prepare, read
+from ready_jax import cache as cache_lib
+from ready_jax import reader as reader_lib
 from ready_jax.drafter import Drafter, prepare_reader
 from ready_jax.drafter_config import DrafterConfig, ReaderConfig, default_source_layers
 from ready_jax.kv_read import KVReadState, prepare_kv, read_kv
@@ -118,6 +121,50 @@ def test_prepare_from_candidate_equals_from_committed_cache(tiny_target, kind):
                 m = s * h_v + head
                 want = np.einsum("kr,bkv,vs->brs", u[m], state[:, head], v[m])
                 np.testing.assert_allclose(from_committed[0][:, m], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
+def test_committed_source_reads_the_kept_states_whichever_rollback(tiny_target, rollback):
+    """The loop's reader source: the candidate itself when it holds every position's state, else the committed
+    cache; either way the reader prepares what it would from the committed cache."""
+    drafter = Drafter.init(tiny_target.config, DrafterConfig(block_size=3, num_layers=2, markov_rank=4,
+                                                             reader=ReaderConfig(rank=4)), seed=3)
+    rng = np.random.default_rng(4)
+    out = tiny_target.prefill(tiny_target.init_cache(2, 32), jnp.asarray(rng.integers(0, 97, (2, 6))))
+    candidate = tiny_target.verify(out.cache, jnp.asarray(rng.integers(0, 97, (2, 4))), rollback=rollback).cache
+    n = jnp.asarray([2, 0], jnp.int32)
+    committed = rj.Target.commit(jax.tree.map(jnp.copy, candidate), n)
+    source, n_source = cache_lib.committed_source(candidate, committed, n)
+    assert (source is candidate) == (rollback == "checkpoint")
+    assert n_source is (n if rollback == "checkpoint" else None)
+    np.testing.assert_allclose(drafter.prepare_reader(source, n_source)[0], drafter.prepare_reader(committed)[0],
+                               atol=1e-5)
+
+
+def test_the_config_chooses_the_reader_class_in_one_place():
+    expected = {ReaderConfig(kind="kv"): reader_lib.KVReader, ReaderConfig(): reader_lib.StateReader,
+                ReaderConfig(query="content"): reader_lib.ContentStateReader,
+                ReaderConfig(query="tied"): reader_lib.TiedStateReader,
+                ReaderConfig(query="tied", readout="tied"): reader_lib.TiedReadReader,
+                ReaderConfig(query="tied", readout="tied_ungated"): reader_lib.TiedReadReader}
+    for config, cls in expected.items():
+        assert reader_lib.reader_class(config) is cls
+
+
+def test_kv_rows_sharing_a_sequence_prepare_as_one_row_each(tiny_target):
+    """Training's N rows per sequence (``CachedKV.lengths`` [B*N]) read what N separate one-row prepares read."""
+    drafter = Drafter.init(tiny_target.config, DrafterConfig(block_size=3, num_layers=1, markov_rank=4,
+                                                             reader=ReaderConfig(rank=4, kind="kv")), seed=5)
+    reader = nnx.merge(drafter.graphdef, drafter.params).layers[-1].reader
+    out = tiny_target.prefill(tiny_target.init_cache(2, 16),
+                              jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 9))))
+    kv = reader.locate(out.cache, drafter.config.reader.source_layers)
+    lengths = jnp.asarray([3, 5, 9, 1, 4, 7], jnp.int32)                    # rows b * 3 + j
+    shared, per_sequence = reader.prepare(dataclasses.replace(kv, lengths=lengths)), reader.prepare(kv)
+    for row in range(6):
+        np.testing.assert_array_equal(shared.keys[row], per_sequence.keys[row // 3])
+        np.testing.assert_array_equal(shared.values[row], per_sequence.values[row // 3])
+    np.testing.assert_array_equal(shared.lengths, lengths)
 
 
 def _reader_round_cost(drafter, target, capacity):

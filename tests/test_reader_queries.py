@@ -14,7 +14,7 @@ from flax import nnx
 import ready_jax as rj
 from pallas_kernels.gated_delta import normalized_query_key
 from pallas_kernels.state_reader.reference import gather_prepare, read_by_content
-from ready_jax import target as target_lib
+from ready_jax import target_model
 from ready_jax.checkpoint import flat_state
 from ready_jax.drafter import SharedWeights
 from ready_jax.drafter_config import ReaderConfig, parameter_matched_query_rank
@@ -103,7 +103,7 @@ def test_tied_query_is_the_source_layers_own_query_path(tiny_target):
     model = nnx.merge(drafter.graphdef, drafter.params)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, tiny_target.config.hidden_size)), jnp.float32)
     got = np.asarray(model.layers[layer].reader.queries(x))                          # [B, 1, Q, d_k]
-    split = target_lib.split_groups(tiny_target.model)
+    split = target_model.split_groups(tiny_target.model)
     size = tiny_target.config.group_size
     for index, source in enumerate(rc.source_layers):
         decoder = split.groups[source // size].layers[source % size]
@@ -259,7 +259,7 @@ def test_a_tied_read_out_is_what_the_source_layers_would_add(tiny_target, readou
     rc = drafter.config.reader
     assert states.shape == (2, rc.num_pairs, rc.key_dim, rc.value_dim)
     h = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, tiny_target.config.hidden_size)), jnp.float32)
-    split = target_lib.split_groups(tiny_target.model)
+    split = target_model.split_groups(tiny_target.model)
     size, heads = tiny_target.config.group_size, rc.num_heads
     summed = 0.0
     for index, source in enumerate(rc.source_layers):
@@ -296,7 +296,7 @@ def test_a_tied_read_out_copies_the_target_and_trains_only_its_adapters(tiny_tar
     drafter = _with_tied_read(tiny_target)
     reader = _reader_of(drafter)
     source = drafter.config.reader.source_layers[-1]
-    split = target_lib.split_groups(tiny_target.model)
+    split = target_model.split_groups(tiny_target.model)
     attn = split.groups[source // tiny_target.config.group_size].layers[source % tiny_target.config.group_size]
     attn = attn.linear_attn
     for frozen, weight in ((reader.frozen_gate_proj, attn.in_proj_z.kernel), (reader.frozen_out_norm, attn.norm.weight),

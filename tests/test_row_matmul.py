@@ -1,9 +1,11 @@
-"""``row_matmul``: a row's result is the same bits whatever the number of rows in the call, for the reference under
-XLA and for each family's kernel in this CPU's interpreter (the TPU one with race detection and NaN for memory never
+"""``row_matmul``: a row's result is the same bits whatever the number of rows in the call, for the reference under XLA
+and for each family's kernel in this CPU's interpreter (the TPU one with race detection and NaN for memory never
 written, Triton's generic one, Mosaic GPU's with race detection, jax >= 0.12 only); the TPU and Triton kernels equal
 the reference bit for bit there; every implementation agrees with the plain product; the kernels' configs change no
-bit; what each family refuses; the GPU lowering (Triton IR read back) and the deviceless TPU compile, tiny and at
-Qwen3.5-27B's decode shapes. The impl switch and the errors every op shares: tests/test_kernel_contract.py.
+bit; what each family refuses; a group of a stack of weights (``w [G, K, N]``, ``group`` traced in a ``lax.scan``)
+read in place by every family, equal to the product with the group's weight; the GPU lowering (Triton IR read back)
+and the deviceless TPU compile, tiny and at Qwen3.5-27B's decode shapes. The impl switch and the errors every op
+shares: tests/test_kernel_contract.py.
 
 Shapes are off every block grid (K and N multiples of neither 128 nor the kernels' blocks) and row counts cross the
 16-row tile; the sweep over 1-64 rows is ``slow`` (an interpreter compiles a program per row count).
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from kernel_cases import (
     BF16,
     F32,
@@ -29,6 +32,7 @@ from kernel_cases import (
     traced,
 )
 
+import pallas_kernels.row_matmul as row_matmul
 from experiments import deviceless
 from pallas_kernels.mosaic_gpu_common import supports_mosaic_gpu_kernels
 from pallas_kernels.row_matmul import ROW_MATMUL, RowTiles, mosaic_gpu, reference, tpu, triton
@@ -41,6 +45,7 @@ TPU_BLOCKS = tpu.RowMatmulConfig(block_k=256, block_n=256)
 SHAPES = [(600, 300, BF16), (200, 40, F32)]  # (K, N, dtype)
 # (row counts, rows computed alone): the default set's rows sit first, inside and last in a tile and in a second tile
 FEW_ROWS = ((1, 3, 17, 20), (0, 2, 16, 19))
+GROUPS = 3  # weights in a stack [G, K, N]
 ALL_ROWS = (tuple(range(1, 65)), tuple(range(64)))
 
 
@@ -129,6 +134,109 @@ def test_the_mosaic_gpu_kernel_refuses_fp32_operands():
         traced(mosaic_gpu.row_matmul, x, w)
 
 
+@pytest.mark.parametrize("dtype,tiles,family", [(F32, RowTiles(), "triton"), (BF16, RowTiles(depth=32), "triton"),
+                                                pytest.param(BF16, RowTiles(), "mosaic_gpu", marks=needs_mosaic_gpu)])
+def test_the_mosaic_gpu_family_gives_what_a_wgmma_cannot_take_to_triton(monkeypatch, dtype, tiles, family):
+    """On a Hopper (the Mosaic GPU family) fp32 operands and tiles off the WGMMA grid run on the Triton kernel, and
+    16-bit operands on a WGMMA grid on the Mosaic GPU kernel: ``impl="pallas"`` takes any operands there."""
+    from pallas_kernels import backend
+
+    monkeypatch.setattr(backend, "_interpret_family", "mosaic_gpu")
+    ran = []
+    for name, module in {"triton": triton, "mosaic_gpu": mosaic_gpu}.items():
+        kernel = module.row_matmul
+        monkeypatch.setattr(module, "row_matmul", lambda *a, _k=kernel, _n=name, **kw: ran.append(_n) or _k(*a, **kw))
+    x, w = matmul_inputs(5, 128, 40, dtype)
+    actual = row_matmul.row_matmul(x, w, tiles=tiles, impl="pallas")
+    assert ran == [family]
+    np.testing.assert_array_equal(np.asarray(actual, np.float32),
+                                  np.asarray(reference.row_matmul(x, w, tiles=tiles), np.float32))
+
+
+def _stack(k, n, dtype, seed=0) -> np.ndarray:
+    """``GROUPS`` different weights ``[K, N]`` stacked: ``[G, K, N]``."""
+    return np.stack([matmul_inputs(1, k, n, dtype, seed=seed + group)[1] for group in range(GROUPS)])
+
+
+def _scanned(fn):
+    """``fn(x, w=stack, group=g)`` for every group g of the stack, the group traced by a jitted ``lax.scan`` over
+    them, as a model scans its stacked layer groups. -> ``[G, M, N]``."""
+    @jax.jit
+    def run(x, stack):
+        groups = jnp.arange(stack.shape[0], dtype=jnp.int32)
+        return lax.scan(lambda carry, group: (carry, fn(x, w=stack, group=group)), None, groups)[1]
+    return run
+
+
+@pytest.mark.parametrize("impl,k,n,dtype,rows", [  # the TPU interpreter's fp32 case, the slowest, in the slow set
+    pytest.param(*p.values, id=p.id, marks=[*p.marks, *([slow] if p.values[0] == "tpu" and p.values[3] == F32 else [])])
+    for p in _case_params(FEW_ROWS)])
+def test_a_group_of_a_stack_is_the_product_with_its_weight(impl, k, n, dtype, rows):
+    """In a scan over the groups each group's product is the implementation's product with that group's weight,
+    bit for bit (and the reference's for XLA, TPU and Triton: the same products in the same order)."""
+    fn = IMPLEMENTATIONS[impl]()
+    x, stack = matmul_inputs(max(rows[0]), k, n, dtype, seed=k)[0], _stack(k, n, dtype, seed=n)
+    scanned = _bits(_scanned(fn)(x, stack))
+    last = GROUPS - 1
+    np.testing.assert_array_equal(scanned[last], _bits(fn(x, w=stack[last])))
+    for group in range(GROUPS):
+        expected = reference.row_matmul(x, stack[group])
+        if impl == "mosaic_gpu":  # its products are WGMMAs (here numpy's), not XLA's dots
+            assert_close("row_matmul", scanned[group].view(np.float32), expected, dtype, "matmul")
+        else:
+            np.testing.assert_array_equal(scanned[group], _bits(expected))
+
+
+@pytest.mark.parametrize("impl,k,n,dtype,rows", _case_params(FEW_ROWS, marks=[slow]))
+def test_a_row_rounds_alike_at_any_row_count_with_a_group(impl, k, n, dtype, rows):
+    x, stack = matmul_inputs(max(rows[0]), k, n, dtype, seed=k)[0], _stack(k, n, dtype, seed=n)
+    fn = functools.partial(IMPLEMENTATIONS[impl](), w=stack, group=np.int32(1))
+    _assert_rows_alone_equal_rows_together(fn, x, *rows)
+
+
+@pytest.mark.parametrize("family", ["tpu", "triton", pytest.param("mosaic_gpu", marks=needs_mosaic_gpu)])
+@pytest.mark.parametrize("group,w_shape,message", [
+    (np.float32(1), (GROUPS, 200, 40), "group must be an integer scalar, got float32 of shape"),
+    (np.zeros(1, np.int32), (GROUPS, 200, 40), r"group must be an integer scalar, got int32 of shape \(1,\)"),
+    (np.int32(0), (200, 40), r"must be \[M, K\] and \[G, K, N\] \(group given\)"),
+    (None, (GROUPS, 200, 40), r"must be \[M, K\] and \[K, N\]"),
+])
+def test_each_family_refuses_a_bad_group_or_stack(family, group, w_shape, message):
+    x = np.zeros((3, 200), BF16)
+    kernel = {"tpu": tpu, "triton": triton, "mosaic_gpu": mosaic_gpu}[family].row_matmul
+    with pytest.raises(ValueError, match=f"row_matmul: .*{message}"):
+        traced(kernel, x, np.zeros(w_shape, BF16), group)
+
+
+def _lowered_scan(family: str, k: int, n: int) -> str:
+    """StableHLO of a jitted scan over a bf16 stack ``[G, K, N]`` whose body runs ``family``'s kernel (compiled, not
+    interpreted) on the traced group, lowered for the family's platform."""
+    kernel = functools.partial({"tpu": tpu, "triton": triton, "mosaic_gpu": mosaic_gpu}[family].row_matmul,
+                               interpret=False)
+    scan = _scanned(lambda x, w, group: kernel(x, w, group))
+    specs = S((3, k), BF16), S((GROUPS, k, n), BF16)
+    if family == "tpu":
+        return jax.jit(scan).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
+    return lower_for_gpu(scan, *specs)
+
+
+@pytest.mark.parametrize("family,call", [("tpu", "custom_call @tpu_custom_call"),
+                                         ("triton", "custom_call @__gpu$xla.gpu.triton"),
+                                         pytest.param("mosaic_gpu", "custom_call @mosaic_gpu", marks=needs_mosaic_gpu)])
+def test_a_scan_hands_the_whole_stack_to_the_kernel(family, call):
+    """Handed ``w[g]``, a custom call would have XLA copy the slice out of the stack first (the weights read,
+    written and read again). Here the stack is one operand of the kernel's one call and no value anywhere in the
+    program has the shape of one group's weight: nothing slices it. (N = 320: on the Mosaic GPU kernel's TMA grid,
+    off it the kernel pads the stack.)"""
+    k, n = 600, 320
+    text = _lowered_scan(family, k, n)
+    stack, weight = f"tensor<{GROUPS}x{k}x{n}xbf16>", f"{k}x{n}xbf16>"
+    calls = [line for line in text.splitlines() if call in line]
+    assert len(calls) == 1 and stack in calls[0].rsplit(":", 1)[1]
+    sliced = [line.strip()[:200] for line in text.splitlines() if f"<{weight}" in line or f"<1x{weight}" in line]
+    assert sliced == []
+
+
 @pytest.mark.parametrize("k,n,dtype", [(5120, 1024, BF16), (200, 40, F32), (1, 1, F32), (129, 257, BF16)])
 def test_the_reference_agrees_with_the_plain_product(k, n, dtype):
     x, w = matmul_inputs(9, k, n, dtype)
@@ -213,6 +321,23 @@ def test_compiles_for_a_tpu(generation, rows, k, n, dtype):
     outside the kernel copies or converts the weight."""
     result = deviceless.compile_for_tpu(
         lambda: jax.jit(tpu.row_matmul).trace(S((rows, k), dtype), S((k, n), dtype)), generation)
+    assert result.error is None, result.error
+    weight_bytes = k * n * jnp.dtype(dtype).itemsize
+    assert weight_bytes <= result.cost["bytes_accessed"] < 1.05 * weight_bytes + (1 << 20)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("k,n,dtype", [
+    pytest.param(600, 384, BF16, id="tiny-bf16"),
+    *[pytest.param(k, n, BF16, marks=slow, id=f"27B-K{k}-N{n}-bf16") for k, n in QWEN35_27B_DECODE],
+])
+def test_a_group_compiles_for_a_tpu_reading_one_weight(k, n, dtype):
+    """A group's product compiles for a v5p and reads about one group's weight, not the stack: XLA copies none of
+    it, and the kernel's estimate counts one weight. (N is on the lane grid: at an N like 300 XLA TPU lays out a
+    ``[G, K, N]`` parameter with K minor and relays the whole stack out for the kernel, as for a 2-D weight.)"""
+    result = deviceless.compile_for_tpu(
+        lambda: jax.jit(tpu.row_matmul).trace(S((DECODE_ROWS, k), dtype), S((4 * GROUPS, k, n), dtype),
+                                              S((), jnp.int32)), "v5p")
     assert result.error is None, result.error
     weight_bytes = k * n * jnp.dtype(dtype).itemsize
     assert weight_bytes <= result.cost["bytes_accessed"] < 1.05 * weight_bytes + (1 << 20)

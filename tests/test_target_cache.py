@@ -181,7 +181,7 @@ def test_init_in_pieces_equals_one_program():
     from flax import nnx
 
     from ready_jax.init_programs import init_state
-    from ready_jax.target import TargetModel
+    from ready_jax.target_model import TargetModel
 
     build = lambda key: TargetModel(tiny_config(), rngs=nnx.Rngs(key), dtype=jnp.float32)  # noqa: E731
     pieces = init_state(build, 3, max_bytes=120_000)  # 318 KB of parameters: three programs

@@ -62,3 +62,25 @@ def test_a_profile_of_a_timed_run_holds_the_rounds_named_scopes(models, tmp_path
 def test_the_scripts_that_time_generation_take_a_profile_directory(script):
     (action,) = [a for a in script.build_parser()._actions if "--profile" in a.option_strings]
     assert action.dest == "profile" and action.metavar == "DIR"
+
+
+def test_bench_generate_counts_a_program_per_kind_once(models):
+    """A learned drafter compiles a program with its network; the scripted drafters of one rollback and impl share
+    one program of the target alone, as AR's; the Pallas runs compile their own."""
+    _, drafter = models
+    scripted = [rj.ScriptedDrafter(np.zeros((1, 8), np.int64), 3, rate, seed=0) for rate in (0.0, 0.5)]
+    runs = {"dspark": {"drafter": drafter}, "ready": {"drafter": drafter},
+            "s0": {"drafter": scripted[0]}, "s1": {"drafter": scripted[1]},
+            "s1_checkpoint": {"drafter": scripted[1], "rollback": "checkpoint"},
+            "ar_pallas": {"drafter": None, "impl": "pallas"}, "s1_pallas": {"drafter": scripted[1], "impl": "pallas"}}
+    assert bench_generate.compile_kinds(runs) == ("drafter", "drafter", "target", "target", "pallas", "pallas")
+
+
+def test_compare_zoo_weighs_each_drafter_by_what_a_token_costs_it():
+    """From loop_efficiency's committed zoo figures: the MTP head's cheap rounds and high tau make its tokens the
+    cheapest; a drafter it did not measure weighs their mean."""
+    names = ("dspark", "dspark_ft", "ready", "mtp")
+    costs = compare_zoo.token_costs(dict.fromkeys(names))
+    assert costs[3] == min(costs) and all(c > 0 for c in costs)
+    (unmeasured,) = compare_zoo.token_costs({"not_in_the_zoo": None})
+    assert unmeasured == pytest.approx(np.mean(costs))

@@ -162,3 +162,21 @@ def test_the_roofline_estimate_of_the_zoo_adds_up():
     assert all(seconds > 0 for seconds in t.values())
     assert result["round_s"] == pytest.approx(t["draft"] + t["verify"] + t["commit"] + t["reader_prepare"])
     assert 1 < result["round_over_decode"] < 8 and 0 < result["reader_share"] < 1
+
+
+def test_the_compiled_program_is_read_for_its_kernels_and_contractions():
+    """``deviceless.compiled_ops`` on optimised HLO: a step of the zoo-sized target in the batch-invariant mode with
+    the TPU kernels runs one ``row_matmul`` custom call per matmul of a layer group and the head (the same count as
+    lowered: XLA merges none), and XLA's own contractions only for attention; the plain step runs its projections
+    as XLA contractions and no ``row_matmul``."""
+    def step(batch_invariant: bool):
+        tracers = lower.program_tracers(lower.geometry("zoo"), "pallas", "replay", batch_invariant)
+        with lower.lowering_context("tpu"):
+            result = deviceless.compile_for_tpu(tracers["verify"], GENERATION)
+        assert result.error is None, result.error
+        return result
+
+    invariant, plain = step(True), step(False)
+    assert invariant.kernels == {"row_matmul": 32, "gdn_recurrent": 3}   # 3 GDN x 5 + 4 attention + 4 MLPs x 3 + head
+    assert invariant.contractions == 2                                  # attention's scores and read, one layer
+    assert "row_matmul" not in plain.kernels and plain.contractions > 30

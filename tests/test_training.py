@@ -14,9 +14,8 @@ from conftest import tiny_config
 from flax import nnx
 
 import ready_jax as rj
-from ready_jax import data
+from ready_jax import data, target_steps
 from ready_jax import mtp as mtp_lib
-from ready_jax import target as target_lib
 from ready_jax.layers import DT_INIT_RANGE
 from ready_jax.reader import committed_states
 from ready_jax.training import (
@@ -167,7 +166,8 @@ def test_anchor_states_equal_what_generate_reads(drafter_setup):
     source = ready.config.reader.source_layers
     tokens = jnp.asarray(seqs[:2])
     teacher = jax.jit(drafter_loss.teacher_pass, static_argnums=(0, 2, 4, 5, 6))(
-        target.graphdef, target.params, target.config, tokens, LAYOUT, ready.config.target_layer_ids, source)
+        target.graphdef, target.params, target.config, tokens, LAYOUT, ready.config.target_layer_ids,
+        ready.config.reader)
     full = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens, hidden_layers=ready.config.target_layer_ids)
     np.testing.assert_allclose(teacher.logits, full.logits, atol=2e-4)
     np.testing.assert_allclose(teacher.hidden, full.hidden, atol=2e-4)
@@ -218,8 +218,7 @@ def test_trainer_blocks_equal_generate_blocks(drafter_setup, variant):
     drafter = rj.Drafter.from_state(drafter.config, flat)
     rc, ids = drafter.config.reader, drafter.config.target_layer_ids
     tokens = jnp.asarray(seqs[:2])
-    teacher = drafter_loss.teacher_pass(target.graphdef, target.params, target.config, tokens, LAYOUT, ids,
-                                        rc.source_layers, rc.kind)
+    teacher = drafter_loss.teacher_pass(target.graphdef, target.params, target.config, tokens, LAYOUT, ids, rc)
     model = nnx.merge(drafter.graphdef, drafter.params)
     k = LAYOUT.num_anchors
     grid_index = jnp.broadcast_to(jnp.arange(k), (2, k))
@@ -290,7 +289,7 @@ def test_mtp_slots_are_what_generate_drafts(drafter_setup):
     last = target.config.num_hidden_layers - 1
     for anchor in (LAYOUT.prompt_len, LAYOUT.seq_len - 3):
         pre = target.prefill(target.init_cache(2, LAYOUT.seq_len), tokens[:, :anchor], hidden_layers=(last,))
-        normed = target_lib.final_norm(target.graphdef, target.params, pre.hidden[0])
+        normed = target_steps.final_norm(target.graphdef, target.params, pre.hidden[0])
         state = mtp_lib.prefill(mtp.graphdef, mtp.params, shared, mtp_lib.init_cache(mtp.config, 2, LAYOUT.seq_len),
                                 tokens[:, :anchor], normed, jnp.full((2,), anchor))
         draft, _ = mtp_lib.draft(mtp.graphdef, mtp.params, shared, state, tokens[:, anchor], jnp.full((2,), anchor))

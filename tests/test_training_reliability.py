@@ -26,6 +26,7 @@ import ready_jax as rj
 from experiments import train_drafter, train_target
 from ready_jax.long_range_task import LONG_RANGE_TASK_FILE, long_range_settings
 from ready_jax.training import checkpoints, distillation, drafter_trainer, target_recipe, train_state
+from ready_jax.training import loop as loop_lib
 from ready_jax.training.loop import SETTINGS_FILE, LoopConfig, train_loop
 
 pytestmark = pytest.mark.slow
@@ -357,3 +358,40 @@ def test_drafter_target_layers_are_the_context_features_and_checked_before_disti
         train_drafter.main(argv + ["--target-layers", "8"])
     assert "target_layer_ids [8] are outside the target's decoder layers" in _refusal(refused, capsys)
     assert len(fake_distill) == calls                       # refused before any distillation
+
+
+def test_the_train_loops_rate_and_time_left_count_neither_the_compile_nor_evaluations(tmp_path, monkeypatch):
+    """The first step's call compiles (30 s here) and each evaluation takes 5 s: the steps' rate is the steps' own
+    (1 step/s), and the time left adds the evaluations still to come."""
+    clock = [0.0]
+    monkeypatch.setattr(loop_lib.time, "perf_counter", lambda: clock[0])
+
+    def step_fn(state, batch):
+        clock[0] += 30.0 if state.step == 0 else 1.0
+        return SimpleNamespace(step=state.step + 1, params=None), {"loss": 1.0, "grad_norm": 1.0}
+
+    def eval_fn(params):
+        clock[0] += 5.0
+        return {"val_loss": 1.0}
+
+    lines = []
+    loop = LoopConfig(total_steps=20, log_every=5, eval_every=10, checkpoint_every=100)
+    loop_lib._train(SimpleNamespace(step=0, params=None), step_fn, lambda step: None, loop, eval_fn,
+                    lambda state: None, tmp_path / "metrics.jsonl", lines.append)
+    steps = [line for line in lines if line.startswith("step ")]
+    assert all("1.00 steps/s" in line for line in steps), steps
+    assert steps[0].endswith("eta 0.2 min")     # 15 steps at 1 s; no evaluation measured yet
+    assert steps[2].endswith("eta 0.2 min")     # step 15: 5 steps and the last evaluation at 5 s
+
+
+def test_distilling_counts_a_compile_per_batch_size():
+    """5 prompts in batches of 2 run batches of 2 and 1: two programs, whose compiles the progress line counts
+    apart from the sequences' time (its time left then holds the compiles still to come)."""
+    from ready_jax.progress import Progress
+
+    target = rj.Target.init(tiny_config(), seed=3)
+    prompts = (np.arange(5 * 4).reshape(5, 4) % 50).astype(np.int32)
+    assert distillation.batch_sizes(5, 2) == {2, 1} and distillation.batch_sizes(4, 2) == {2}
+    progress = Progress("distilling", 5, compiles=len(distillation.batch_sizes(5, 2)))
+    out = distillation.distill(target, prompts, 3, batch_size=2, progress=progress)
+    assert out.shape == (5, 7) and progress.done == 5 and progress.compiled == 2

@@ -11,7 +11,7 @@ import numpy as np
 import ready_jax as rj
 from pallas_kernels.gated_delta import normalized_query_key
 from ready_jax import reader as reader_lib
-from ready_jax import target as target_lib
+from ready_jax import target_model, target_steps
 from ready_jax.drafter import SharedWeights
 
 
@@ -39,7 +39,7 @@ def state_carried_accuracy(target: rj.Target, ids: np.ndarray, reference: np.nda
     content further back through its Gated DeltaNet states alone, the states a ReaDy reader reads."""
     tokens = np.concatenate([ids, reference[:, :-1]], axis=1)
     restricted = jnp.full((ids.shape[0],), window, jnp.int32)
-    logits = jax.jit(lambda params: target_lib.extend(
+    logits = jax.jit(lambda params: target_steps.extend(
         target.graphdef, params, target.init_cache(*tokens.shape), jnp.asarray(tokens),
         attention_window=restricted).logits[:, ids.shape[1] - 1:])(target.params)
     return float((np.asarray(jnp.argmax(logits, -1)) == reference).mean())
@@ -63,9 +63,9 @@ def state_retention(target: rj.Target, ids: np.ndarray, distance: int) -> list[l
 def decoder_layers(target: rj.Target, ids: np.ndarray) -> list[tuple]:
     """(decoder layer module, its input hidden states [B, P, D]) of every layer, for a fresh run over ids [B, P]."""
     config, tokens = target.config, jnp.asarray(ids)
-    out = target_lib.extend(target.graphdef, target.params, target.init_cache(*ids.shape), tokens,
+    out = target_steps.extend(target.graphdef, target.params, target.init_cache(*ids.shape), tokens,
                             hidden_layers=tuple(range(config.num_hidden_layers)))
-    model = target_lib.split_groups(target.model)
+    model = target_model.split_groups(target.model)
     inputs = [model.embed_tokens(tokens), *out.hidden[:-1]]
     return [(model.groups[i // config.group_size].layers[i % config.group_size], x) for i, x in enumerate(inputs)]
 

@@ -22,19 +22,24 @@ from .reference import DEFAULT_TILES, RowTiles
 __all__ = ["RowTiles", "row_matmul"]
 
 
-def _axes(x: jax.Array, w: jax.Array, *, tiles: RowTiles) -> tuple[list, mesh.Axes]:
+def _axes(x: jax.Array, w: jax.Array, group: jax.Array | None = None, *,
+          tiles: RowTiles) -> tuple[list, mesh.Axes]:
     """Rows and output columns are independent: x's rows split with the batch, the weight's columns with the heads
-    (a column-parallel layout keeps them there), the contraction never (a split would change the sum). -> ``[M, N]``.
-    """
-    return [(mesh.BATCH, None), (None, mesh.HEADS)], (mesh.BATCH, mesh.HEADS)
+    (a column-parallel layout keeps them there), the contraction never (a split would change the sum), nor a stack's
+    groups. -> ``[M, N]``."""
+    w_axes = (None,) * (w.ndim - 2) + (None, mesh.HEADS)
+    return [(mesh.BATCH, None), w_axes, mesh.whole(group)], (mesh.BATCH, mesh.HEADS)
 
 
 ROW_MATMUL = backend.KernelOp("row_matmul", __name__, kernel="row_matmul", config="RowMatmulConfig",
                               families=("triton", "tpu", "mosaic_gpu"), axes=_axes)
 
 
-def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES,
+def row_matmul(x: jax.Array, w: jax.Array, group: jax.Array | None = None, *, tiles: RowTiles = DEFAULT_TILES,
                impl: backend.Impl | backend.KernelChoice = "xla", config=None) -> jax.Array:
     """``x [M, K] @ w [K, N]`` -> ``[M, N]`` in x's dtype, each row rounded alike at any M:
-    ``reference.row_matmul``."""
-    return backend.run(ROW_MATMUL, reference.row_matmul, x, w, tiles=tiles, impl=impl, config=config)
+    ``reference.row_matmul``. ``group`` (an integer scalar, traced or not): w is a stack of weights ``[G, K, N]``
+    (stacked layer groups) and the product takes ``w[group]``, which the kernels read in place: a slice of the
+    stack handed to a custom call would be copied out first."""
+    args = (x, w) if group is None else (x, w, group)
+    return backend.run(ROW_MATMUL, reference.row_matmul, *args, tiles=tiles, impl=impl, config=config)

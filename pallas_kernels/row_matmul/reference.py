@@ -39,12 +39,25 @@ class RowTiles:
 DEFAULT_TILES = RowTiles()
 
 
-def check_shapes(x: jax.Array, w: jax.Array) -> tuple[int, int, int]:
-    """``(M, K, N)`` of x ``[M, K]`` and w ``[K, N]``; a ValueError naming ``row_matmul`` when they are not
-    matrices whose contraction dims agree."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"row_matmul: x {x.shape} and w {w.shape} must be [M, K] and [K, N]")
-    return x.shape[0], x.shape[1], w.shape[1]
+def check_shapes(x: jax.Array, w: jax.Array, group: jax.Array | None = None) -> tuple[int, int, int]:
+    """``(M, K, N)`` of x ``[M, K]`` and w ``[K, N]``, or with ``group`` (an integer scalar) a stack of weights
+    w ``[G, K, N]``; a ValueError naming ``row_matmul`` when they are not so."""
+    if group is not None and (jnp.ndim(group) != 0 or not jnp.issubdtype(jnp.result_type(group), jnp.integer)):
+        raise ValueError(f"row_matmul: group must be an integer scalar, got {jnp.result_type(group)} of shape "
+                         f"{jnp.shape(group)}")
+    w_matrix = w.shape if group is None else w.shape[1:]
+    if x.ndim != 2 or len(w_matrix) != 2 or w.ndim != (2 if group is None else 3) or x.shape[1] != w_matrix[0]:
+        expected = "[K, N]" if group is None else "[G, K, N] (group given)"
+        raise ValueError(f"row_matmul: x {x.shape} and w {w.shape} must be [M, K] and {expected}")
+    return x.shape[0], x.shape[1], w_matrix[1]
+
+
+def as_stack(w: jax.Array, group: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``(stack [G, K, N], group [1] int32)``: w and its group as every kernel takes them, a lone weight a stack of
+    one at group 0; the group clamped into the stack as ``lax.dynamic_index_in_dim`` clamps it."""
+    stack = w if group is not None else w[None]
+    index = jnp.asarray(0 if group is None else group, jnp.int32)
+    return stack, jnp.clip(index, 0, stack.shape[0] - 1).reshape(1)
 
 
 def operand_dtype(x: jax.Array, w: jax.Array):
@@ -60,10 +73,14 @@ def block_product(x_block: jax.Array, w_block: jax.Array) -> jax.Array:
                            preferred_element_type=F32)
 
 
-def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES) -> jax.Array:
+def row_matmul(x: jax.Array, w: jax.Array, group: jax.Array | None = None, *,
+               tiles: RowTiles = DEFAULT_TILES) -> jax.Array:
     """``x [M, K] @ w [K, N] -> [M, N]`` in x's dtype, by :class:`RowTiles` (module docstring): the tiles a loop,
-    the contraction blocks a loop inside it, so every product has the shape ``[rows, depth] @ [depth, N]``."""
-    m, k, n = check_shapes(x, w)
+    the contraction blocks a loop inside it, so every product has the shape ``[rows, depth] @ [depth, N]``.
+    ``group``: w is a stack ``[G, K, N]`` and the product takes its ``w[group]``."""
+    m, k, n = check_shapes(x, w, group)
+    if group is not None:
+        w = lax.dynamic_index_in_dim(w, group, keepdims=False)
     dtype = operand_dtype(x, w)
     padded_rows, padded_depth = round_up(m, tiles.rows), round_up(k, tiles.depth)
     x_tiles = jnp.pad(x.astype(dtype), ((0, padded_rows - m), (0, padded_depth - k)))

@@ -22,19 +22,27 @@ from ..long_range_task import LONG_RANGE_POOL, LONG_RANGE_VALUE_TOKENS, long_ran
 from ..progress import Progress
 from ..target import Target
 
+DISTILL_BATCH = 64  # prompts per generate call
 
-def distill(target: Target, prompts: np.ndarray, new_tokens: int, *, batch_size: int = 64,
+
+def distill(target: Target, prompts: np.ndarray, new_tokens: int, *, batch_size: int = DISTILL_BATCH,
             temperature: float = 0.0, seed: int = 0, progress: Progress | None = None) -> np.ndarray:
     """Prompts [N, P] continued by the target for ``new_tokens`` (no EOS stop) -> sequences [N, P + new_tokens];
-    ``progress`` counts the sequences."""
+    ``progress`` counts the sequences and the compiles (one per batch size: :func:`batch_sizes`)."""
     out = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         gen = generate(target, chunk, new_tokens, temperature=temperature, seed=seed + i, eos_token_ids=())
         out.append(np.concatenate([chunk, gen.tokens], axis=1))
         if progress is not None:
-            progress.update(len(chunk))
+            progress.update(len(chunk), compile_seconds=gen.compile_seconds)
     return np.concatenate(out).astype(np.int32)
+
+
+def batch_sizes(num_prompts: int, batch_size: int = DISTILL_BATCH) -> set[int]:
+    """The batch sizes :func:`distill` runs ``num_prompts`` prompts in: one program each."""
+    return {size for size in (min(batch_size, num_prompts), num_prompts % batch_size if num_prompts > batch_size
+                              else 0) if size}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +98,9 @@ def distilled_data(target: Target, corpus, config: DistillConfig, path,
 
         train_prompts, val_prompts = recall_prompts(config.num_sequences, "train"), recall_prompts(
             config.val_sequences, "validation")
-    with Progress("self-distillation", len(train_prompts) + len(val_prompts), "sequences") as progress:
+    programs = len(batch_sizes(len(train_prompts)) | batch_sizes(len(val_prompts)))
+    with Progress("self-distillation", len(train_prompts) + len(val_prompts), "sequences",
+                  compiles=programs) as progress:
         train = distill(target, train_prompts, new, temperature=config.temperature, seed=config.seed,
                         progress=progress)
         validation = distill(target, val_prompts, new, temperature=config.temperature, seed=config.seed + 1,

@@ -45,13 +45,12 @@ import numpy as np
 from flax import nnx
 
 from .. import cache as cache_lib
-from .. import target as target_lib
+from .. import target_steps
 from ..cache import ContextCache
 from ..config import TargetConfig
 from ..drafter import DrafterModel, SharedWeights
-from ..drafter_config import KV, STATE
-from ..kv_read import KVReadState
-from ..reader import committed_states, source_kv
+from ..drafter_config import ReaderConfig
+from ..reader import CachedKV, committed_states, reader_class
 from ..step_options import PLAIN, StepOptions
 
 CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
@@ -115,31 +114,40 @@ class Teacher:
     logits: jax.Array        # [B, T, V] f32: the target's next-token logits at every position
     hidden: jax.Array        # [n_ids, B, T, D]: features of target_layer_ids
     states: jax.Array | None = None  # [B, K, M, d_k, d_v] f32: source GDN states after a_j tokens (state reader)
-    source_keys: jax.Array | None = None    # [L_src, B, T, H_kv, hd]: source attention keys (KV reader)
-    source_values: jax.Array | None = None  # [L_src, B, T, H_kv, hd]
+    kv: CachedKV | None = None       # the source attention layers' KV of the whole sequence (KV reader)
+
+    def reader_source(self, anchors: jax.Array, grid_index: jax.Array) -> jax.Array | CachedKV:
+        """What the reader prepares for block rows ``b * N + j`` (anchor ``anchors[b, j]``, at ``grid_index[b, j]``
+        on the grid): the committed states after a_j tokens [B*N, M, d_k, d_v], or each sequence's KV read up to
+        a_j (shared by the sequence's rows)."""
+        if self.kv is not None:
+            return dataclasses.replace(self.kv, lengths=anchors.reshape(-1))
+        states = jnp.take_along_axis(self.states, grid_index[:, :, None, None, None], axis=1)  # [B, N, M, dk, dv]
+        return states.reshape(-1, *states.shape[2:])                                          # [B*N, M, dk, dv]
 
 
 def teacher_pass(graphdef, params, config: TargetConfig, tokens: jax.Array, layout: AnchorLayout,
-                 hidden_layers: Sequence[int], source_layers: Sequence[int] = (), reader_kind: str = STATE,
+                 hidden_layers: Sequence[int], reader: ReaderConfig | None = None,
                  options: StepOptions = PLAIN) -> Teacher:
-    """The frozen target over ``tokens`` [B, T]; with ``source_layers``, also what the reader reads at each anchor.
+    """The frozen target over ``tokens`` [B, T]; with a ``reader`` (its resolved config), also what it reads at
+    each anchor, as its class says (``teacher_segments``).
 
-    State reader: the pass runs in segments ending at the anchors (prompt, then ``stride`` tokens at a
+    State readers: the pass runs in segments ending at the anchors (prompt, then ``stride`` tokens at a
     time, then the tail), reading ``committed_states`` of the cache after each: the same cache
     ``generate`` holds when the anchor's block is drafted. KV reader: one pass; the source layers' keys
     and values of the whole sequence, which the reader masks to the ``a_j`` committed tokens. ``options`` (static):
     the target's steps' (``options.kernels``: its Gated DeltaNet as XLA or the fused Pallas kernel).
     """
+    source_layers = () if reader is None else reader.source_layers
     b, t = tokens.shape
     cache = cache_lib.init_cache(config, b, t, jax.tree.leaves(params)[0].dtype)
-    extend = functools.partial(target_lib.extend, graphdef, params, form="chunked", hidden_layers=tuple(hidden_layers),
-                               options=options)
-    if not source_layers or reader_kind == KV:
+    extend = functools.partial(target_steps.extend, graphdef, params, form="chunked",
+                               hidden_layers=tuple(hidden_layers), options=options)
+    if not source_layers or not reader_class(reader).teacher_segments:
         out = extend(cache, tokens)
         if not source_layers:
             return Teacher(out.logits, out.hidden)
-        keys, values = source_kv(out.cache, source_layers)
-        return Teacher(out.logits, out.hidden, source_keys=keys, source_values=values)
+        return Teacher(out.logits, out.hidden, kv=CachedKV.of(out.cache, source_layers))
     p, s, k = layout.prompt_len, layout.stride, layout.num_anchors
     first = extend(cache, tokens[:, :p])
     middle = tokens[:, p:p + (k - 1) * s].reshape(b, k - 1, s).swapaxes(0, 1)           # [K-1, B, s]
@@ -181,24 +189,15 @@ def anchor_reader_states(model: DrafterModel, teacher: Teacher, anchors: jax.Arr
     """The reader input of every block row ``b * N + j`` (one entry per inject layer), or None without a reader.
 
     ``anchors`` [B, N]: positions; ``grid_index`` [B, N]: their places on the grid, which index the teacher's
-    states. State reader: each row's committed states, compressed. KV reader: each sequence's compressed keys
-    and values, repeated per anchor with ``lengths = a_j`` so row j reads exactly the committed tokens.
+    states. Each reader prepares :meth:`Teacher.reader_source` as generate's ``prepare_reader`` prepares what it
+    finds in the cache: a state reader each row's committed states, a KV reader each sequence's keys and values
+    once, handed to its rows with ``lengths = a_j`` so row j reads exactly the committed tokens.
     """
     rc = model.config.reader
     if rc is None:
         return None
-    readers = [model.layers[i].reader for i in rc.inject_layers]
-    b, n = anchors.shape
-    if rc.kind == KV:
-        out = []
-        for reader in readers:
-            kv = reader.prepare(teacher.source_keys, teacher.source_values, jnp.zeros((b,), jnp.int32))
-            out.append(KVReadState(keys=jnp.repeat(kv.keys, n, axis=0), values=jnp.repeat(kv.values, n, axis=0),
-                                   lengths=anchors.reshape(-1)))
-        return tuple(out)
-    states = jnp.take_along_axis(teacher.states, grid_index[:, :, None, None, None], axis=1)  # [B, N, M, dk, dv]
-    states = states.reshape(-1, *states.shape[2:])                                        # [B*N, M, dk, dv]
-    return tuple(reader.prepare(states) for reader in readers)
+    source = teacher.reader_source(anchors, grid_index)
+    return tuple(model.layers[i].reader.prepare(source) for i in rc.inject_layers)
 
 
 def block_logits(model: DrafterModel, shared: SharedWeights, context: ContextCache, prev_tokens: jax.Array,

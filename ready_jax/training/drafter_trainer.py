@@ -15,7 +15,6 @@ from flax import nnx
 
 from .. import data, sharding
 from ..drafter import Drafter, SharedWeights, shard_drafter
-from ..drafter_config import STATE
 from ..step_options import PLAIN, StepOptions
 from ..target import Target, shard_target
 from .drafter_loss import DEEPSPEC_LOSS, AnchorLayout, LossWeights, drafter_loss, draw_anchors, teacher_pass
@@ -41,12 +40,10 @@ def make_loss_fn(drafter: Drafter, target: Target, layout: AnchorLayout, options
     teacher pass's (:func:`~ready_jax.training.drafter_loss.teacher_pass`).
     """
     cfg = drafter.config
-    source = cfg.reader.source_layers if cfg.reader is not None else ()
-    kind = cfg.reader.kind if cfg.reader is not None else STATE
 
     def loss_fn(params, batch, key):
         teacher = jax.lax.stop_gradient(teacher_pass(target.graphdef, batch["target"], target.config, batch["tokens"],
-                                                     layout, cfg.target_layer_ids, source, kind, options))
+                                                     layout, cfg.target_layer_ids, cfg.reader, options))
         grid_index = draw_anchors(key, batch["rows"], layout)
         return drafter_loss(drafter.graphdef, params, batch["shared"], teacher, batch["tokens"], layout, grid_index,
                             weights)

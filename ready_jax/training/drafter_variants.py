@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from .. import reader as reader_lib
-from .. import target as target_lib
+from .. import target_model
 from ..config import TargetConfig
 from ..drafter import Drafter
 from ..drafter_config import DrafterConfig, ReaderConfig
@@ -26,7 +26,7 @@ def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConf
     """
     config = dataclasses.replace(dspark.config, reader=reader)
     fresh = Drafter.init(target_config, config, seed=seed, dtype=dspark.dtype)
-    if fresh.config.reader.query == "tied":
+    if _target_weights(fresh.config.reader) is not None:
         if target is None:
             raise ValueError("a tied-query reader copies the target's query path: pass the target")
         fresh = tie_reader_to_target(fresh, target)
@@ -41,30 +41,24 @@ def with_reader(dspark: Drafter, target_config: TargetConfig, reader: ReaderConf
 
 def tie_reader_to_target(drafter: Drafter, target: Target) -> Drafter:
     """``drafter`` with every tied-query reader holding the target's source layers' query path (input norm,
-    ``in_proj_qkv``, conv: :func:`ready_jax.reader.tied_query_weights`), and a tied read-out their output path
-    too (``in_proj_z``, gated norm, ``out_proj``: :func:`ready_jax.reader.tied_read_weights`)."""
+    ``in_proj_qkv``, conv), and a tied read-out their output path too (``in_proj_z``, gated norm, ``out_proj``):
+    the reader class's ``target_weights`` (``ready_jax.reader``)."""
     rc = drafter.config.reader
-    if rc is None or rc.query != "tied":
+    target_weights = _target_weights(rc)
+    if target_weights is None:
         raise ValueError("the drafter has no tied-query reader")
-    split = target_lib.split_groups(target.model)
+    split = target_model.split_groups(target.model)
     size = target.config.group_size
-    layers = [split.groups[i // size].layers[i % size] for i in rc.source_layers]
-    norms = np.stack([layer.input_layernorm.weight[...] for layer in layers])
-    kernels = np.stack([layer.linear_attn.in_proj_qkv.kernel[...] for layer in layers])
-    convs = np.stack([layer.linear_attn.conv_weight[...] for layer in layers])
-    width = rc.num_query_heads // len(layers) * rc.key_dim
-    if rc.readout != "learned":
-        gates = (np.stack([layer.linear_attn.in_proj_z.kernel[...] for layer in layers]) if rc.readout == "tied"
-                 else None)
-        tied = reader_lib.tied_read_weights(
-            norms, kernels, convs, np.stack([layer.linear_attn.norm.weight[...] for layer in layers]),
-            np.stack([layer.linear_attn.out_proj.kernel[...] for layer in layers]), width, gates)
-    else:
-        tied = reader_lib.tied_query_weights(norms, kernels, convs, width)
+    tied = target_weights([split.groups[i // size].layers[i % size] for i in rc.source_layers], rc)
     flat = {key: np.asarray(v) for key, v in drafter.flat_params().items()}
     for i in rc.inject_layers:
         flat.update({f"layers.{i}.reader.{name}": value for name, value in tied.items()})
     return Drafter.from_state(drafter.config, flat, drafter.dtype, what="ReaDy with a tied query")
+
+
+def _target_weights(reader: ReaderConfig | None):
+    """The reader class's ``target_weights`` (what it copies from the target), or None: it copies nothing."""
+    return None if reader is None else getattr(reader_lib.reader_class(reader), "target_weights", None)
 
 
 def default_config(target_config: TargetConfig, mask_token_id: int, **overrides) -> DrafterConfig:

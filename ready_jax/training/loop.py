@@ -190,22 +190,45 @@ def _train(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], Any],
             metrics_log.write(json.dumps(row) + "\n")
             metrics_log.flush()
 
+    def evaluates(done: int) -> bool:
+        return eval_fn is not None and (done == loop.total_steps
+                                        or bool(loop.eval_every and done % loop.eval_every == 0))
+
+    def evaluations_after(done: int) -> int:
+        """The evaluations at steps ``done + 1 .. end``."""
+        if eval_fn is None:
+            return 0
+        every = loop.eval_every
+        periodic = end // every - done // every if every else 0
+        final = done < loop.total_steps <= end and not (every and loop.total_steps % every == 0)
+        return periodic + final
+
+    # The rate counts the steps after the first, whose call compiles the step, and not the evaluations; the time
+    # left adds the evaluations still to come at the last one's time (the first compiles too, and is not typical).
+    compiled_at = None  # when the first step's call returned
+    eval_seconds = last_eval_seconds = 0.0
     try:
         # The step count lives on the host too: reading state.step would wait for every step to finish.
         for step in range(start_step, end):
             state, metrics = step_fn(state, batch_fn(step))
             done = step + 1
+            if compiled_at is None:
+                compiled_at = time.perf_counter()
             if done % loop.log_every == 0 or done == end:
                 row = {"step": done, **_scalars(metrics), "time": time.perf_counter() - start_time}
                 record(row)
-                rate = (done - start_step) / max(row["time"], 1e-9)
-                eta = (end - done) / max(rate, 1e-9)
+                if done > start_step + 1:
+                    rate = (done - start_step - 1) / max(time.perf_counter() - compiled_at - eval_seconds, 1e-9)
+                else:
+                    rate = 1 / max(row["time"], 1e-9)
+                eta = (end - done) / max(rate, 1e-9) + evaluations_after(done) * last_eval_seconds
                 log(f"step {done}/{loop.total_steps} loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
                     f"{rate:.2f} steps/s eta {eta / 60:.1f} min")
-            evaluate = eval_fn is not None and (done == loop.total_steps
-                                                or (loop.eval_every and done % loop.eval_every == 0))
-            if evaluate:
+            if evaluates(done):
+                eval_start = time.perf_counter()
                 row = {"step": done, **_scalars(eval_fn(state.params))}
+                last_eval_seconds = time.perf_counter() - eval_start
+                eval_seconds += last_eval_seconds
                 record(row)
                 log("eval " + " ".join(f"{k} {v:.4f}" for k, v in row.items() if k != "step") + f" at step {done}")
             if done % loop.checkpoint_every == 0 or done == end:

@@ -22,9 +22,8 @@ import numpy as np
 from flax import nnx
 
 from .. import cache as cache_lib
-from .. import data
+from .. import data, target_steps
 from .. import mtp as mtp_lib
-from .. import target as target_lib
 from ..drafter import SharedWeights
 from ..mtp import MTPDrafter
 from ..target import Target
@@ -39,9 +38,9 @@ def teacher_pass(graphdef, params, config, tokens: jax.Array) -> tuple[jax.Array
     [B, T, V] f32)."""
     b, t = tokens.shape
     cache = cache_lib.init_cache(config, b, t, jax.tree.leaves(params)[0].dtype)
-    out = target_lib.extend(graphdef, params, cache, tokens, form="chunked",
+    out = target_steps.extend(graphdef, params, cache, tokens, form="chunked",
                             hidden_layers=(config.num_hidden_layers - 1,))
-    return target_lib.final_norm(graphdef, params, out.hidden[0]), out.logits
+    return target_steps.final_norm(graphdef, params, out.hidden[0]), out.logits
 
 
 def mtp_loss(graphdef, params, shared: SharedWeights, hidden: jax.Array, target_logits: jax.Array,

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from .. import cache as cache_lib
-from .. import target as target_lib
+from .. import target_steps
 from ..config import FULL_ATTENTION, LINEAR_ATTENTION, TargetConfig
 from ..step_options import PLAIN, StepOptions
 
@@ -55,7 +55,7 @@ def next_token_scores(graphdef, config: TargetConfig, params, tokens: jax.Array,
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     dtype = jax.tree.leaves(params)[0].dtype
     cache = cache_lib.init_cache(config, inputs.shape[0], inputs.shape[1], dtype)
-    logits = target_lib.extend(graphdef, params, cache, inputs, form="chunked", options=options,
+    logits = target_steps.extend(graphdef, params, cache, inputs, form="chunked", options=options,
                                attention_window=attention_window).logits                       # [B, T, V]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return ce, jnp.argmax(logits, -1) == labels

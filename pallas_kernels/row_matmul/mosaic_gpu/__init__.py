@@ -2,6 +2,6 @@
 parameters :class:`RowMatmulConfig`). Reference: ``pallas_kernels.row_matmul.reference.row_matmul``, whose arguments
 it takes."""
 
-from .row_matmul import RowMatmulConfig, row_matmul
+from .row_matmul import RowMatmulConfig, row_matmul, takes
 
-__all__ = ["RowMatmulConfig", "row_matmul"]
+__all__ = ["RowMatmulConfig", "row_matmul", "takes"]

@@ -9,6 +9,9 @@ once per ``block_m`` rows, each step moves about a MiB); the products inside the
 at a time, so a row's result depends on neither the number of rows nor the blocks.
 
 x is padded with zero rows and columns to whole row and contraction blocks (it is small); the weight is never copied.
+The weight is a stack ``[G, K, N]`` read at one group, the scalar-prefetch operand that the weight's index map reads
+(a group given, clamped into the stack as the reference's ``w[group]``; none, a stack of one at group 0), so a
+group's slice is read in place: handed a slice, a custom call would have XLA copy it out of the stack first.
 Its last blocks may reach past K or N: rows past K are zeroed before their product (memory there holds anything, and
 ``0 * NaN`` is NaN), columns past N only reach output columns past N, which are never written back.
 """
@@ -28,7 +31,7 @@ from ... import tpu_common
 from ...config_fields import POSITIVE, check_fields, multiple_of
 from ...sizes import round_up
 from ...tpu_common import LANES, SUBLANES, VmemFootprint
-from ..reference import DEFAULT_TILES, RowTiles, block_product, check_shapes, operand_dtype
+from ..reference import DEFAULT_TILES, RowTiles, as_stack, block_product, check_shapes, operand_dtype
 
 F32 = jnp.float32
 DEFAULT_BLOCK_M = 256
@@ -85,9 +88,11 @@ def footprint(block_m: int, block_k: int, block_n: int, dtype, w_dtype, out_dtyp
                          scratch=(((block_m, block_n), F32),))
 
 
-def _kernel(x_ref, w_ref, o_ref, total_ref, *, rows: int, depth: int, k: int):
-    """Program (row block, column block, contraction step). x_ref [block_m, block_k]; w_ref [block_k, block_n];
-    o_ref [block_m, block_n]; total_ref [block_m, block_n] fp32, one sum per row tile of ``rows``."""
+def _kernel(group_ref, x_ref, w_ref, o_ref, total_ref, *, rows: int, depth: int, k: int):
+    """Program (row block, column block, contraction step). group_ref [1] int32 in SMEM (read by the weight's index
+    map only); x_ref [block_m, block_k]; w_ref [block_k, block_n], of the group's weight; o_ref [block_m, block_n];
+    total_ref [block_m, block_n] fp32, one sum per row tile of ``rows``."""
+    del group_ref
     step = pl.program_id(2)
     block_k = w_ref.shape[0]
 
@@ -111,18 +116,20 @@ def _kernel(x_ref, w_ref, o_ref, total_ref, *, rows: int, depth: int, k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret", "config"))
-def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES, interpret=False,
-               config: RowMatmulConfig | None = None) -> jax.Array:
-    """``x [M, K] @ w [K, N] -> [M, N]`` in x's dtype, every row rounded as :class:`RowTiles` says, whatever M.
+def row_matmul(x: jax.Array, w: jax.Array, group: jax.Array | None = None, *, tiles: RowTiles = DEFAULT_TILES,
+               interpret=False, config: RowMatmulConfig | None = None) -> jax.Array:
+    """``x [M, K] @ w [K, N] -> [M, N]`` in x's dtype, every row rounded as :class:`RowTiles` says, whatever M;
+    with ``group`` (an integer scalar) w is a stack ``[G, K, N]`` and the product takes ``w[group]``, read in place.
 
     ``interpret``: False (compiled for a TPU) or a ``pltpu.InterpretParams``. ``config``: the weight's DMA blocks
     (None: the defaults)."""
-    m, k, n = check_shapes(x, w)
+    m, k, n = check_shapes(x, w, group)
+    stack, group = as_stack(w, group)  # [G, K, N], [1]
     check_tiles(tiles)
     config = RowMatmulConfig() if config is None else config
     block_m, block_k, block_n = blocks(config, tiles, m, k, n)
-    dtype = operand_dtype(x, w)
-    footprint(block_m, block_k, block_n, dtype, w.dtype, x.dtype).check(
+    dtype = operand_dtype(x, stack)
+    footprint(block_m, block_k, block_n, dtype, stack.dtype, x.dtype).check(
         config.generation, f"row_matmul (K = {k}, N = {n}, block_m = {block_m}, block_k = {block_k}, "
                            f"block_n = {block_n})")
     padded_rows, padded_depth = round_up(m, block_m), round_up(k, block_k)
@@ -131,16 +138,18 @@ def row_matmul(x: jax.Array, w: jax.Array, *, tiles: RowTiles = DEFAULT_TILES, i
     y = pl.pallas_call(
         functools.partial(_kernel, rows=tiles.rows, depth=tiles.depth, k=k),
         out_shape=jax.ShapeDtypeStruct((padded_rows, n), x.dtype),
-        grid=grid,
-        in_specs=[pl.BlockSpec((block_m, block_k), lambda i, j, s: (i, s)),
-                  pl.BlockSpec((block_k, block_n), lambda i, j, s: (s, j))],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j)),
-        scratch_shapes=[pltpu.VMEM((block_m, block_n), F32)],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=grid,
+            in_specs=[pl.BlockSpec((block_m, block_k), lambda i, j, s, g: (i, s)),
+                      pl.BlockSpec((None, block_k, block_n), lambda i, j, s, g: (g[0], s, j))],
+            out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, s, g: (i, j)),
+            scratch_shapes=[pltpu.VMEM((block_m, block_n), F32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(flops=2 * padded_rows * padded_depth * n, transcendentals=0,
-                                      bytes_accessed=x_padded.nbytes * grid[1] + w.nbytes * grid[0]
+                                      bytes_accessed=x_padded.nbytes * grid[1]
+                                      + stack.nbytes // stack.shape[0] * grid[0]  # one group's weight
                                       + padded_rows * n * jnp.dtype(x.dtype).itemsize),
         name="row_matmul",
-    )(x_padded, w)
+    )(group, x_padded, stack)
     return y[:m]
