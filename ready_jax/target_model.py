@@ -216,13 +216,21 @@ def with_column_blocks(target_def: nnx.GraphDef, params: nnx.State, head: jax.Ar
     """The target's parameters and ``head`` [D, V] (or None) with every weight that a decode step's or verify
     block's matmuls read in the XLA invariant mode laid out as :class:`~ready_jax.rows.ColumnBlocks`: every linear
     layer's kernel but an MoE block's, and the LM head. A generation program makes them once, before its loop;
-    a step given plain weights lays each out itself (the same bits, a copy of every weight per call)."""
+    a step given plain weights lays each out itself (the same bits, a copy of every weight per call).
+
+    New variables hold the laid-out weights; none of ``params``' is written, so this runs under any transformation
+    of the program (``check_finite``'s checkify among them), whose trace differs from the one that made them."""
     model = nnx.merge(target_def, params)
-    group_def, kernels, rest = nnx.split(model.groups, _row_matmul_kernels(model.groups), ...)
-    model.groups = nnx.merge(group_def, jax.tree.map(ColumnBlocks.of, kernels), rest)
-    if not model.config.tie_word_embeddings:
-        model.lm_head.kernel.set_value(ColumnBlocks.of(model.lm_head.kernel.get_value()))
-    return nnx.state(model), None if head is None else ColumnBlocks.of(head)
+    in_groups = _row_matmul_kernels(model.groups)
+    head_kernel = () if model.config.tie_word_embeddings else ("lm_head", "kernel")
+
+    def laid_out(path, value) -> bool:
+        path = tuple(path)
+        return path == head_kernel or (path[:1] == ("groups",) and in_groups(path[1:], value))
+
+    graph_def, kernels, rest = nnx.split(model, laid_out, ...)
+    blocked = nnx.merge(graph_def, jax.tree.map(ColumnBlocks.of, kernels), rest)
+    return nnx.state(blocked), None if head is None else ColumnBlocks.of(head)
 
 
 def split_groups(model: TargetModel) -> TargetModel:

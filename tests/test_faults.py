@@ -390,6 +390,20 @@ def test_debug_mode_names_the_layer_where_nan_or_inf_appears(eos_runs):
     debug.raise_if_failed(error)  # a clean target passes
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checked_invariant_generation_equals_the_unchecked_one(tied):
+    """``check_finite`` runs the program under checkify, whose trace is not the one that made the parameters: the
+    invariant mode's column-block layout (a CPU's, made before the loop) must not write to them, with the LM head
+    untied (its own kernel laid out) or tied (the transposed embedding)."""
+    target = rj.Target.init(tiny_config(tie_word_embeddings=tied), seed=3)
+    prompts = [np.arange(2, 9), np.arange(5, 8)]
+    free = rj.generate(target, prompts, 6, eos_token_ids=(), batch_invariant=True)
+    drafter = rj.ScriptedDrafter(free.tokens, block_size=3)
+    checked = rj.generate(target, prompts, 6, drafter=drafter, eos_token_ids=(), batch_invariant=True,
+                          check_finite=True)
+    np.testing.assert_array_equal(checked.tokens, free.tokens)
+
+
 @pytest.mark.slow
 def test_debug_generate_catches_a_poisoned_layer_and_passes_a_clean_one(eos_runs):
     target, prompts, free = eos_runs[:3]
