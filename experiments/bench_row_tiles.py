@@ -5,7 +5,7 @@ checked for row invariance (a row alone against the same row among M rows, bit f
 Constructions (``--constructions``):
 
 * ``plain``: one dot over all M rows (the mode-off program; the baseline of every ratio);
-* ``row_tiles``: ``row_tiles`` around the dot, tiles of ``ROW_TILE`` rows a loop (what the mode runs
+* ``row_tiles``: ``row_tiles`` around the dot, tiles of ``row_tile()`` rows a loop (what the mode runs
   today: the weight read once per tile);
 * ``tiled_matmul``: ``constructions.tiled_matmul``, a loop over column blocks of the float32 weight with every tile's
   fixed-shape dot inside it, unrolled (the weight read once per 16 tiles);
@@ -15,7 +15,7 @@ Constructions (``--constructions``):
 * ``tiled_mapped``: the same as ``tiled_matmul`` with the tiles a nested loop (``lax.map``) inside each column block;
 * ``tiled_convert``: the same as ``tiled_mapped`` but each bf16 column block converted to float32 inside the loop
   (so a step reads bf16, not the hoisted float32 copy);
-* ``padded``: one dot over all rows padded to a multiple of ``ROW_TILE`` (reads once; not invariant);
+* ``padded``: one dot over all rows padded to a multiple of ``row_tile()`` (reads once; not invariant);
 * ``k_blocks``: one dot of all padded rows per contraction block of 256, the bf16 block converted inside the loop
   and the float32 products summed in block order (reads once; not invariant);
 * ``batched``: one ``dot_general`` with the tiles as a batch dimension against the broadcast weight.
@@ -47,7 +47,7 @@ from jax import lax
 from pallas_kernels.sizes import round_up
 from ready_jax import cli, rows
 from ready_jax.numerics import CPU_COMPILER_OPTIONS
-from ready_jax.rows import ROW_TILE, ColumnBlocks, blocked_matmul, column_block_width
+from ready_jax.rows import ColumnBlocks, blocked_matmul, column_block_width, row_tile
 
 from . import row_constructions as constructions
 from .common import write_json
@@ -63,8 +63,8 @@ INVARIANCE_SHAPES = "256x1,256x2,256x4,768x256,5120x48,2048x32,2048x1000"
 INVARIANCE_ROWS = ",".join(map(str, [*range(1, 65), 128, 512, 1100]))
 
 
-def _tiles(x: jax.Array, tile: int = ROW_TILE) -> jax.Array:
-    m = x.shape[0]
+def _tiles(x: jax.Array, tile: int | None = None) -> jax.Array:
+    m, tile = x.shape[0], tile or row_tile()
     return jnp.pad(x, ((0, round_up(m, tile) - m), (0, 0))).reshape(-1, tile, x.shape[1])
 
 
@@ -73,12 +73,12 @@ def plain(x, w):
 
 
 def row_tiles(x, w):
-    return rows.row_tiles(lambda x_tk: jnp.dot(x_tk, w), x, ROW_TILE)
+    return rows.row_tiles(lambda x_tk: jnp.dot(x_tk, w), x, row_tile())
 
 
 def padded(x, w):
     m = x.shape[0]
-    return jnp.dot(jnp.pad(x, ((0, round_up(m, ROW_TILE) - m), (0, 0))), w)[:m]
+    return jnp.dot(jnp.pad(x, ((0, round_up(m, row_tile()) - m), (0, 0))), w)[:m]
 
 
 def column_blocks_mapped(x, w, convert_inside: bool = False):
@@ -102,12 +102,12 @@ def column_blocks_mapped(x, w, convert_inside: bool = False):
 
 
 def k_blocks(x, w):
-    """One dot of all rows (padded to ``ROW_TILE``) per contraction block of ``K_BLOCK``, the weight block converted
+    """One dot of all rows (padded to ``row_tile()``) per contraction block of ``K_BLOCK``, the weight block converted
     inside the loop, the float32 products summed in block order."""
     m, k = x.shape
     kb = min(K_BLOCK, k)
     blocks = -(-k // kb)
-    mp = round_up(m, ROW_TILE)
+    mp = round_up(m, row_tile())
     x_pad = jnp.pad(x, ((0, mp - m), (0, blocks * kb - k))).astype(F32)
     w_pad = jnp.pad(w, ((0, blocks * kb - k), (0, 0)))
 

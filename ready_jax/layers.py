@@ -18,7 +18,7 @@ from pallas_kernels.sizes import round_up
 
 from .cache import AttentionCache, DeltaNetCache, DeltaNetCandidate, DeltaNetReplay, select_conv_state
 from .config import TargetConfig
-from .rows import PLAIN_ROWS, ROW_TILE, Rows
+from .rows import PLAIN_ROWS, Rows, row_tile
 from .step_options import PLAIN, StepOptions
 
 _normal = nnx.initializers.normal(0.02)
@@ -228,15 +228,15 @@ class GatedAttention(nnx.Module):
         row sits: an online softmax over chunks of :data:`KV_CHUNK` slots, in slot order, that stops after
         the chunk holding the batch's last visible slot. Every matmul has the same shape at any S, and its
         rows (a kv group's queries, one per head and block position) are padded to a multiple of
-        :data:`ROW_TILE`. A slot a row does not see adds an exact zero to its sums, and a chunk it sees none of
-        leaves its running max, sum and output exactly as they were. -> [B, T, H * D]"""
+        :func:`~ready_jax.rows.row_tile`. A slot a row does not see adds an exact zero to its sums, and a chunk it
+        sees none of leaves its running max, sum and output exactly as they were. -> [B, T, H * D]"""
         b, t = query.shape[:2]
         hd, groups, rep = self.head_dim, self.num_kv_heads, self.num_heads // self.num_kv_heads
         if k_all.shape[1] % KV_CHUNK:  # a capacity off the chunk grid (generate rounds it up; this copies)
             pad = ((0, 0), (0, -k_all.shape[1] % KV_CHUNK), (0, 0), (0, 0))
             k_all, v_all = jnp.pad(k_all, pad), jnp.pad(v_all, pad)
         rows = t * rep
-        padded = round_up(rows, ROW_TILE)
+        padded = round_up(rows, row_tile())
         # [B, T, G, R, D] -> [B, G, T * R, D]: the queries reading one kv group, a row per (position, head).
         q = query.reshape(b, t, groups, rep, hd).transpose(0, 2, 1, 3, 4).reshape(b, groups, rows, hd)
         q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))

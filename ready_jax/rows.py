@@ -7,12 +7,12 @@ depend on neither how many rows share the step nor what the other rows hold, and
 * **XLA** (``impl="xla"``): every dot has a shape that does not depend on the row count, because XLA's CPU dots
   pick their kernel, blocking and threads by the whole shape (docs/numerics.md, items 1, 6 and 7). On a CPU
   (``StepOptions.column_blocks``) a decode step's or verify block's matmuls run over **column blocks** of the weight
-  (:func:`blocked_matmul`): the step's ``B x T`` rows padded to whole tiles of :data:`ROW_TILE`, and for each block
-  of about :data:`WEIGHT_BLOCK_BYTES` of the float32 weight, one ``[ROW_TILE, K] @ [K, nb]`` dot per tile while the
+  (:func:`blocked_matmul`): the step's ``B x T`` rows padded to whole tiles of :func:`row_tile` rows, and for each
+  block of about :data:`WEIGHT_BLOCK_BYTES` of the float32 weight, one ``[tile, K] @ [K, nb]`` dot per tile while the
   block is in cache, so the weight is read once per :data:`TILE_GROUP` tiles. The block layout
   (:class:`ColumnBlocks`) is made once per generation program, before its loop
   (``target_model.with_column_blocks``). Elsewhere, and for a prompt, the row-wise functions run whole on tiles of
-  :data:`ROW_TILE` (a decode step's or verify block's ``B x T`` rows) or :data:`PROMPT_TILE` rows (a prompt's),
+  :func:`row_tile` (a decode step's or verify block's ``B x T`` rows) or :func:`prompt_tile` rows (a prompt's),
   one after another (:func:`row_tiles`), each tile reading every weight.
 * **Pallas** (``impl="pallas"``): every matmul is one ``pallas_kernels.row_matmul`` over all the step's rows: fixed
   row tiles and contraction blocks inside the kernel, whatever the row count, so a row rounds alike at any batch
@@ -26,27 +26,80 @@ a decode step's or verify block's MoE runs on XLA's row tiles (:meth:`Rows.for_e
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import row_matmul
 from pallas_kernels.backend import KernelChoice
 from pallas_kernels.sizes import round_up
 
+from . import numerics
 from .step_options import StepOptions
 
 # Rows per XLA tile in the batch-invariant mode: a decode step's or verify block's rows (the batch padded up to
-# whole tiles) on ROW_TILE, a prompt's on PROMPT_TILE. XLA's CPU dots choose their kernel and blocking by the row
+# whole tiles) on row_tile(), a prompt's on prompt_tile(). XLA's CPU dots choose their kernel and blocking by the row
 # count: a matrix-vector kernel for one row, other blockings for 2-7 rows, and at 8 against 16 rows, or across
-# prompt batches of hundreds of rows, blockings that round a row differently too (docs/numerics.md).
-ROW_TILE = 8
-PROMPT_TILE = 64
+# prompt batches of hundreds of rows, blockings that round a row differently too (docs/numerics.md). And inside one
+# dot, the kernel multiplies the rows in groups of its unroll (8 rows with AVX-512, 6 with AVX2) and the rows past
+# the last whole group on another path that rounds otherwise: a row's result then depends on where it sits in the
+# tile. So the tile is the one of ROW_TILE_CANDIDATES (the first: 8) whose every row, at every multiple of it up to
+# PROBED_MULTIPLES, this machine's dots round alike (row_tile()); a prompt's tile is PROMPT_TILES of them.
+ROW_TILE_CANDIDATES = (8, 6, 12, 4, 16, 24, 10, 14)
+PROBED_MULTIPLES = (1, 2, 3, 4, 8)
+PROMPT_TILES = 8
 # blocked_matmul: float32 bytes of one column block of a weight, which stays in the cache while every row tile is
 # multiplied against it; and row tiles per pass over the weight (more tiles take further passes).
 WEIGHT_BLOCK_BYTES = 4 * 2**20
 TILE_GROUP = 16
+
+
+@functools.cache
+def row_tile() -> int:
+    """Rows per tile of a decode step's or verify block's dots in the XLA invariant mode: on a CPU the first of
+    :data:`ROW_TILE_CANDIDATES` whose rows round alike (:func:`rows_round_alike`) in dots of every multiple of it in
+    :data:`PROBED_MULTIPLES` rows (attention pads its rows to a multiple; a prompt's tile is 8), found once per
+    process; elsewhere the first (nothing there can be checked). A CPU where none does gets the first, with a
+    warning: the mode cannot promise invariance there."""
+    if jax.default_backend() != "cpu":
+        return ROW_TILE_CANDIDATES[0]
+    with jax.ensure_compile_time_eval():
+        for tile in ROW_TILE_CANDIDATES:
+            if all(rows_round_alike(tile * multiple) for multiple in PROBED_MULTIPLES):
+                return tile
+    warnings.warn(f"no row tile of {ROW_TILE_CANDIDATES} has every row of this CPU's dots round alike: the "
+                  f"batch-invariant mode cannot promise a row's result independent of its batch here", stacklevel=2)
+    return ROW_TILE_CANDIDATES[0]
+
+
+def prompt_tile() -> int:
+    """Rows per tile of a prompt's row-wise work in the XLA invariant mode: :data:`PROMPT_TILES` row tiles."""
+    return PROMPT_TILES * row_tile()
+
+
+# (K, N) of the probe's weights: a one-block width XLA handles apart, a SIMD-wide one, and one over several blocks.
+PROBE_SHAPES = ((256, 3), (256, 128), (640, 1000))
+
+
+def rows_round_alike(rows: int) -> bool:
+    """Whether this backend's ``[rows, K] @ [K, N]`` dots (with the invariant mode's compiler options) give every
+    row the same bits when every row holds the same numbers, at :data:`PROBE_SHAPES` in float32 and bf16 (float32
+    products and sums): a row's result then does not depend on where it sits in the dot."""
+    rng = np.random.default_rng(rows)
+    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
+                  compiler_options=numerics.CPU_COMPILER_OPTIONS)
+    for k, n in PROBE_SHAPES:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+            for _ in range(2):
+                y = np.asarray(dot(jnp.asarray(np.repeat(rng.standard_normal((1, k)), rows, axis=0), dtype), w))
+                if not (y == y[:1]).all():
+                    return False
+    return True
 
 
 def row_tiles(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tile: int) -> jax.Array:
@@ -94,17 +147,17 @@ def tiles_times(tiles_gtk: jax.Array, block_kn: jax.Array) -> jax.Array:
 
 
 def over_tile_groups(pass_over_weight: Callable[[jax.Array], jax.Array], x_mk: jax.Array, n: int) -> jax.Array:
-    """``pass_over_weight`` ([g, ROW_TILE, K] -> [g, ROW_TILE, >= n] float32) over x's rows padded to whole tiles, at
+    """``pass_over_weight`` ([g, tile, K] -> [g, tile, >= n] float32) over x's rows padded to whole tiles, at
     most :data:`TILE_GROUP` tiles per pass; the first n columns of the first M rows, in x's dtype."""
     m, k = x_mk.shape
-    tiles = jnp.pad(x_mk, [(0, round_up(m, ROW_TILE) - m), (0, 0)]).astype(jnp.float32).reshape(-1, ROW_TILE, k)
+    tile = row_tile()
+    tiles = jnp.pad(x_mk, [(0, round_up(m, tile) - m), (0, 0)]).astype(jnp.float32).reshape(-1, tile, k)
     t = tiles.shape[0]
     if t <= TILE_GROUP:
         y = pass_over_weight(tiles)
     else:
         groups = -(-t // TILE_GROUP)
-        grouped = jnp.pad(tiles, [(0, groups * TILE_GROUP - t), (0, 0), (0, 0)]).reshape(groups, TILE_GROUP,
-                                                                                         ROW_TILE, k)
+        grouped = jnp.pad(tiles, [(0, groups * TILE_GROUP - t), (0, 0), (0, 0)]).reshape(groups, TILE_GROUP, tile, k)
         y = jax.lax.map(pass_over_weight, grouped)
     return y.reshape(-1, y.shape[-1])[:m, :n].astype(x_mk.dtype)
 
@@ -113,7 +166,7 @@ def blocked_matmul(x_mk: jax.Array, w: ColumnBlocks) -> jax.Array:
     """``x_mk [M, K] @ w [K, N] -> [M, N]`` in x's dtype (float32 products and sums), each row's result independent
     of M and of the other rows, while each weight is read from memory once per :data:`TILE_GROUP` row tiles.
 
-    Every product is one ``[ROW_TILE, K] @ [K, nb]`` dot of a fixed shape whatever M (x padded with zero rows to
+    Every product is one ``[row_tile(), K] @ [K, nb]`` dot of a fixed shape whatever M (x padded with zero rows to
     whole tiles), so the CPU's dot kernels pick the same kernel, blocking and threads for a row at any M. A loop
     runs over the column blocks, and inside it each tile's dot (unrolled: separate dots, never one dot of M rows)
     multiplies the block while it is in cache. Measured in docs/numerics.md ("Reading each weight once on the
@@ -175,16 +228,16 @@ class Rows:
     def apply(self, fn: RowFn, x: jax.Array) -> jax.Array:
         """``fn(x, rows)`` for a row-wise ``fn`` of x [B, T, ...] that runs its matmuls through ``rows``
         (:meth:`linear`, :meth:`matmul`). On XLA's tiles ``fn`` sees one tile at a time, and plain rows: a decode
-        step's or verify block's ``B * T`` rows as ``[ROW_TILE, 1, ...]`` tiles, a prompt's as
-        ``[PROMPT_TILE, ...]``."""
+        step's or verify block's ``B * T`` rows as ``[row_tile(), 1, ...]`` tiles, a prompt's as
+        ``[prompt_tile(), ...]``."""
         if not self.invariant or self.per_matmul:
             return fn(x, self)
         b, t = x.shape[:2]
         per_tile = lambda tile: fn(tile, PLAIN_ROWS)  # noqa: E731
         if self.prompt:
-            out = row_tiles(per_tile, x.reshape(b * t, *x.shape[2:]), PROMPT_TILE)   # [B * T, ...]
+            out = row_tiles(per_tile, x.reshape(b * t, *x.shape[2:]), prompt_tile())  # [B * T, ...]
             return out.reshape(b, t, *out.shape[1:])
-        out = row_tiles(per_tile, x.reshape(b * t, 1, *x.shape[2:]), ROW_TILE)       # [B * T, 1, ...]
+        out = row_tiles(per_tile, x.reshape(b * t, 1, *x.shape[2:]), row_tile())     # [B * T, 1, ...]
         return out.reshape(b, t, *out.shape[2:])
 
     def matmul(self, x: jax.Array, w: jax.Array | GroupWeight | ColumnBlocks) -> jax.Array:

@@ -15,13 +15,15 @@ import pytest
 
 import ready_jax as rj
 from experiments.row_constructions import tiled_matmul
-from ready_jax.rows import ROW_TILE, TILE_GROUP, ColumnBlocks, blocked_matmul, column_block_width
+from ready_jax import rows as rows_lib
+from ready_jax.rows import TILE_GROUP, ColumnBlocks, blocked_matmul, column_block_width, row_tile
 
 OPTIONS = rj.numerics.CPU_COMPILER_OPTIONS
 # (K, N): one column (a dot XLA rewrites as a multiply and a sum), tiny N (one block, narrower than a tile's SIMD
 # width), the shapes where one plain dot over padded rows rounds by M in float32 (docs/numerics.md), and N over
 # several column blocks with the last one padded
 SHAPES = [(256, 1), (256, 2), (256, 3), (256, 4), (768, 256), (5120, 48), (2048, 32), (2048, 1000)]
+ROW_TILE = row_tile()  # this machine's (probed once per process)
 COUNTS = (1, 3, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE, 71, TILE_GROUP * ROW_TILE + 1, 1100)
 
 
@@ -64,10 +66,10 @@ def test_blocked_matmul_is_the_product(dtype):
 
 
 def test_blocked_matmul_multiplies_only_fixed_shape_tiles():
-    """In the compiled program every dot is one tile against one column block ([8, K] x [K, nb] -> [8, nb], the
+    """In the compiled program every dot is one tile against one column block ([tile, K] x [K, nb], the
     last block zero-padded):
     the M rows never meet in one dot, which is what keeps a row's result independent of M."""
-    k, n, m = 2048, 1000, 40
+    k, n, m = 2048, 1000, 5 * ROW_TILE
     nb = column_block_width(k, n)
     w = ColumnBlocks.of(jnp.zeros((k, n), jnp.bfloat16))
     hlo = _program().lower(jnp.zeros((m, k), jnp.bfloat16), w).compile(OPTIONS).as_text()
@@ -92,3 +94,25 @@ def test_the_blocked_layout_gives_the_same_bits_as_slicing_each_call(dtype, k, n
     stacked = ColumnBlocks.of(jnp.stack([w, -w]))
     assert stacked.blocks.shape == (2, -(-n // nb), k, nb)
     np.testing.assert_array_equal(np.asarray(stacked.blocks[1]), -np.asarray(ColumnBlocks.of(w).blocks))
+
+
+@pytest.mark.parametrize("unroll, tile", [(6, 6), (8, 8), (4, 8), (12, 12), (5, 10), (None, 8)])
+def test_the_row_tile_is_the_first_candidate_whose_rows_round_alike_at_its_multiples(monkeypatch, unroll, tile):
+    """A CPU dot kernel multiplying rows in groups of ``unroll`` rounds the rows past the last whole group apart; the
+    tile is the first candidate none of whose probed multiples leaves such rows (8 where the kernel allows it). A
+    kernel that gives no candidate (None: every probe fails) gets the first, with a warning."""
+    probe = (lambda rows: False) if unroll is None else (lambda rows: rows % unroll == 0)
+    monkeypatch.setattr(rows_lib, "rows_round_alike", probe)
+    rows_lib.row_tile.cache_clear()
+    try:
+        if unroll is None:
+            with pytest.warns(UserWarning, match="cannot promise"):
+                assert rows_lib.row_tile() == tile
+        else:
+            assert rows_lib.row_tile() == tile and rows_lib.prompt_tile() == rows_lib.PROMPT_TILES * tile
+    finally:
+        rows_lib.row_tile.cache_clear()  # the next caller probes this machine again
+
+
+def test_this_machines_row_tile_rounds_every_row_alike():
+    assert all(rows_lib.rows_round_alike(row_tile() * multiple) for multiple in rows_lib.PROBED_MULTIPLES)
