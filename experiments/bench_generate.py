@@ -40,7 +40,14 @@ from ready_jax.progress import Progress
 
 from .common import write_json
 from .presets import PRESETS
-from .timing import add_profile_argument, interleaved_medians, round_pieces, run_generate, verify_commit_memory
+from .timing import (
+    PersistentCacheUse,
+    add_profile_argument,
+    interleaved_medians,
+    round_pieces,
+    run_generate,
+    verify_commit_memory,
+)
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
 
@@ -110,20 +117,23 @@ def compile_kinds(runs: dict) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-# The round breakdown's first step against one of its memory steps: the median ratio of their times in seven runs
-# on the cpu preset with the compilation cache cold (1.4-2.1; about 3 with it warm, where the phase takes 8-17 s).
-PIECES_WEIGHT = 1.9
+# The round breakdown's first step against one of its memory steps, with the persistent compilation cache cold (it
+# had none of the run's programs) and warm: the medians of their ratios on the cpu preset (docs/measurements.md).
+# Warm, the memory steps read their programs from the cache while the pieces still run their timings.
+PIECES_WEIGHT = {"cold": 1.9, "warm": 3.8}
 
 
-def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, repeats: int) -> dict:
+def timed_round(target: rj.Target, drafter: rj.Drafter, prompts: np.ndarray, repeats: int, *,
+                cache_warm: bool) -> dict:
     """``timing.round_breakdown`` of ``drafter``, with a progress line per step: the pieces prepared (a prefill and
     one round, compiling each piece) and timed, then each rollback's verify + commit compiled for its memory.
 
     Compiling is nearly all of each step's time: the first step's many programs (a prefill, a draft, a verify per
-    rollback, the pieces) weigh :data:`PIECES_WEIGHT` memory steps, each one verify + commit of the whole target.
-    (A scripted drafter's generation compile, measured a minute before, predicted a memory step worse: the load of
-    a shared machine moves more in a minute than between two steps.)"""
-    weights = (PIECES_WEIGHT, *(1.0,) * len(ROLLBACKS))
+    rollback, the pieces) weigh :data:`PIECES_WEIGHT` memory steps, each one verify + commit of the whole target,
+    by whether the persistent compilation cache held the run's programs (``cache_warm``: the generations before
+    found theirs there). (A scripted drafter's generation compile, measured a minute before, predicted a memory
+    step worse: the load of a shared machine moves more in a minute than between two steps.)"""
+    weights = (PIECES_WEIGHT["warm" if cache_warm else "cold"], *(1.0,) * len(ROLLBACKS))
     with Progress("bench_generate: round pieces", 1 + len(ROLLBACKS), "steps", weights=weights) as progress:
         progress.note("compiling and timing the pieces, then each rollback's verify + commit for its memory")
         pieces, (cache, block, ids) = round_pieces(target, drafter, prompts)
@@ -216,8 +226,9 @@ def main(argv=None) -> None:
     dspark = rj.Drafter.init(config, preset.drafter(args.block_size), seed=1, dtype=dtype)
     ready = rj.Drafter.init(config, preset.drafter(args.block_size, rj.ReaderConfig(rank=8)), seed=1, dtype=dtype)
 
+    cache_use = PersistentCacheUse()
     results = generation_results(args, target, prompts, new_tokens, {"dspark_random": dspark, "ready_random": ready})
-    breakdown = timed_round(target, ready, prompts, args.repeats)
+    breakdown = timed_round(target, ready, prompts, args.repeats, cache_warm=cache_use.hits > 0)
 
     print_report(results, breakdown)
 

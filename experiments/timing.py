@@ -20,6 +20,25 @@ from ready_jax import drafter as drafter_lib
 from ready_jax import target_steps
 from ready_jax.modes import ROLLBACKS
 
+# What jax records of its persistent compilation cache: a compile that asks it, and one that finds its program there.
+CACHE_REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class PersistentCacheUse:
+    """The compiles since it started that asked jax's persistent compilation cache (``requests``) and those that
+    found their program there (``hits``). It listens to ``jax.monitoring`` for the rest of the process. A program
+    that compiles faster than the cache's minimum (``runtime.MIN_COMPILE_SECONDS``) is never stored, so a cache
+    warm for a run answers only its larger programs: any hit says the run's programs were compiled before."""
+
+    def __init__(self):
+        self.requests = self.hits = 0
+        jax.monitoring.register_event_listener(self._record)
+
+    def _record(self, event: str, **_) -> None:
+        self.requests += event == CACHE_REQUEST_EVENT
+        self.hits += event == CACHE_HIT_EVENT
+
 
 def median_seconds(fn, repeats: int) -> float:
     return interleaved_medians({"fn": fn}, repeats)["fn"]

@@ -1,7 +1,11 @@
 """experiments.timing's breakdown of a round times the round ``generate`` runs: its pieces cover the named scopes of
 the loop's body (``ready_jax.generation_loop._round``), read from the traced program, in the same order."""
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -74,6 +78,30 @@ def test_bench_generate_counts_a_program_per_kind_once(models):
             "s1_checkpoint": {"drafter": scripted[1], "rollback": "checkpoint"},
             "ar_pallas": {"drafter": None, "impl": "pallas"}, "s1_pallas": {"drafter": scripted[1], "impl": "pallas"}}
     assert bench_generate.compile_kinds(runs) == ("drafter", "drafter", "target", "target", "pallas", "pallas")
+
+
+def test_persistent_cache_use_counts_hits_only_where_the_cache_held_the_programs(tmp_path):
+    """bench_generate weighs its round breakdown by whether the persistent cache held the run's programs: two
+    processes compile the same programs with one cache; the first finds none there, the second every one."""
+    code = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp
+        from experiments.timing import PersistentCacheUse
+        jax.config.update("jax_compilation_cache_dir", {str(tmp_path)!r})
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        use = PersistentCacheUse()
+        x = jnp.arange(64.0).reshape(8, 8)
+        jax.jit(lambda x: jnp.sin(x) @ x.T)(x).block_until_ready()
+        print("USE", use.requests, use.hits)""")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        (line,) = [line for line in out.stdout.splitlines() if line.startswith("USE ")] or [out.stderr[-2000:]]
+        counts.append(tuple(map(int, line.split()[1:])))
+    (first_requests, first_hits), second = counts
+    assert first_requests >= 1 and first_hits == 0
+    assert second == (first_requests, first_requests)
 
 
 def test_compare_zoo_weighs_each_drafter_by_what_a_token_costs_it():
