@@ -37,6 +37,7 @@ from experiments import deviceless
 from pallas_kernels.mosaic_gpu_common import supports_mosaic_gpu_kernels
 from pallas_kernels.row_matmul import ROW_MATMUL, RowTiles, mosaic_gpu, reference, tpu, triton
 from pallas_kernels.triton_common import lower_for_gpu
+from ready_jax.rows import ROW_TILE_CANDIDATES, row_tile
 
 QWEN35_27B_DECODE = [(5120, 17408), (5120, 12288)]  # (K, N): Qwen3.5-27B's MLP up projection and attention q_proj
 DECODE_ROWS = 8
@@ -66,6 +67,19 @@ IMPLEMENTATIONS = {
 }
 needs_mosaic_gpu = pytest.mark.skipif(not supports_mosaic_gpu_kernels(),
                                       reason=f"jax {jax.__version__} cannot run the Mosaic GPU kernels (jax >= 0.12)")
+
+
+# A CPU whose float32 dots round a row by its place in the dot (docs/numerics.md, item 8: an AVX2 CPU; the probe
+# picks another row tile than the first there). The Triton interpreter's fp32 block products then part from the
+# reference's in some bits (docs/kernels.md); they still agree to rounding, which those cases check first.
+PLACE_ROUNDED_CPU = jax.default_backend() == "cpu" and row_tile() != ROW_TILE_CANDIDATES[0]
+
+
+def _bits_unchecked_here(family: str, dtype) -> None:
+    """Mark a bit-equality with the reference as an expected failure where the Triton fp32 interpreter parts."""
+    if family == "triton" and jnp.dtype(dtype) == F32 and PLACE_ROUNDED_CPU:
+        pytest.xfail("this CPU's float32 dots round a row by its place in the dot: the Triton interpreter's fp32 "
+                     "products part from the reference's bits (docs/kernels.md)")
 
 
 def _bits(y) -> np.ndarray:
@@ -111,8 +125,9 @@ def test_kernels_equal_the_reference_bit_for_bit_and_the_product_closely(family,
     expected = reference.row_matmul(x, w)
     actual = IMPLEMENTATIONS[family]()(x, w=w)
     assert actual.shape == expected.shape == (21, n) and actual.dtype == expected.dtype == dtype
-    np.testing.assert_array_equal(_bits(actual), _bits(expected))
     assert_close("row_matmul", actual, reference.matmul(x, w), dtype, "matmul")
+    _bits_unchecked_here(family, dtype)
+    np.testing.assert_array_equal(_bits(actual), _bits(expected))
 
 
 @interpret
@@ -149,6 +164,8 @@ def test_the_mosaic_gpu_family_gives_what_a_wgmma_cannot_take_to_triton(monkeypa
     x, w = matmul_inputs(5, 128, 40, dtype)
     actual = row_matmul.row_matmul(x, w, tiles=tiles, impl="pallas")
     assert ran == [family]
+    assert_close("row_matmul", actual, reference.matmul(x, w), dtype, "matmul")
+    _bits_unchecked_here(family, dtype)
     np.testing.assert_array_equal(np.asarray(actual, np.float32),
                                   np.asarray(reference.row_matmul(x, w, tiles=tiles), np.float32))
 
@@ -180,10 +197,11 @@ def test_a_group_of_a_stack_is_the_product_with_its_weight(impl, k, n, dtype, ro
     last = GROUPS - 1
     np.testing.assert_array_equal(scanned[last], _bits(fn(x, w=stack[last])))
     for group in range(GROUPS):
+        assert_close("row_matmul", scanned[group].view(np.float32), reference.matmul(x, stack[group]), dtype, "matmul")
+    _bits_unchecked_here(impl, dtype)
+    for group in range(GROUPS):
         expected = reference.row_matmul(x, stack[group])
-        if impl == "mosaic_gpu":  # its products are WGMMAs (here numpy's), not XLA's dots
-            assert_close("row_matmul", scanned[group].view(np.float32), expected, dtype, "matmul")
-        else:
+        if impl != "mosaic_gpu":  # its products are WGMMAs (here numpy's), not XLA's dots: only close (above)
             np.testing.assert_array_equal(scanned[group], _bits(expected))
 
 
@@ -260,7 +278,7 @@ def test_a_kernels_config_changes_no_bit(family, configs):
 def test_other_tiles_are_another_rounding_and_still_invariant():
     """The tiles are the op's meaning: other tiles may round differently, and keep a row's bits at any row count."""
     x, w = matmul_inputs(20, 1000, 96, F32)
-    tiles = RowTiles(rows=8, depth=256)
+    tiles = RowTiles(rows=48, depth=256)  # rows a multiple of every CPU dot unroll seen (6, 8: docs/numerics.md)
     fn = functools.partial(_reference, w=w, tiles=tiles)
     _assert_rows_alone_equal_rows_together(fn, x, (1, 7, 8, 9, 20), (0, 6, 8, 19))
     assert_close("row_matmul", fn(x), reference.matmul(x, w), F32, "matmul")
