@@ -1,7 +1,8 @@
 """What batch invariance costs: decode and verify steps, and whole generation, with it off and on, in one run.
 
-``batch_invariant=True`` (``ready_jax.numerics``) runs a verify block's matmuls one block position at a time
-(a prompt's on rows padded to a multiple of 8), attention over fixed chunks of key slots, the Gated DeltaNet
+``batch_invariant=True`` (``ready_jax.numerics``) runs a decode step's and a verify block's matmuls on fixed row
+tiles (on a CPU over column blocks of the weight; a prompt's on larger tiles: ``ready_jax.rows``), attention over
+fixed chunks of key slots, the Gated DeltaNet
 recurrence one token per loop iteration, and compiles without the CPU's YNNPACK fusion and without excess
 precision, so that greedy speculative output equals autoregressive output bit for bit. This times, interleaved
 so that load drifts hit both alike (medians; compile apart):
