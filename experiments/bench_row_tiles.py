@@ -63,8 +63,8 @@ INVARIANCE_SHAPES = "256x1,256x2,256x4,768x256,5120x48,2048x32,2048x1000"
 INVARIANCE_ROWS = ",".join(map(str, [*range(1, 65), 128, 512, 1100]))
 
 
-def _tiles(x: jax.Array, tile: int | None = None) -> jax.Array:
-    m, tile = x.shape[0], tile or row_tile()
+def _tiles(x: jax.Array) -> jax.Array:
+    m, tile = x.shape[0], row_tile()
     return jnp.pad(x, ((0, round_up(m, tile) - m), (0, 0))).reshape(-1, tile, x.shape[1])
 
 
