@@ -34,7 +34,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import ready_jax as rj
-from ready_jax import cli, provenance, repository
+from ready_jax import cli, provenance, repository, rows
 from ready_jax.progress import Progress
 
 from .common import load_drafter_dir, shown, write_json
@@ -129,11 +129,13 @@ LOOP_EFFICIENCY = ("results", "loop_efficiency_cpu.json")  # experiments.loop_ef
 
 def speed_note() -> str:
     """Why the batch's speed ratios sit below 1 on a CPU, with the perfect drafter's measured speedup."""
+    tile = rows.row_tile()
+    tiles = -(-8 // tile)
     note = ("At a batch of many sequences the zoo's tiny target is compute-bound on this CPU: a verify pass computes "
             "block + 1 times a decode step's rows, so a verified token costs nearly as much as a decoded one and "
-            "speculation loses. At batch 1 a block of up to 8 positions fills one 8-row tile, as a decode step "
-            "does, and a drafter that is right often enough wins (the batch-1 table). Speculation pays where "
-            "decode is bandwidth-bound.")
+            f"speculation loses. At batch 1 a block of up to 8 positions fills {tiles} {tile}-row "
+            f"tile{'s' if tiles > 1 else ''} against a decode step's one, and a drafter that is right often enough "
+            "wins (the batch-1 table). Speculation pays where decode is bandwidth-bound.")
     path = Path(repository.path(*LOOP_EFFICIENCY))
     if path.exists():
         perfect = json.loads(path.read_text())["preset"]["generation"]["scripted_error_0"]
