@@ -30,6 +30,7 @@ MHA, GQA = (2, 2), (2, 4)  # (H_k, H_v): one value head per key head, two
 GENERATIONS = tuple(tpu_common.DEFAULT_SCOPED_VMEM)  # the TPU generations whose VMEM budgets the kernels check
 interpret = pytest.mark.interpret
 slow = pytest.mark.slow
+heavy = pytest.mark.heavy
 
 # Max error relative to the largest reference magnitude, per check and per dtype of the compared tensor.
 # "xla": the reference forms against the naive oracle (fp32 errors observed <= ~5e-7); their bf16 outputs round

@@ -51,6 +51,7 @@ def _run(max_programs: int, calls: int, exact_lengths: int) -> tuple[list[list[i
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_hundred_lengths_compile_a_few_programs():
     """200 calls with max_new_tokens 1..200 (every value), prompt lengths 1..48, AR and speculative: the
     default buckets compile 2 programs per bucket of max_new_tokens (16 of them up to 200), not 200."""
@@ -189,6 +190,7 @@ def test_the_zoo_over_many_widths_and_drafters_stays_within_a_map_budget(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @needs_proc
 def test_a_thousand_varied_calls_stay_flat_in_maps(tmp_path):
     """1,000 generate calls of varied batch, prompts, token counts, drafters, temperatures and seeds in one

@@ -138,6 +138,7 @@ def test_data_parallel_training_across_processes_equals_single_process(runs):
           f"vs {reference_losses}")
 
 
+@pytest.mark.heavy
 def test_command_line_training_across_processes_matches_one_device_and_resumes(tmp_path):
     """``train_drafter --mesh 2x4 --coordinator ...`` in two processes of 4 devices (the data axis across them),
     stopped at step 2 and run again: the losses process 0 logs are the one-device run's, each process claimed the

@@ -8,7 +8,7 @@ and the deviceless TPU compile, tiny and at Qwen3.5-27B's decode shapes. The imp
 shares: tests/test_kernel_contract.py.
 
 Shapes are off every block grid (K and N multiples of neither 128 nor the kernels' blocks) and row counts cross the
-16-row tile; the sweep over 1-64 rows is ``slow`` (an interpreter compiles a program per row count).
+16-row tile; the sweep over 1-64 rows is ``heavy`` (an interpreter compiles a program per row count).
 """
 
 import functools
@@ -23,6 +23,7 @@ from kernel_cases import (
     F32,
     S,
     assert_close,
+    heavy,
     interpret,
     interpreted,
     lowers_for_h200,
@@ -107,7 +108,7 @@ def _case_params(rows, marks=()):
 
 
 @pytest.mark.parametrize("impl,k,n,dtype,rows", _case_params(FEW_ROWS) + [
-    pytest.param(*p.values, id=f"{p.id}-sweep", marks=[slow, *p.marks]) for p in _case_params(ALL_ROWS)])
+    pytest.param(*p.values, id=f"{p.id}-sweep", marks=[slow, heavy, *p.marks]) for p in _case_params(ALL_ROWS)])
 def test_a_row_rounds_alike_at_any_row_count(impl, k, n, dtype, rows):
     row_counts, alone_rows = rows
     x, w = matmul_inputs(max(row_counts), k, n, dtype, seed=k + n)

@@ -57,6 +57,7 @@ def report():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_mesh_run_equals_single_device_run(report):
     """2 x 4 mesh: the target and drafter split over ``model``, the sequences over ``data``; AdamW, drawn anchors."""
     assert report["devices"] == 8 and report["drafter_split"] and report["target_split"]
@@ -65,18 +66,21 @@ def test_mesh_run_equals_single_device_run(report):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_accumulated_micro_batches_equal_the_whole_batch(report):
     np.testing.assert_allclose(report["accumulated"]["loss"], report["mesh"]["loss"], rtol=1e-4)
     np.testing.assert_allclose(report["accumulated"]["grad_norm"], report["mesh"]["grad_norm"], rtol=1e-3)
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_interrupted_mesh_run_resumes_exactly(report):
     assert report["resumed"]["loss"] == report["mesh"]["loss"]
     assert report["resumed"]["val_loss"] == report["mesh"]["val_loss"]
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_command_line_mesh_run_on_conversations_matches_one_device_and_resumes_exactly(report):
     """``train_drafter --variant ready --data ... --chat-template PATH --mesh 2x4``: the target answers the
     conversations on the mesh as on one device, the losses are the single-device run's, and a run stopped at step 2

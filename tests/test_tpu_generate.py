@@ -103,7 +103,8 @@ def test_generate_with_the_tpu_kernels_equals_xla(shape, drafter, rollback):
 
 
 @SLOW
-@pytest.mark.parametrize("drafter, rollback", [("ready", "checkpoint"), ("scripted", "replay")])
+@pytest.mark.parametrize("drafter, rollback", [pytest.param("ready", "checkpoint", marks=pytest.mark.heavy),
+                                               ("scripted", "replay")])
 def test_greedy_speculation_with_the_tpu_kernels_equals_ar_in_bf16(drafter, rollback):
     """In bfloat16 the kernels' speculative tokens are their own AR tokens (batch-invariant steps:
     docs/numerics.md); the XLA path's tokens may differ from theirs by rounding, so they are not compared."""
