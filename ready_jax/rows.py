@@ -9,7 +9,7 @@ depend on neither how many rows share the step nor what the other rows hold, and
   (``StepOptions.column_blocks``) a decode step's or verify block's matmuls run over **column blocks** of the weight
   (:func:`blocked_matmul`): the step's ``B x T`` rows padded to whole tiles of :func:`row_tile` rows, and for each
   block of about :data:`WEIGHT_BLOCK_BYTES` of the float32 weight, one ``[tile, K] @ [K, nb]`` dot per tile while the
-  block is in cache, so the weight is read once per :data:`TILE_GROUP` tiles. The block layout
+  block is in cache, so the weight is read once per :func:`tiles_per_pass` tiles. The block layout
   (:class:`ColumnBlocks`) is made once per generation program, before its loop
   (``target_model.with_column_blocks``). Elsewhere, and for a prompt, the row-wise functions run whole on tiles of
   :func:`row_tile` (a decode step's or verify block's ``B x T`` rows) or :func:`prompt_tile` rows (a prompt's),
@@ -53,9 +53,10 @@ ROW_TILE_CANDIDATES = (8, 6, 12, 4, 16, 24, 10, 14)
 PROBED_MULTIPLES = (1, 2, 3, 4, 8)
 PROMPT_TILES = 8
 # blocked_matmul: float32 bytes of one column block of a weight, which stays in the cache while every row tile is
-# multiplied against it; and row tiles per pass over the weight (more tiles take further passes).
+# multiplied against it; and rows per pass over the weight, in whole tiles (more rows take further passes): a verify
+# block of 8 positions at batch 16 is one pass, whatever the tile.
 WEIGHT_BLOCK_BYTES = 4 * 2**20
-TILE_GROUP = 16
+PASS_ROWS = 128
 
 
 @functools.cache
@@ -74,6 +75,11 @@ def row_tile() -> int:
     warnings.warn(f"no row tile of {ROW_TILE_CANDIDATES} has every row of this CPU's dots round alike: the "
                   f"batch-invariant mode cannot promise a row's result independent of its batch here", stacklevel=2)
     return ROW_TILE_CANDIDATES[0]
+
+
+def tiles_per_pass() -> int:
+    """Row tiles :func:`blocked_matmul` multiplies in one pass over a weight: enough for :data:`PASS_ROWS` rows."""
+    return -(-PASS_ROWS // row_tile())
 
 
 def prompt_tile() -> int:
@@ -148,23 +154,23 @@ def tiles_times(tiles_gtk: jax.Array, block_kn: jax.Array) -> jax.Array:
 
 def over_tile_groups(pass_over_weight: Callable[[jax.Array], jax.Array], x_mk: jax.Array, n: int) -> jax.Array:
     """``pass_over_weight`` ([g, tile, K] -> [g, tile, >= n] float32) over x's rows padded to whole tiles, at
-    most :data:`TILE_GROUP` tiles per pass; the first n columns of the first M rows, in x's dtype."""
+    most :func:`tiles_per_pass` tiles per pass; the first n columns of the first M rows, in x's dtype."""
     m, k = x_mk.shape
-    tile = row_tile()
+    tile, per_pass = row_tile(), tiles_per_pass()
     tiles = jnp.pad(x_mk, [(0, round_up(m, tile) - m), (0, 0)]).astype(jnp.float32).reshape(-1, tile, k)
     t = tiles.shape[0]
-    if t <= TILE_GROUP:
+    if t <= per_pass:
         y = pass_over_weight(tiles)
     else:
-        groups = -(-t // TILE_GROUP)
-        grouped = jnp.pad(tiles, [(0, groups * TILE_GROUP - t), (0, 0), (0, 0)]).reshape(groups, TILE_GROUP, tile, k)
+        passes = -(-t // per_pass)
+        grouped = jnp.pad(tiles, [(0, passes * per_pass - t), (0, 0), (0, 0)]).reshape(passes, per_pass, tile, k)
         y = jax.lax.map(pass_over_weight, grouped)
     return y.reshape(-1, y.shape[-1])[:m, :n].astype(x_mk.dtype)
 
 
 def blocked_matmul(x_mk: jax.Array, w: ColumnBlocks) -> jax.Array:
     """``x_mk [M, K] @ w [K, N] -> [M, N]`` in x's dtype (float32 products and sums), each row's result independent
-    of M and of the other rows, while each weight is read from memory once per :data:`TILE_GROUP` row tiles.
+    of M and of the other rows, while each weight is read from memory once per :func:`tiles_per_pass` row tiles.
 
     Every product is one ``[row_tile(), K] @ [K, nb]`` dot of a fixed shape whatever M (x padded with zero rows to
     whole tiles), so the CPU's dot kernels pick the same kernel, blocking and threads for a row at any M. A loop

@@ -16,7 +16,7 @@ import pytest
 import ready_jax as rj
 from experiments.row_constructions import tiled_matmul
 from ready_jax import rows as rows_lib
-from ready_jax.rows import TILE_GROUP, ColumnBlocks, blocked_matmul, column_block_width, row_tile
+from ready_jax.rows import ColumnBlocks, blocked_matmul, column_block_width, row_tile, tiles_per_pass
 
 OPTIONS = rj.numerics.CPU_COMPILER_OPTIONS
 # (K, N): one column (a dot XLA rewrites as a multiply and a sum), tiny N (one block, narrower than a tile's SIMD
@@ -24,7 +24,7 @@ OPTIONS = rj.numerics.CPU_COMPILER_OPTIONS
 # several column blocks with the last one padded
 SHAPES = [(256, 1), (256, 2), (256, 3), (256, 4), (768, 256), (5120, 48), (2048, 32), (2048, 1000)]
 ROW_TILE = row_tile()  # this machine's (probed once per process)
-COUNTS = (1, 3, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE, 71, TILE_GROUP * ROW_TILE + 1, 1100)
+COUNTS = (1, 3, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE, 71, tiles_per_pass() * ROW_TILE + 1, 1100)
 
 
 def _program():
@@ -76,6 +76,23 @@ def test_blocked_matmul_multiplies_only_fixed_shape_tiles():
     dots = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} dot\(", hlo)
     assert len(dots) == m // ROW_TILE, hlo  # one per tile, in the loop over column blocks
     assert {shape for _, shape in dots} == {f"{ROW_TILE},{nb}"}, dots
+
+
+@pytest.mark.parametrize("tile", [4, 6, 8, 12])
+def test_a_verify_block_at_batch_16_is_one_pass_over_the_weight_at_any_tile(monkeypatch, tile):
+    """16 rows of 8 positions (rows.PASS_ROWS) run in one loop over the column blocks, whatever the row tile; one
+    row past the pass's whole tiles takes a second pass, a loop over passes around it, each of whole tiles."""
+    monkeypatch.setattr(rows_lib, "row_tile", lambda: tile)
+    w = ColumnBlocks.of(jnp.zeros((64, 300), jnp.float32))
+
+    def loops_and_dots(m):
+        traced_anew = lambda x: blocked_matmul(x, w)  # noqa: E731 (jax caches a trace by its function)
+        jaxpr = str(jax.make_jaxpr(traced_anew)(jnp.zeros((m, 64), jnp.float32)))
+        return jaxpr.count("scan["), jaxpr.count("dot_general[")
+
+    per_pass = -(-rows_lib.PASS_ROWS // tile)
+    assert loops_and_dots(rows_lib.PASS_ROWS) == (1, per_pass)
+    assert loops_and_dots(per_pass * tile + 1) == (2, per_pass)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
