@@ -262,8 +262,8 @@ def _five_sigma(dof: int) -> float:
 @pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(small_vocab, monkeypatch):
     """8,000 samples of 3 tokens, AR and speculative, against the exact joint distribution. The steps run as the
-    rows come (``batch_invariant=False``): the rule under test is the same in both modes, and the invariant mode's
-    fixed row tiles make a batch of 8,000 tiny rows about 20x slower on a CPU."""
+    rows come (``batch_invariant=False``): the rule under test is the same in both modes, and the invariant mode
+    costs a batch of thousands of tiny rows far more on a CPU (docs/numerics.md, "Many tiny rows")."""
     target, drafter, prompt = small_vocab
     exact = _exact_joint(target, prompt)
     prompts = np.tile(prompt, (SAMPLES, 1))
